@@ -1,0 +1,120 @@
+"""The command-line face of colibri: `colibri <command>` and `colibri-convert`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+from colibri import __version__
+
+# Errors that are the user's input, not our bug: one line, no traceback (unless --debug).
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from convert.arch import ConfigError
+    from convert.hf_to_colibri import ConvertError
+    from formats.checkpoint import CheckpointError
+    from formats.encodings import EncodingError
+    from formats.layout import FormatError
+
+    return ConfigError, ConvertError, CheckpointError, EncodingError, FormatError
+
+
+def _override(text: str) -> tuple[str, str]:
+    from formats.recipe import parse_override
+
+    try:
+        return parse_override(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_convert_arguments(p: argparse.ArgumentParser) -> None:
+    from formats.recipe import RECIPES
+
+    p.add_argument("src", metavar="SRC", help="checkpoint folder (config.json + safetensors), or a Hugging Face repo id")
+    p.add_argument("out", metavar="OUT", help="output folder; an unfinished conversion there is resumed")
+    p.add_argument("--quant", default="Q4_K_M", choices=RECIPES, type=str.upper,
+                   help="quantization recipe (default: %(default)s, llama.cpp's per-tensor choices)")
+    p.add_argument("--override", action="append", default=[], type=_override, metavar="REGEX=TYPE",
+                   help="force TYPE for tensors whose canonical name matches REGEX (first match wins; repeatable)")
+    p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
+                   help="processes converting layers in parallel, ~0.3-0.6 GB of RAM each (default: %(default)s)")
+    p.add_argument("--revision", help="hub revision (branch, tag or commit) when SRC is a repo id (default: main)")
+    p.add_argument("--force", action="store_true", help="replace a different conversion already in OUT")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from convert.hf_to_colibri import ConvertOptions, convert, format_summary
+
+    options = ConvertOptions(
+        quant=args.quant, overrides=args.override, workers=max(1, args.workers), force=args.force,
+        revision=args.revision, progress=not args.no_progress and not args.json,
+    )
+    summary = convert(args.src, args.out, options)
+    print(json.dumps(summary, indent=1) if args.json else format_summary(summary, args.out))
+    return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from convert.hf_to_colibri import ConvertOptions, convert, format_summary
+    from convert.synthetic import write_checkpoint
+
+    source = os.path.join(args.dir, "source")
+    out = os.path.join(args.dir, "model")
+    print(f"building a tiny {args.arch} checkpoint in {source}", flush=True)
+    write_checkpoint(source, args.arch)
+    summary = convert(source, out, ConvertOptions(quant="Q4_K_M", force=True, progress=False))
+    print(format_summary(summary, out))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="colibri", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"colibri {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    convert = commands.add_parser("convert", help="convert a Hugging Face checkpoint to the colibri layout",
+                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_convert_arguments(convert)
+    convert.set_defaults(run=run_convert)
+
+    demo = commands.add_parser("demo", help="build a tiny built-in model and convert it (Q4_K_M)")
+    demo.add_argument("--dir", default="demo-out", help="working folder (default: %(default)s)")
+    demo.add_argument("--arch", default="qwen3_moe", help="architecture of the tiny model (default: %(default)s)")
+    demo.set_defaults(run=run_demo)
+    return parser
+
+
+def _dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except _user_errors() as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    return _dispatch(build_parser(), argv)
+
+
+def convert_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="colibri-convert", description="Convert a Hugging Face MoE checkpoint to the colibri layout.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    add_convert_arguments(parser)
+    parser.set_defaults(run=run_convert)
+    return _dispatch(parser, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""colibri-convert: Hugging Face (and later GGUF) checkpoints → the colibri layout."""

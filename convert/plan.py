@@ -1,0 +1,119 @@
+"""Check a checkpoint against what its config implies, and list the work of converting it.
+
+Everything a conversion could trip on later — a missing, unexpected or misshapen
+tensor, a non-float weight, an FP8 weight without its scale — is found here, before
+a single byte of output is written.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from convert.arch import Adapter, adapter_for
+from convert.arch.base import EXPERT_MATRICES, ExpertNames
+from formats.checkpoint import FLOAT_DTYPES, Checkpoint, CheckpointError
+from formats.model_config import ModelConfig
+
+IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+@dataclass(frozen=True)
+class ResidentTensor:
+    name: str  # canonical (gguf) name
+    source: str  # Hugging Face name
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ExpertLayerSource:
+    layer: int
+    count: int
+    shapes: dict[str, tuple[int, int]]  # gate/up/down → (rows, row length)
+    names: ExpertNames
+    fused: bool  # gate_up_proj [E, 2I, D] + down_proj [E, D, I] instead of per-expert tensors
+
+    @property
+    def canonical(self) -> dict[str, str]:
+        return {m: f"blk.{self.layer}.ffn_{m}_exps.weight" for m in EXPERT_MATRICES}
+
+
+@dataclass
+class ConversionPlan:
+    config: ModelConfig
+    resident: list[ResidentTensor]
+    expert_layers: list[ExpertLayerSource]
+    skipped: list[str]  # tensors deliberately left out (multi-token prediction layers)
+
+
+def expected_expert_tensors(src: ExpertLayerSource) -> dict[str, tuple]:
+    shapes, count = src.shapes, src.count
+    if src.fused:
+        gate_up, down = src.names.fused_names
+        return {gate_up: (count, 2 * shapes["gate"][0], shapes["gate"][1]), down: (count, *shapes["down"])}
+    tensors = {}
+    for e in range(count):
+        for matrix, name in zip(EXPERT_MATRICES, src.names.per_expert_names(e)):
+            tensors[name] = shapes[matrix]
+    return tensors
+
+
+def make_plan(checkpoint: Checkpoint, adapter: Adapter | None = None) -> ConversionPlan:
+    """Validate `checkpoint` against its config.json and return the conversion plan."""
+    adapter = adapter or adapter_for(checkpoint.config)
+    config = adapter.normalize(checkpoint.config)
+    present = dict(checkpoint.tensors)
+    skipped = sorted(n for n in present if _is_mtp(n, config.n_layers) or IGNORED.search(n))
+    for name in skipped:
+        present.pop(name)
+    scales = {n for n in present if n.endswith(".weight_scale_inv")}
+    for name in scales:
+        weight = name.removesuffix("_scale_inv")
+        if weight not in present or present[weight].dtype != "F8_E4M3":
+            raise CheckpointError(f"{present[name].file.name}: {name} scales no FP8 weight {weight}")
+        present.pop(name)
+
+    expected: dict[str, tuple] = dict(adapter.global_tensors(config))
+    for layer in range(config.n_layers):
+        expected.update(adapter.layer_tensors(config, layer))
+    expert_layers = []
+    for layer in config.moe_layers:
+        names = adapter.experts(layer)
+        src = ExpertLayerSource(layer, config.n_experts, adapter.expert_shapes(config), names, names.fused_names[0] in present)
+        expected.update(expected_expert_tensors(src))
+        expert_layers.append(src)
+
+    _compare(present, expected, config.architecture)
+    resident = []
+    expert_tensor_names = {n for src in expert_layers for n in expected_expert_tensors(src)}
+    for name, shape in expected.items():
+        if name in expert_tensor_names:
+            continue
+        canonical = adapter.canonical_name(name, config.n_layers)
+        if canonical is None:
+            raise CheckpointError(f"{name}: no canonical gguf name for this {config.architecture} tensor")
+        resident.append(ResidentTensor(canonical, name, shape))
+    return ConversionPlan(config, resident, expert_layers, skipped)
+
+
+def _is_mtp(name: str, n_layers: int) -> bool:
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return bool(match) and int(match.group(1)) >= n_layers
+
+
+def _compare(present: dict, expected: dict[str, tuple], architecture: str) -> None:
+    missing = [n for n in expected if n not in present]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint lacks tensor {missing[0]}{more}, which config.json implies")
+    unexpected = [n for n in present if n not in expected]
+    if unexpected:
+        entry = present[unexpected[0]]
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise CheckpointError(f"{entry.file.name}: unexpected tensor {entry.name}{more} for {architecture} as config.json describes it")
+    for name, shape in expected.items():
+        entry = present[name]
+        if entry.shape != tuple(shape):
+            raise CheckpointError(f"{entry.file.name}: tensor {name} has shape {list(entry.shape)}, config.json implies {list(shape)}")
+        if entry.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{entry.file.name}: tensor {name} has dtype {entry.dtype}, expected a float type")

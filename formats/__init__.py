@@ -1,0 +1,1 @@
+"""The colibri on-disk layout: encodings, manifest, reader and writer (see spec.md)."""

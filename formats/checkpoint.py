@@ -1,0 +1,222 @@
+"""Reading a Hugging Face checkpoint folder (config + sharded safetensors) lazily.
+
+The index file is the truth about which shard holds which tensor. Headers are parsed
+by hand (8-byte little-endian length, JSON) so that every inconsistency — a missing
+or truncated shard, overlapping tensors, a size that contradicts dtype × shape — is
+reported with the file's name before anything is converted. Tensors are read with
+`pread` into fresh buffers (never a whole-file mmap) so memory stays bounded, and
+decoded to float32 here, FP8 e4m3 with 128×128 block scales included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+# safetensors dtype → bytes per element
+DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+}
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F8_E4M3")
+FP8_BLOCK = 128
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be read as it is; the message names the file."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in `file`
+    nbytes: int
+
+
+def _e4m3_table() -> np.ndarray:
+    """float32 value of every e4m3fn byte (bias 7, no infinities, 0x7F/0xFF are NaN)."""
+    codes = np.arange(256, dtype=np.uint32)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent = (codes >> 3) & 0xF
+    mantissa = (codes & 0x7).astype(np.float64)
+    normal = (1 + mantissa / 8) * np.exp2(exponent.astype(np.float64) - 7)
+    subnormal = mantissa / 8 * 2.0**-6
+    values = sign * np.where(exponent == 0, subnormal, normal)
+    values[(codes & 0x7F) == 0x7F] = np.nan
+    return values.astype(np.float32)
+
+
+E4M3_TO_F32 = _e4m3_table()
+
+
+def read_header(path: Path) -> dict[str, TensorEntry]:
+    """Parse and sanity-check one safetensors file's header."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path.name}: truncated (only {size} bytes, no safetensors header)")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+            raise CheckpointError(f"{path.name}: header declares {header_len} bytes but the file has {size} bytes")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path.name}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path.name}: header is not a JSON object")
+    base = 8 + header_len
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path.name}: malformed header entry for tensor {name}") from None
+        if dtype not in DTYPE_BYTES:
+            raise CheckpointError(f"{path.name}: tensor {name} has unsupported dtype {dtype}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPE_BYTES[dtype]
+        if not (0 <= start <= end) or end - start != nbytes:
+            raise CheckpointError(
+                f"{path.name}: tensor {name} spans bytes {start}..{end}, but {dtype} {list(shape)} needs {nbytes}"
+            )
+        entries[name] = TensorEntry(name, path, dtype, shape, base + start, nbytes)
+    spans = sorted((e.offset, e.offset + e.nbytes, e.name) for e in entries.values())
+    for (_, end_a, name_a), (start_b, _, name_b) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            raise CheckpointError(f"{path.name}: tensors {name_a} and {name_b} overlap")
+    expected = max((end for _, end, _ in spans), default=base)
+    if size < expected:
+        raise CheckpointError(f"{path.name}: truncated: header declares {expected} bytes, file has {size}")
+    return entries
+
+
+def shard_names(directory: Path) -> list[str]:
+    """The shard files the checkpoint consists of, according to its index."""
+    directory = Path(directory)
+    index_path = directory / INDEX_NAME
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path.name}: not a valid safetensors index ({e})") from None
+        return sorted(set(weight_map.values()))
+    if (directory / SINGLE_NAME).is_file():
+        return [SINGLE_NAME]
+    pickles = sorted(p.name for pattern in PICKLE_PATTERNS for p in directory.glob(pattern))
+    if pickles:
+        raise CheckpointError(
+            f"{directory}: only pickle weights ({', '.join(pickles[:3])}); refused, pickles are never loaded — "
+            "use a safetensors copy of the model"
+        )
+    raise CheckpointError(f"{directory}: no {INDEX_NAME} or {SINGLE_NAME}")
+
+
+class Checkpoint:
+    """A local Hugging Face checkpoint folder, opened lazily."""
+
+    def __init__(self, directory):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory}: no such folder")
+        config_path = self.directory / "config.json"
+        if not config_path.is_file():
+            raise CheckpointError(f"{config_path}: missing (every Hugging Face checkpoint has one)")
+        try:
+            self.config = json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
+        self.shards = shard_names(self.directory)
+        missing = [s for s in self.shards if not (self.directory / s).is_file()]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise CheckpointError(f"{self.directory}: shard {missing[0]} named in {INDEX_NAME} is missing{more}")
+        self.tensors: dict[str, TensorEntry] = {}
+        for shard in self.shards:
+            for name, entry in read_header(self.directory / shard).items():
+                if name in self.tensors:
+                    raise CheckpointError(f"{shard}: tensor {name} also appears in {self.tensors[name].file.name}")
+                self.tensors[name] = entry
+        self._check_index()
+        self._fds: dict[Path, int] = {}
+
+    def _check_index(self) -> None:
+        index_path = self.directory / INDEX_NAME
+        if not index_path.is_file():
+            return
+        for name, shard in json.loads(index_path.read_text())["weight_map"].items():
+            entry = self.tensors.get(name)
+            if entry is None or entry.file.name != shard:
+                raise CheckpointError(f"{shard}: does not contain tensor {name}, which {INDEX_NAME} places there")
+
+    def source_bytes(self) -> int:
+        return sum(e.nbytes for e in self.tensors.values())
+
+    def _fd(self, path: Path) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def read_raw(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
+        """Bytes of `name[first:first+count]` (slicing the first axis), as a uint8 array."""
+        entry = self.tensors[name]
+        rows = entry.shape[0] if entry.shape else 1
+        count = rows - first if count is None else count
+        row_bytes = entry.nbytes // rows if rows else 0
+        nbytes = count * row_bytes
+        buffer = np.empty(nbytes, dtype=np.uint8)
+        got = os.preadv(self._fd(entry.file), [buffer], entry.offset + first * row_bytes)
+        if got != nbytes:
+            raise CheckpointError(f"{entry.file.name}: short read of tensor {name} ({got} of {nbytes} bytes)")
+        return buffer
+
+    def read(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
+        """`name[first:first+count]` decoded to float32 (FP8 weights scaled by their `_scale_inv`)."""
+        entry = self.tensors[name]
+        if entry.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{entry.file.name}: tensor {name} has dtype {entry.dtype}, not a float type")
+        count = (entry.shape[0] if entry.shape else 1) - first if count is None else count
+        raw = self.read_raw(name, first, count)
+        shape = (count, *entry.shape[1:]) if entry.shape else ()
+        if entry.dtype == "F32":
+            return raw.view("<f4").reshape(shape)
+        if entry.dtype == "F16":
+            return raw.view("<f2").astype(np.float32).reshape(shape)
+        if entry.dtype == "BF16":
+            return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
+        return self._dequantize_fp8(name, E4M3_TO_F32[raw].reshape(shape), first)
+
+    def _dequantize_fp8(self, name: str, values: np.ndarray, first: int) -> np.ndarray:
+        scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
+        if values.ndim != 2 or scale_name not in self.tensors:
+            raise CheckpointError(f"{self.tensors[name].file.name}: FP8 tensor {name} has no 2-D block scale {scale_name}")
+        if first % FP8_BLOCK:
+            raise ValueError(f"FP8 tensors are read in whole {FP8_BLOCK}-row blocks, not from row {first}")
+        rows, cols = values.shape
+        scales = self.read(scale_name)
+        expected = (-(-self.tensors[name].shape[0] // FP8_BLOCK), -(-cols // FP8_BLOCK))
+        if scales.shape != expected:
+            raise CheckpointError(f"{self.tensors[scale_name].file.name}: {scale_name} has shape {list(scales.shape)}, expected {list(expected)}")
+        block_rows = scales[first // FP8_BLOCK : first // FP8_BLOCK + -(-rows // FP8_BLOCK)]
+        full = np.repeat(np.repeat(block_rows, FP8_BLOCK, axis=0)[:rows], FP8_BLOCK, axis=1)[:, :cols]
+        return values * full

@@ -1,0 +1,57 @@
+"""Tensor encodings of the colibri layout: GGML's block types, byte for byte.
+
+The sizes come from the `gguf` package (the reference for GGML's block layouts), so
+this table and a GGUF file can never disagree. The byte layout of each block is
+written out in `formats/spec.md`; quantizers live in `convert/`, kernels in `runtime/`.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+ENCODINGS = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+# Float encodings that numpy can view directly (BF16 is read as uint16 and widened).
+FLOAT_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+
+
+class EncodingError(ValueError):
+    """An encoding name or a row length that the layout cannot represent."""
+
+
+def ggml_type(encoding: str) -> gguf.GGMLQuantizationType:
+    """The GGML type with the same blocks as `encoding`."""
+    if encoding not in ENCODINGS:
+        raise EncodingError(f"unknown encoding {encoding!r} (known: {', '.join(ENCODINGS)})")
+    return gguf.GGMLQuantizationType[encoding]
+
+
+def block_size(encoding: str) -> tuple[int, int]:
+    """(weights per block, bytes per block) of `encoding`."""
+    return gguf.GGML_QUANT_SIZES[ggml_type(encoding)]
+
+
+def fits(encoding: str, row_length: int) -> bool:
+    """Whether rows of `row_length` weights are a whole number of blocks."""
+    return row_length % block_size(encoding)[0] == 0
+
+
+def row_bytes(encoding: str, row_length: int) -> int:
+    """Bytes of one row of `row_length` weights."""
+    weights, nbytes = block_size(encoding)
+    if row_length % weights:
+        raise EncodingError(f"{encoding} needs rows that are a multiple of {weights} weights, got {row_length}")
+    return row_length // weights * nbytes
+
+
+def tensor_bytes(encoding: str, shape) -> int:
+    """Bytes of a row-major tensor of `shape` (last dimension innermost)."""
+    shape = tuple(int(d) for d in shape)
+    rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+    return rows * row_bytes(encoding, shape[-1])
+
+
+def bits_per_weight(encoding: str) -> float:
+    weights, nbytes = block_size(encoding)
+    return 8.0 * nbytes / weights

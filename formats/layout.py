@@ -1,0 +1,247 @@
+"""Reader and writer of the colibri layout (a directory; see `formats/spec.md`).
+
+Everything that touches the on-disk layout goes through this module: the manifest
+(validated against `manifest.schema.json`), aligned tensor files written atomically,
+and a memory-mapped reader that locates every tensor and every expert.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+
+from formats.encodings import tensor_bytes
+from formats.model_config import ModelConfig
+
+FORMAT_NAME = "colibri"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "colibri.json"
+RESIDENT_FILE = "resident.bin"
+TENSOR_ALIGN = 64
+EXPERT_ALIGN = 4096
+EXPERT_MATRICES = ("gate", "up", "down")
+SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
+
+
+class FormatError(Exception):
+    """A layout that a reader must refuse; the message is one line naming the file."""
+
+
+def align_up(offset: int, alignment: int) -> int:
+    return -(-offset // alignment) * alignment
+
+
+def expert_file_name(layer: int) -> str:
+    return f"experts/blk.{layer:03d}.bin"
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temp file, fsync and rename: all or nothing."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+class AlignedFileWriter:
+    """Writes blobs at aligned offsets to `<path>.partial`; `commit` makes it `path`.
+
+    `start(alignment)` zero-pads to the next aligned offset and returns it; `write`
+    appends bytes there. Nothing appears under `path` until `commit`.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(self.path.name + ".partial")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.tmp, "wb")
+        self.size = 0
+
+    def start(self, alignment: int) -> int:
+        self.pad_to(alignment)
+        return self.size
+
+    def write(self, data) -> None:
+        view = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) else memoryview(data)
+        self.file.write(view)
+        self.size += view.nbytes
+
+    def pad_to(self, alignment: int) -> None:
+        end = align_up(self.size, alignment)
+        if end > self.size:
+            self.file.write(b"\0" * (end - self.size))
+            self.size = end
+
+    def commit(self) -> int:
+        """fsync, rename into place; returns the file size."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        fsync_dir(self.path.parent)
+        return self.size
+
+    def abort(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+@cache
+def manifest_schema() -> dict:
+    return json.loads(SCHEMA_PATH.read_text())
+
+
+def validate_manifest(manifest: dict, where: str = MANIFEST_NAME) -> None:
+    """Refuse a manifest that breaks the schema, the format version, or its own sizes."""
+    try:
+        jsonschema.validate(manifest, manifest_schema())
+    except jsonschema.ValidationError as e:
+        path = "/".join(str(p) for p in e.absolute_path) or "(top level)"
+        raise FormatError(f"{where}: invalid manifest at {path}: {e.message}") from None
+    if manifest["format_version"] > FORMAT_VERSION:
+        raise FormatError(
+            f"{where}: format version {manifest['format_version']} is newer than this reader's "
+            f"({FORMAT_VERSION}); upgrade colibri"
+        )
+    for name, t in manifest["tensors"].items():
+        expected = tensor_bytes(t["encoding"], t["shape"])
+        if t["nbytes"] != expected:
+            raise FormatError(f"{where}: tensor {name} has {t['nbytes']} bytes, {t['encoding']} {t['shape']} needs {expected}")
+    for layer in manifest["expert_layers"]:
+        offset = 0
+        for m in EXPERT_MATRICES:
+            mat = layer["matrices"][m]
+            if mat["offset"] != offset or mat["nbytes"] != tensor_bytes(mat["encoding"], mat["shape"]):
+                raise FormatError(f"{where}: layer {layer['layer']} expert matrix {m} has an inconsistent offset or size")
+            offset += mat["nbytes"]
+        if layer["expert_bytes"] != offset or layer["stride"] < offset or layer["stride"] % EXPERT_ALIGN:
+            raise FormatError(f"{where}: layer {layer['layer']} expert stride/size is inconsistent")
+        if len(layer["sha256"]) != layer["count"]:
+            raise FormatError(f"{where}: layer {layer['layer']} lists {len(layer['sha256'])} checksums for {layer['count']} experts")
+
+
+def load_manifest(directory: Path) -> dict:
+    """Read and validate `<directory>/colibri.json`."""
+    path = Path(directory) / MANIFEST_NAME
+    if not path.is_file():
+        raise FormatError(f"{path}: no manifest (not a colibri model, or an unfinished conversion)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FormatError(f"{path}: manifest is not valid JSON ({e})") from None
+    validate_manifest(manifest, str(path))
+    return manifest
+
+
+def write_manifest(directory: Path, manifest: dict) -> None:
+    """Validate, then write the manifest atomically (the last step of a conversion)."""
+    path = Path(directory) / MANIFEST_NAME
+    validate_manifest(manifest, str(path))
+    write_atomic(path, json.dumps(manifest, indent=1, sort_keys=True).encode())
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: str
+    offset: int
+    nbytes: int
+    encoding: str
+    shape: tuple[int, ...]
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ExpertMatrix:
+    encoding: str
+    shape: tuple[int, int]
+    offset: int  # within the expert record
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    layer: int
+    file: str
+    offset: int  # of expert 0
+    stride: int  # bytes from one expert to the next (a multiple of 4096)
+    count: int
+    expert_bytes: int  # gate + up + down, without the padding
+    matrices: dict[str, ExpertMatrix]
+    sha256: tuple[str, ...]
+
+    def expert_offset(self, expert: int) -> int:
+        if not 0 <= expert < self.count:
+            raise IndexError(f"layer {self.layer} has experts 0..{self.count - 1}, not {expert}")
+        return self.offset + expert * self.stride
+
+
+class ModelLayout:
+    """A converted model opened for reading: manifest, config and mmapped files."""
+
+    def __init__(self, directory):
+        self.directory = Path(directory)
+        self.manifest = load_manifest(self.directory)
+        self.config = ModelConfig.from_dict(self.manifest["config"])
+        self.tensors = {
+            name: TensorInfo(name, t["file"], t["offset"], t["nbytes"], t["encoding"], tuple(t["shape"]), t["sha256"])
+            for name, t in self.manifest["tensors"].items()
+        }
+        self.expert_layers = {
+            e["layer"]: ExpertLayer(
+                e["layer"], e["file"], e["offset"], e["stride"], e["count"], e["expert_bytes"],
+                {m: ExpertMatrix(v["encoding"], tuple(v["shape"]), v["offset"], v["nbytes"]) for m, v in e["matrices"].items()},
+                tuple(e["sha256"]),
+            )
+            for e in self.manifest["expert_layers"]
+        }
+        self._maps: dict[str, np.memmap] = {}
+
+    def path(self, file: str) -> Path:
+        return self.directory / file
+
+    def mmap(self, file: str) -> np.memmap:
+        if file not in self._maps:
+            path = self.path(file)
+            expected = self.manifest["files"][file]["size"]
+            actual = path.stat().st_size if path.exists() else None
+            if actual != expected:
+                raise FormatError(f"{path}: expected {expected} bytes, found {'no file' if actual is None else actual}")
+            self._maps[file] = np.memmap(path, dtype=np.uint8, mode="r")
+        return self._maps[file]
+
+    def tensor_data(self, name: str) -> np.ndarray:
+        """The raw encoded bytes of a resident tensor (a read-only view of the mmap)."""
+        t = self.tensors[name]
+        return self.mmap(t.file)[t.offset : t.offset + t.nbytes]
+
+    def expert_data(self, layer: int, expert: int) -> np.ndarray:
+        """The contiguous gate|up|down record of one expert."""
+        table = self.expert_layers[layer]
+        start = table.expert_offset(expert)
+        return self.mmap(table.file)[start : start + table.expert_bytes]
+
+    def expert_matrix_data(self, layer: int, expert: int, matrix: str) -> np.ndarray:
+        table = self.expert_layers[layer]
+        m = table.matrices[matrix]
+        start = table.expert_offset(expert) + m.offset
+        return self.mmap(table.file)[start : start + m.nbytes]

@@ -1,0 +1,75 @@
+"""The normalized hyper-parameters every architecture is mapped to.
+
+The runtime knows only this form; `convert/` adapters fill it from a checkpoint's
+`config.json`. Field meanings and units are documented in `formats/spec.md` §4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    architecture: str  # source model_type, e.g. "mixtral", "deepseek_v3", "kimi_k2"
+    gguf_architecture: str  # gguf.MODEL_ARCH name whose tensor names we use, e.g. "LLAMA"
+    vocab_size: int
+    hidden_size: int
+    n_layers: int  # decoder layers kept (multi-token-prediction layers are dropped)
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int  # query/key width per head (MLA: qk_nope_head_dim + qk_rope_head_dim)
+    v_head_dim: int
+    norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    # attention
+    attention: str = "gqa"  # "gqa" (MHA is n_kv_heads == n_heads) or "mla"
+    attn_bias: bool = False  # q/k/v projections carry a bias
+    qk_norm: str = "none"  # "none", "head" (RMSNorm per head), "full" (over the whole projection)
+    clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
+    q_lora_rank: int | None = None  # MLA; None when q is projected directly
+    kv_lora_rank: int | None = None  # MLA compressed latent width
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    # rotary position embedding
+    rope_theta: float = 10000.0
+    rope_dim: int = 0  # rotated dimensions per head (partial rotary when < head width)
+    rope_interleaved: bool = False  # rotate pairs (2i, 2i+1) instead of halves
+    rope_scaling: dict | None = None  # as in config.json, e.g. {"type": "yarn", "factor": 40, ...}
+    # feed-forward and mixture of experts
+    hidden_act: str = "silu"
+    dense_ffn: int = 0  # intermediate size of dense (non-MoE) layers
+    moe_layers: list[int] = field(default_factory=list)  # indices of layers with routed experts
+    n_experts: int = 0
+    n_experts_used: int = 0  # top-k
+    expert_ffn: int = 0  # intermediate size of one routed expert
+    router: str = "softmax"  # "softmax" or "sigmoid" scores
+    router_norm_topk: bool = False  # renormalise the chosen k weights to sum to 1
+    router_bias: bool = False  # a score-correction bias used for the choice only (DeepSeek-V3)
+    router_groups: int = 1  # group-limited routing: number of expert groups
+    router_topk_groups: int = 1  # groups kept before the final top-k
+    router_group_score: str = "top2_sum"  # how a group is scored: "top2_sum" (V3) or "max" (V2)
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    shared_expert_ffn: int = 0  # intermediate size of the (merged) shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid gate on the shared expert
+    # bookkeeping
+    mtp_layers_skipped: int = 0
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config fields: {', '.join(unknown)}")
+        return cls(**data)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers

@@ -1,0 +1,97 @@
+"""Quantization recipes: which encoding each canonical tensor gets.
+
+`Q4_K_M` follows llama.cpp's `llama_tensor_get_type` (src/llama-quant.cpp) for the
+Q4_K_M file type, so the same checkpoint gets the same type per tensor as
+`llama-quantize ... Q4_K_M`. Names are gguf's canonical tensor names
+(`blk.3.ffn_down_exps.weight`); shapes are row-major with the row length last.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from formats.encodings import ENCODINGS, fits
+
+RECIPES = ("Q4_K_M", "Q8_0", "BF16", "F16", "F32")
+
+# llama.cpp's fallback when a row is not a whole number of 256-weight super-blocks.
+K_QUANT_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's choice of the layers that get a more precise type."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    """'REGEX=TYPE' → (regex, TYPE), checking both."""
+    pattern, sep, encoding = text.rpartition("=")
+    if not sep or not pattern:
+        raise ValueError(f"override {text!r} is not of the form REGEX=TYPE")
+    encoding = encoding.upper()
+    if encoding not in ENCODINGS:
+        raise ValueError(f"override {text!r}: unknown type {encoding} (known: {', '.join(ENCODINGS)})")
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"override {text!r}: bad regex ({e})") from None
+    return pattern, encoding
+
+
+def is_quantizable(name: str, shape) -> bool:
+    """2-D weights are quantized; 1-D tensors, biases and the router gate stay F32."""
+    return name.endswith(".weight") and len(shape) >= 2 and "ffn_gate_inp.weight" not in name
+
+
+@dataclass
+class Recipe:
+    name: str
+    n_layers: int
+    n_experts: int
+    tied_embeddings: bool
+    overrides: list[tuple[str, str]] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.name not in RECIPES:
+            raise ValueError(f"unknown quantization {self.name!r} (known: {', '.join(RECIPES)})")
+
+    def encoding(self, name: str, shape) -> str:
+        """The encoding of tensor `name` with row-major `shape`."""
+        if self.name == "F32" or not is_quantizable(name, shape):
+            return "F32"
+        if self.name in ("BF16", "F16"):
+            return self.name
+        chosen = self._q4_k_m(name, shape) if self.name == "Q4_K_M" else "Q8_0"
+        row = shape[-1]
+        if not fits(chosen, row):
+            chosen = K_QUANT_FALLBACK.get(chosen, chosen)
+            if not fits(chosen, row):
+                chosen = "F16"
+            return chosen  # llama.cpp applies no user override to a tensor that needed a fallback
+        for pattern, encoding in self.overrides:
+            if re.search(pattern, name):
+                if not fits(encoding, row):
+                    raise ValueError(f"override {pattern}={encoding}: {name} has rows of {row} weights, not a multiple of the {encoding} block")
+                return encoding
+        return chosen
+
+    def _q4_k_m(self, name: str, shape) -> str:
+        layer_match = _LAYER.match(name)
+        layer = int(layer_match.group(1)) if layer_match else -1
+        eight_experts = self.n_experts == 8
+        if name == "output.weight" or (self.tied_embeddings and name == "token_embd.weight"):
+            return "Q6_K" if fits("Q6_K", shape[-1]) else "Q8_0"
+        if any(k in name for k in ("attn_v.weight", "attn_qkv.weight", "attn_kv_b.weight")):
+            if eight_experts:
+                return "Q8_0"
+            return "Q6_K" if use_more_bits(layer, self.n_layers) else "Q4_K"
+        if "attn_k.weight" in name and eight_experts:
+            return "Q8_0"
+        if "attn_output.weight" in name and eight_experts:
+            return "Q5_K"
+        if "ffn_down" in name and use_more_bits(layer, self.n_layers):
+            return "Q6_K"
+        return "Q4_K"

@@ -1,0 +1,1 @@
+"""The colibri runtime (not built yet: see the runtime issue)."""

@@ -1,0 +1,88 @@
+"""The Q4_K_M recipe chooses llama.cpp's type for every tensor."""
+
+import pytest
+
+from formats.recipe import Recipe, parse_override, use_more_bits
+
+
+def types(recipe, names_shapes):
+    return {n: recipe.encoding(n, s) for n, s in names_shapes}
+
+
+def test_use_more_bits_matches_llama_cpp_formula():
+    # n = 32: first 4, last 4, and every third layer from 4 + 2
+    chosen = [i for i in range(32) if use_more_bits(i, 32)]
+    assert chosen == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    assert [i for i in range(8) if use_more_bits(i, 8)] == [0, 3, 6, 7]
+
+
+@pytest.mark.parametrize("n_layers", [4, 16, 61])
+def test_q4_k_m_per_tensor_types(n_layers):
+    r = Recipe("Q4_K_M", n_layers=n_layers, n_experts=64, tied_embeddings=False)
+    for i in range(n_layers):
+        more = use_more_bits(i, n_layers)
+        assert r.encoding(f"blk.{i}.attn_v.weight", (512, 2048)) == ("Q6_K" if more else "Q4_K")
+        assert r.encoding(f"blk.{i}.attn_kv_b.weight", (512, 512)) == ("Q6_K" if more else "Q4_K")
+        for down in ("ffn_down_exps", "ffn_down_shexp", "ffn_down"):
+            assert r.encoding(f"blk.{i}.{down}.weight", (2048, 1024)) == ("Q6_K" if more else "Q4_K")
+        for plain in ("attn_q", "attn_k", "attn_output", "ffn_gate_exps", "ffn_up_exps", "attn_q_b", "ffn_gate_inp_shexp"):
+            assert r.encoding(f"blk.{i}.{plain}.weight", (512, 2048)) == "Q4_K"
+        assert r.encoding(f"blk.{i}.ffn_gate_inp.weight", (64, 2048)) == "F32"
+        assert r.encoding(f"blk.{i}.attn_norm.weight", (2048,)) == "F32"
+        assert r.encoding(f"blk.{i}.attn_q.bias", (2048,)) == "F32"
+        assert r.encoding(f"blk.{i}.exp_probs_b.bias", (64,)) == "F32"
+    assert r.encoding("output.weight", (32000, 2048)) == "Q6_K"
+    assert r.encoding("token_embd.weight", (32000, 2048)) == "Q4_K"
+
+
+def test_tied_embeddings_get_the_output_type():
+    r = Recipe("Q4_K_M", n_layers=4, n_experts=64, tied_embeddings=True)
+    assert r.encoding("token_embd.weight", (32000, 2048)) == "Q6_K"
+
+
+def test_eight_experts_rules_mixtral():
+    r = Recipe("Q4_K_M", n_layers=32, n_experts=8, tied_embeddings=False)
+    for i in (0, 5, 31):
+        assert r.encoding(f"blk.{i}.attn_v.weight", (1024, 4096)) == "Q8_0"
+        assert r.encoding(f"blk.{i}.attn_k.weight", (1024, 4096)) == "Q8_0"
+        assert r.encoding(f"blk.{i}.attn_output.weight", (4096, 4096)) == "Q5_K"
+        assert r.encoding(f"blk.{i}.attn_q.weight", (4096, 4096)) == "Q4_K"
+
+
+def test_row_length_fallbacks():
+    r = Recipe("Q4_K_M", n_layers=32, n_experts=64, tied_embeddings=False)
+    assert r.encoding("blk.5.ffn_gate_exps.weight", (128, 96)) == "Q5_0"  # Q4_K → Q5_0
+    assert r.encoding("blk.0.ffn_down_exps.weight", (128, 96)) == "Q8_0"  # Q6_K → Q8_0
+    assert r.encoding("blk.5.ffn_gate_exps.weight", (128, 100)) == "F16"  # not a multiple of 32
+    assert r.encoding("output.weight", (1000, 96)) == "Q8_0"
+    r8 = Recipe("Q4_K_M", n_layers=32, n_experts=8, tied_embeddings=False)
+    assert r8.encoding("blk.5.attn_output.weight", (128, 96)) == "Q5_1"  # Q5_K → Q5_1
+
+
+def test_other_recipes():
+    shapes = [("blk.0.attn_q.weight", (256, 256)), ("blk.0.attn_norm.weight", (256,)), ("blk.0.ffn_gate_inp.weight", (8, 256)), ("output.weight", (512, 256))]
+    assert set(types(Recipe("Q8_0", 4, 8, False), shapes).values()) == {"Q8_0", "F32"}
+    assert types(Recipe("Q8_0", 4, 8, False), shapes)["output.weight"] == "Q8_0"
+    assert types(Recipe("BF16", 4, 8, False), shapes) == {
+        "blk.0.attn_q.weight": "BF16", "blk.0.attn_norm.weight": "F32", "blk.0.ffn_gate_inp.weight": "F32", "output.weight": "BF16"}
+    assert set(types(Recipe("F32", 4, 8, False), shapes).values()) == {"F32"}
+    assert Recipe("F16", 4, 8, False).encoding("blk.0.attn_q.weight", (256, 256)) == "F16"
+
+
+def test_overrides_first_match_wins_and_are_checked():
+    overrides = [parse_override("ffn_down_exps=Q8_0"), parse_override(r"blk\.1\..*=Q5_K")]
+    r = Recipe("Q4_K_M", n_layers=16, n_experts=64, tied_embeddings=False, overrides=overrides)
+    assert r.encoding("blk.1.ffn_down_exps.weight", (256, 512)) == "Q8_0"
+    assert r.encoding("blk.1.ffn_up_exps.weight", (512, 256)) == "Q5_K"
+    assert r.encoding("blk.1.attn_norm.weight", (256,)) == "F32"  # never quantized
+    q8 = Recipe("Q8_0", 16, 64, False, overrides=[parse_override("attn_q=Q4_K")])
+    with pytest.raises(ValueError, match="multiple"):
+        q8.encoding("blk.1.attn_q.weight", (256, 288))  # Q8_0 fits 288, the Q4_K override does not
+    bad = Recipe("Q4_K_M", 16, 64, False, overrides=[parse_override("attn_q=Q6_K")])
+    assert bad.encoding("blk.1.attn_q.weight", (256, 288)) == "Q5_0"  # fallback tensors ignore overrides (llama.cpp)
+    with pytest.raises(ValueError, match="REGEX=TYPE"):
+        parse_override("no-equals-sign")
+    with pytest.raises(ValueError, match="unknown type"):
+        parse_override("attn=Q3_K")
+    with pytest.raises(ValueError, match="bad regex"):
+        parse_override("attn[=Q8_0")

@@ -1,0 +1,1 @@
+"""Pre-flight and integrity checks (not built yet: see the verify issue)."""
