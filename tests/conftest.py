@@ -1,0 +1,23 @@
+"""Shared fixtures: tiny checkpoints of real architectures, written with numpy only."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from convert.synthetic import write_checkpoint
+
+os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".venv" / "numba-cache"))
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """`checkpoint(arch, **kw)` writes a tiny hub-layout checkpoint and returns its folder."""
+    count = 0
+
+    def make(arch="mixtral", **kwargs):
+        nonlocal count
+        count += 1
+        return write_checkpoint(tmp_path / f"src{count}-{arch}", arch, **kwargs)
+
+    return make

@@ -1,0 +1,156 @@
+"""The layout's reader refuses what the spec says it must refuse; parsers survive fuzzing."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from formats.checkpoint import CheckpointError, read_header
+from formats.encodings import EncodingError, row_bytes, tensor_bytes
+from formats.layout import FormatError, ModelLayout, load_manifest, validate_manifest, write_manifest
+
+SHA = "0" * 64
+
+
+def minimal_manifest():
+    return {
+        "format": "colibri", "format_version": 1, "converter": {"name": "t", "version": "0"},
+        "config": {"architecture": "mixtral", "gguf_architecture": "LLAMA", "vocab_size": 8, "hidden_size": 256,
+                   "n_layers": 1, "n_heads": 4, "n_kv_heads": 4, "head_dim": 64, "v_head_dim": 64, "norm_eps": 1e-5,
+                   "max_position_embeddings": 64, "tie_word_embeddings": False, "moe_layers": [0], "n_experts": 2, "n_experts_used": 1},
+        "quant": {"recipe": "Q4_K_M", "overrides": [], "imatrix": None},
+        "provenance": {"source": "x", "revision": None, "source_files": {}, "skipped_tensors": []},
+        "files": {"resident.bin": {"size": 1024}, "experts/blk.000.bin": {"size": 8192}},
+        "tensors": {"output_norm.weight": {"file": "resident.bin", "offset": 0, "nbytes": 1024, "encoding": "F32", "shape": [256], "sha256": SHA}},
+        "expert_layers": [{
+            "layer": 0, "file": "experts/blk.000.bin", "offset": 0, "stride": 4096, "count": 2, "expert_bytes": 3 * 144,
+            "matrices": {m: {"encoding": "Q4_K", "shape": [1, 256], "offset": i * 144, "nbytes": 144} for i, m in enumerate(("gate", "up", "down"))},
+            "sha256": [SHA, SHA],
+        }],
+        "tokenizer_files": [],
+    }
+
+
+def test_sizes_follow_ggml_blocks():
+    assert row_bytes("Q4_K", 512) == 288
+    assert row_bytes("Q6_K", 256) == 210
+    assert row_bytes("Q8_0", 64) == 68
+    assert tensor_bytes("BF16", (3, 5)) == 30
+    with pytest.raises(EncodingError, match="multiple of 256"):
+        row_bytes("Q4_K", 300)
+    with pytest.raises(EncodingError, match="unknown encoding"):
+        row_bytes("Q3_K", 256)
+
+
+def test_minimal_manifest_is_valid_and_round_trips(tmp_path):
+    manifest = minimal_manifest()
+    validate_manifest(manifest)
+    write_manifest(tmp_path, manifest)
+    assert load_manifest(tmp_path) == manifest
+    assert not list(tmp_path.glob("*.partial"))
+
+
+@pytest.mark.parametrize("breakage, message", [
+    (lambda m: m.update(format_version=2), "newer than this reader"),
+    (lambda m: m.update(format="gguf"), "invalid manifest"),
+    (lambda m: m["tensors"]["output_norm.weight"].update(nbytes=1000), "needs 1024"),
+    (lambda m: m["tensors"]["output_norm.weight"].update(offset=3), "invalid manifest at tensors/output_norm.weight/offset"),
+    (lambda m: m["expert_layers"][0].update(stride=4000), "invalid manifest"),
+    (lambda m: m["expert_layers"][0]["matrices"]["up"].update(offset=0), "inconsistent offset"),
+    (lambda m: m["expert_layers"][0].update(sha256=[SHA]), "1 checksums for 2 experts"),
+    (lambda m: m["files"].update({"../escape": {"size": 1}}), "invalid manifest"),
+    (lambda m: m.update(extra=1), "invalid manifest"),
+])
+def test_reader_refuses_broken_manifests(breakage, message):
+    manifest = minimal_manifest()
+    breakage(manifest)
+    with pytest.raises(FormatError, match=message):
+        validate_manifest(manifest)
+
+
+def test_missing_and_garbage_manifest(tmp_path):
+    with pytest.raises(FormatError, match="unfinished conversion"):
+        load_manifest(tmp_path)
+    (tmp_path / "colibri.json").write_text("{not json")
+    with pytest.raises(FormatError, match="not valid JSON"):
+        load_manifest(tmp_path)
+
+
+def test_reader_locates_experts_and_checks_file_sizes(tmp_path):
+    manifest = minimal_manifest()
+    (tmp_path / "experts").mkdir()
+    (tmp_path / "resident.bin").write_bytes(np.arange(256, dtype=np.float32).tobytes())
+    data = np.zeros(8192, np.uint8)
+    data[4096:4096 + 432] = 7
+    (tmp_path / "experts/blk.000.bin").write_bytes(data.tobytes())
+    write_manifest(tmp_path, manifest)
+    layout = ModelLayout(tmp_path)
+    assert np.array_equal(layout.tensor_data("output_norm.weight").view(np.float32), np.arange(256, dtype=np.float32))
+    assert (layout.expert_data(0, 1) == 7).all() and layout.expert_data(0, 1).size == 432
+    assert layout.expert_matrix_data(0, 1, "down").size == 144
+    with pytest.raises(IndexError):
+        layout.expert_data(0, 2)
+    (tmp_path / "experts/blk.000.bin").write_bytes(data[:5000].tobytes())
+    with pytest.raises(FormatError, match="expected 8192 bytes, found 5000"):
+        ModelLayout(tmp_path).expert_data(0, 0)
+
+
+def write_safetensors(path, header: dict, payload: bytes):
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + payload)
+
+
+def test_header_checks(tmp_path):
+    f = tmp_path / "a.safetensors"
+    write_safetensors(f, {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}, bytes(16))
+    assert read_header(f)["w"].shape == (2, 2)
+    write_safetensors(f, {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}, bytes(10))
+    with pytest.raises(CheckpointError, match="a.safetensors: truncated: header declares .* file has"):
+        read_header(f)
+    write_safetensors(f, {"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 16]}}, bytes(16))
+    with pytest.raises(CheckpointError, match="needs 24"):
+        read_header(f)
+    write_safetensors(f, {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                          "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, bytes(16))
+    with pytest.raises(CheckpointError, match="overlap"):
+        read_header(f)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=300))
+def test_header_parser_fuzz_never_crashes(tmp_path, data):
+    f = tmp_path / "fuzz.safetensors"
+    f.write_bytes(data)
+    try:
+        read_header(f)
+    except CheckpointError:
+        pass
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10, 10**6) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(key_path=st.lists(st.sampled_from(["tensors", "expert_layers", "files", "config", "quant", 0, "matrices", "gate", "output_norm.weight"]), min_size=1, max_size=4),
+       value=json_values)
+def test_manifest_fuzz_is_refused_cleanly_or_accepted(key_path, value):
+    manifest = minimal_manifest()
+    node = manifest
+    for key in key_path[:-1]:
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            return
+    if isinstance(node, dict):
+        node[key_path[-1]] = value
+    try:
+        validate_manifest(manifest)
+    except FormatError:
+        pass
