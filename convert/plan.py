@@ -63,7 +63,8 @@ def make_plan(checkpoint: Checkpoint, adapter: Adapter | None = None) -> Convers
     adapter = adapter or adapter_for(checkpoint.config)
     config = adapter.normalize(checkpoint.config)
     present = dict(checkpoint.tensors)
-    skipped = sorted(n for n in present if _is_mtp(n, config.n_layers) or IGNORED.search(n))
+    mtp_layers = range(config.n_layers, config.n_layers + adapter.mtp_layers(checkpoint.config))
+    skipped = sorted(n for n in present if _layer_of(n) in mtp_layers or IGNORED.search(n))
     for name in skipped:
         present.pop(name)
     scales = {n for n in present if n.endswith(".weight_scale_inv")}
@@ -96,9 +97,9 @@ def make_plan(checkpoint: Checkpoint, adapter: Adapter | None = None) -> Convers
     return ConversionPlan(config, resident, expert_layers, skipped)
 
 
-def _is_mtp(name: str, n_layers: int) -> bool:
+def _layer_of(name: str) -> int | None:
     match = re.match(r"model\.layers\.(\d+)\.", name)
-    return bool(match) and int(match.group(1)) >= n_layers
+    return int(match.group(1)) if match else None
 
 
 def _compare(present: dict, expected: dict[str, tuple], architecture: str) -> None:

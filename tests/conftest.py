@@ -1,13 +1,8 @@
 """Shared fixtures: tiny checkpoints of real architectures, written with numpy only."""
 
-import os
-from pathlib import Path
-
 import pytest
 
 from convert.synthetic import write_checkpoint
-
-os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".venv" / "numba-cache"))
 
 
 @pytest.fixture

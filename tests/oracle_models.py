@@ -1,0 +1,311 @@
+"""Reference checkpoints built by ``transformers`` itself (test helper, oracle extra).
+
+``build_with_transformers`` instantiates the tiny model of ``convert.synthetic.tiny_config``
+with the transformers model class, re-initialises it (normal(0, 0.02) weights, routers
+with std 2/sqrt(hidden), norms near 1, small random ``e_score_correction_bias``) and saves
+it with ``save_pretrained`` (safetensors, >= 2 shards), then adds the synthetic tokenizer
+files so the folder is a complete hub-like checkpoint.  Options rewrite the saved tensors
+into the fused-expert form and/or DeepSeek-style block FP8.
+
+torch and transformers are imported lazily: importing this module is always cheap.
+
+Facts about transformers 5.24 this relies on (checked when this was written):
+
+* ``save_pretrained`` writes per-expert tensors in the hub naming for every architecture
+  here (it reverses the load-time conversion of the fused in-memory
+  ``experts.gate_up_proj``/``down_proj``), including Mixtral's
+  ``block_sparse_moe.experts.E.w1/w2/w3`` prefix; config.json is written in the v5 style
+  (``rope_parameters``, ``dtype``) rather than the hub's ``rope_theta``/``rope_scaling``.
+* The models have no MTP modules: a DeepSeek-V3 / GLM-4.5 checkpoint's
+  ``model.layers.{num_hidden_layers}.*`` tensors are never built and are reported as
+  unexpected on load unless the index is 61 (V3) or 46/92 (GLM), which are hard-coded.
+* FP8 (``quantization_config.quant_method == "fp8"``) checkpoints cannot be loaded on this
+  CPU-only setup: the fine-grained FP8 quantizer requires ``accelerate`` (not part of the
+  oracle extra), and its CPU fallback dequantizes with a block size of
+  ``rows // scale_rows``, which is wrong when a dimension is not a multiple of 128
+  (``kv_a_proj_with_mqa``: 576 rows in V3, 320 here).  ``load_reference`` therefore
+  dequantizes FP8 checkpoints itself (weight x ``weight_scale_inv`` per 128x128 block)
+  and loads the dequantized copy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import re
+import sys
+import tempfile
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+try:  # the repository root may not be on sys.path when pytest runs from elsewhere
+    import convert.synthetic  # noqa: F401
+except ImportError:  # pragma: no cover - depends on how pytest was started
+    sys.path.insert(0, str(_ROOT))
+
+from convert import synthetic  # noqa: E402
+
+FP8_BLOCK = 128
+FP8_QUANTIZATION_CONFIG = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+}
+
+# 2-D ``*.weight`` tensors that are NOT linear projections quantized to FP8 in the
+# DeepSeek-V3 / Kimi-K2 hub checkpoints
+_NOT_FP8 = re.compile(
+    r"(embed_tokens|lm_head|norm|layernorm|\.gate\.weight$|shared_expert_gate|eh_proj|shared_head)"
+)
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def oracle_available() -> tuple[bool, str]:
+    """(True, "") when torch + transformers import, else (False, reason)."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the environment
+        return False, f"oracle extra not installed ({exc.__class__.__name__}: {exc})"
+    return True, ""
+
+
+def _hf_config(cfg: dict):
+    """transformers config object for a hub-style config dict (Kimi-K2 -> DeepseekV3Config)."""
+    from transformers import AutoConfig
+
+    d = dict(cfg)
+    model_type = d.pop("model_type")
+    if model_type == "kimi_k2":  # not a transformers model type: it is DeepSeek-V3
+        model_type = "deepseek_v3"
+    for key in ("transformers_version", "quantization_config"):
+        d.pop(key, None)
+    return AutoConfig.for_model(model_type, **d)
+
+
+def _reinit(model, seed: int, hidden: int) -> None:
+    torch = _torch()
+    gen = torch.Generator().manual_seed(seed)
+    router_std = 2.0 / math.sqrt(hidden)
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    with torch.no_grad():
+        for name, t in tensors:
+            if not t.is_floating_point():
+                continue
+            if name.endswith("inv_freq"):
+                continue  # rotary buffers are not persistent, keep them
+            if name.endswith("e_score_correction_bias"):
+                std, mean = 0.05, 0.0
+            elif re.search(r"\.gate\.weight$", name):
+                std, mean = router_std, 0.0
+            elif t.ndim == 1 and "norm" in name:
+                std, mean = 0.1, 1.0
+            else:  # projections, experts (2-D / 3-D), embeddings, biases
+                std, mean = 0.02, 0.0
+            val = torch.randn(t.shape, generator=gen, dtype=torch.float32) * std + mean
+            t.copy_(val.to(t.dtype))
+
+
+def _read_all(path: pathlib.Path) -> dict:
+    """All tensors of a checkpoint folder, in index (file) order."""
+    from safetensors.torch import load_file
+
+    idx = path / "model.safetensors.index.json"
+    files = (
+        list(dict.fromkeys(json.loads(idx.read_text())["weight_map"].values()))
+        if idx.exists()
+        else ["model.safetensors"]
+    )
+    out = {}
+    for f in sorted(files):
+        out.update(load_file(str(path / f)))
+    return out
+
+
+def _write_all(path: pathlib.Path, tensors: dict, shards: int = 2) -> None:
+    """Replace the checkpoint's safetensors files by ``tensors`` in ``shards`` files."""
+    from safetensors.torch import save_file
+
+    for p in list(path.glob("model*.safetensors")) + [path / "model.safetensors.index.json"]:
+        if p.exists():
+            p.unlink()
+    names = list(tensors)
+    sizes = [tensors[n].numel() * tensors[n].element_size() for n in names]
+    total = sum(sizes)
+    groups = [[] for _ in range(shards)]
+    cum = 0
+    for n, s in zip(names, sizes):
+        groups[min(shards - 1, int((cum + s / 2) / (total / shards)))].append(n)
+        cum += s
+    groups = [g for g in groups if g]
+    weight_map = {}
+    for i, g in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in g}, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in g})
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _fuse_experts(tensors: dict) -> dict:
+    """Per-expert tensors -> ``experts.gate_up_proj`` [E, 2I, D] / ``experts.down_proj`` [E, D, I]."""
+    torch = _torch()
+    groups: dict = {}
+    out = {}
+    for name, t in tensors.items():
+        m = _EXPERT.match(name)
+        if not m:
+            out[name] = t
+            continue
+        prefix = m["prefix"]
+        if prefix not in groups:
+            groups[prefix] = {}
+            out[prefix + ".gate_up_proj"] = None  # keep the position in file order
+            out[prefix + ".down_proj"] = None
+        groups[prefix][(int(m["e"]), m["proj"])] = t
+    for prefix, g in groups.items():
+        n = 1 + max(e for e, _ in g)
+        gate, up, down = ("w1", "w3", "w2") if (0, "w1") in g else ("gate_proj", "up_proj", "down_proj")
+        out[prefix + ".gate_up_proj"] = torch.stack([torch.cat([g[(e, gate)], g[(e, up)]], dim=0) for e in range(n)])
+        out[prefix + ".down_proj"] = torch.stack([g[(e, down)] for e in range(n)])
+    return out
+
+
+def _quantize_fp8_2d(w):
+    torch = _torch()
+    rows, cols = w.shape
+    R, C = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    x = torch.zeros(R * FP8_BLOCK, C * FP8_BLOCK, dtype=torch.float32)
+    x[:rows, :cols] = w.float()
+    blocks = x.view(R, FP8_BLOCK, C, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = (blocks / scale[:, None, :, None]).view(R * FP8_BLOCK, C * FP8_BLOCK)[:rows, :cols]
+    return q.contiguous().to(torch.float8_e4m3fn), scale.float().contiguous()
+
+
+def _is_fp8_target(name: str, t) -> bool:
+    if name.endswith(".gate_up_proj") or (name.endswith(".down_proj") and t.ndim == 3):
+        return True
+    return name.endswith(".weight") and t.ndim == 2 and not _NOT_FP8.search(name)
+
+
+def _to_fp8(tensors: dict) -> dict:
+    torch = _torch()
+    out = {}
+    for name, t in tensors.items():
+        if not _is_fp8_target(name, t):
+            out[name] = t
+            continue
+        if t.ndim == 2:
+            q, s = _quantize_fp8_2d(t)
+        else:
+            pairs = [_quantize_fp8_2d(m) for m in t]
+            q, s = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+        out[name] = q
+        out[name + "_scale_inv"] = s
+    return out
+
+
+def _dequantize_fp8(tensors: dict, dtype) -> dict:
+    torch = _torch()
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("_scale_inv"):
+            continue
+        s = tensors.get(name + "_scale_inv")
+        if s is None:
+            out[name] = t
+            continue
+        w = t.float()
+        rows, cols = w.shape[-2:]
+        full = s.float().repeat_interleave(FP8_BLOCK, dim=-2).repeat_interleave(FP8_BLOCK, dim=-1)
+        out[name] = (w * full[..., :rows, :cols]).to(dtype)
+    return out
+
+
+def build_with_transformers(
+    out_dir,
+    arch: str,
+    *,
+    dtype: str = "f32",
+    fused_experts: bool = False,
+    fp8: bool = False,
+    seed: int = 0,
+) -> pathlib.Path:
+    """Save the tiny ``arch`` model with transformers' ``save_pretrained`` (see module doc)."""
+    torch = _torch()
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in ("f32", "bf16"):
+        raise ValueError("dtype must be 'f32' or 'bf16'")
+    torch_dtype = torch.float32 if dtype == "f32" else torch.bfloat16
+    cfg = synthetic.tiny_config(arch)
+    config = _hf_config(cfg)
+    torch.manual_seed(seed)
+    # dtype at construction so transformers' own keep-in-fp32 rules (DeepSeek routers) apply
+    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    _reinit(model, seed, int(cfg["hidden_size"]))
+    model.eval()
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    model.save_pretrained(out, max_shard_size=total // 2 + 1)
+    gen_cfg = (out / "generation_config.json").read_text()
+    synthetic.write_tokenizer_files(out, arch, cfg)
+    (out / "generation_config.json").write_text(gen_cfg)  # keep transformers' own
+
+    conf = json.loads((out / "config.json").read_text())
+    if arch == "kimi_k2":
+        conf["model_type"] = "kimi_k2"
+    if fused_experts or fp8:
+        tensors = _read_all(out)
+        if fused_experts:
+            tensors = _fuse_experts(tensors)
+        if fp8:
+            tensors = _to_fp8(tensors)
+            conf["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+        _write_all(out, tensors)
+    (out / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def load_reference(path):
+    """The checkpoint at ``path`` loaded by transformers, float32, eval mode.
+
+    Kimi-K2 goes through ``DeepseekV3ForCausalLM``; FP8 checkpoints are dequantized here
+    (see module doc) and the dequantized copy is loaded.
+    """
+    torch = _torch()
+    from transformers import AutoModelForCausalLM
+
+    path = pathlib.Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    config = _hf_config(cfg)
+    quant = cfg.get("quantization_config") or {}
+    if quant.get("quant_method") != "fp8":
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32)
+        return model.float().eval()
+    tensors = _dequantize_fp8(_read_all(path), torch.float32)
+    with tempfile.TemporaryDirectory(prefix="colibri-oracle-") as tmp:
+        tmp = pathlib.Path(tmp)
+        _write_all(tmp, tensors, shards=1)
+        gen = path / "generation_config.json"
+        if gen.exists():
+            (tmp / gen.name).write_text(gen.read_text())
+        model = AutoModelForCausalLM.from_pretrained(tmp, config=config, dtype=torch.float32)
+        # materialise every tensor before the temporary files go away
+        model = model.float()
+        for p in model.parameters():
+            p.data = p.data.clone()
+        for b in model.buffers():
+            b.data = b.data.clone()
+    return model.eval()

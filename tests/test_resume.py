@@ -1,0 +1,54 @@
+"""A conversion killed with SIGKILL and rerun produces byte-identical output."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from convert.synthetic import tiny_config, write_checkpoint
+
+JOURNAL = ".colibri-convert.json"
+
+
+def model_files(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != JOURNAL}
+
+
+def journalled_units(out):
+    try:
+        return len(json.loads((out / JOURNAL).read_text())["units"])
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return 0
+
+
+def start_conversion(src, out, workers):
+    command = [sys.executable, "-m", "colibri.cli", "convert", str(src), str(out), "--no-progress", "--workers", str(workers)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def test_sigkill_then_rerun_is_byte_identical(tmp_path):
+    config = tiny_config("mixtral", num_hidden_layers=12, intermediate_size=1024)
+    src = write_checkpoint(tmp_path / "src", "mixtral", config=config)
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    assert start_conversion(src, reference, workers=1).wait() == 0
+
+    for workers in (1, 2):  # kill a single-process run, then kill the resumed run with workers
+        process = start_conversion(src, out, workers)
+        deadline = time.monotonic() + 120
+        target = journalled_units(out) + 2
+        while journalled_units(out) < target and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process.poll() is None, "conversion finished before it could be killed; make the fixture bigger"
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        assert not (out / "colibri.json").exists()
+        assert 0 < journalled_units(out) < 13
+
+    rerun = start_conversion(src, out, workers=2)
+    stdout, stderr = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, stderr.decode()
+    assert "resumed" in stdout.decode()
+    assert model_files(out) == model_files(reference)
+    assert not list(out.rglob("*.partial"))
