@@ -42,11 +42,18 @@ def eos_ids(hf: dict) -> list[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
-def require(hf: dict, *keys: str):
-    missing = [k for k in keys if hf.get(k) is None]
+def require(hf: dict, *keys):
+    """The values of `keys`; a key may be a tuple of alternative names (old, new config style)."""
+    values, missing = [], []
+    for key in keys:
+        names = key if isinstance(key, tuple) else (key,)
+        value = next((hf[n] for n in names if hf.get(n) is not None), None)
+        if value is None:
+            missing.append(" or ".join(names))
+        values.append(value)
     if missing:
         raise ConfigError(f"config.json lacks {', '.join(missing)}")
-    return [hf[k] for k in keys]
+    return values
 
 
 def common_fields(hf: dict, architecture: str, gguf_arch: gguf.MODEL_ARCH) -> dict:

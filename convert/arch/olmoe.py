@@ -11,7 +11,7 @@ class Olmoe(Adapter):
     gguf_arch = gguf.MODEL_ARCH.OLMOE
 
     def normalize(self, hf: dict) -> ModelConfig:
-        experts, used, ffn = require(hf, "num_experts", "num_experts_per_tok", "intermediate_size")
+        experts, used, ffn = require(hf, ("num_experts", "num_local_experts"), "num_experts_per_tok", "intermediate_size")
         fields = common_fields(hf, "olmoe", self.gguf_arch)
         return ModelConfig(
             **fields,

@@ -19,7 +19,7 @@ class Qwen2Moe(Adapter):
     shared_block = "shared_expert"
 
     def normalize(self, hf: dict) -> ModelConfig:
-        experts, used, ffn, shared = require(hf, "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+        experts, used, ffn, shared = require(hf, ("num_experts", "num_local_experts"), "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
         fields = common_fields(hf, "qwen2_moe", self.gguf_arch)
         return ModelConfig(
             **fields,
@@ -42,7 +42,7 @@ class Qwen3Moe(Adapter):
     gguf_arch = gguf.MODEL_ARCH.QWEN3MOE
 
     def normalize(self, hf: dict) -> ModelConfig:
-        experts, used, ffn = require(hf, "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+        experts, used, ffn = require(hf, ("num_experts", "num_local_experts"), "num_experts_per_tok", "moe_intermediate_size")
         fields = common_fields(hf, "qwen3_moe", self.gguf_arch)
         return ModelConfig(
             **fields,

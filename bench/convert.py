@@ -1,0 +1,123 @@
+"""Benchmark: colibri-convert on the synthetic bf16 Mixtral reference checkpoint (7.0 GB).
+
+Prints source MB/s, M weights/s per worker, and peak RSS (the whole process tree, sampled
+from /proc, and the largest single process), against llama.cpp's llama-quantize on the
+same shape on this machine (117 s, 60 MB/s, 716 MB peak RSS with 2 threads).
+Writes bench/out/convert.json.
+
+    python bench/convert.py [--source DIR] [--workers 1 2] [--quant Q4_K_M] [--repeat 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+LLAMA_QUANTIZE = {"seconds": 117.0, "mb_per_s": 60.0, "peak_rss_mb": 716.0, "threads": 2}
+
+
+def tree_rss_kb(root: int) -> tuple[int, int]:
+    """(sum, max) of VmRSS over `root` and all its descendants, in kB."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/status") as f:
+                kb = next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+        rss[int(entry)] = kb
+    total, largest, stack = 0, 0, [root]
+    while stack:
+        pid = stack.pop()
+        total += rss.get(pid, 0)
+        largest = max(largest, rss.get(pid, 0))
+        stack.extend(children.get(pid, []))
+    return total, largest
+
+
+def evict(folder: Path) -> None:
+    """Drop `folder`'s files from the page cache so every run reads from disk alike."""
+    for path in folder.rglob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def run_once(source: Path, out: Path, quant: str, workers: int) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    evict(source)
+    command = [sys.executable, "-m", "colibri.cli", "convert", str(source), str(out), "--quant", quant,
+               "--workers", str(workers), "--json"]
+    started = time.monotonic()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak_total = peak_single = 0
+    while process.poll() is None:
+        total, single = tree_rss_kb(process.pid)
+        peak_total, peak_single = max(peak_total, total), max(peak_single, single)
+        time.sleep(0.2)
+    stdout, stderr = process.communicate()
+    if process.returncode:
+        raise SystemExit(f"conversion failed:\n{stderr}")
+    summary = json.loads(stdout)
+    seconds = time.monotonic() - started
+    return {
+        "seconds": seconds,
+        "source_mb_per_s": summary["source_bytes"] / 1e6 / seconds,
+        "m_weights_per_s_per_worker": summary["parameters"] / 1e6 / seconds / workers,
+        "peak_rss_tree_mb": peak_total / 1024,
+        "peak_rss_process_mb": peak_single / 1024,
+        "output_gb": summary["output_bytes"] / 1e9,
+        "expert_bpw": summary["expert_bpw"],
+        "resident_bpw": summary["resident_bpw"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", type=Path, default=BENCH / "out" / "mixtral-ref", help="bf16 reference checkpoint (written if absent)")
+    parser.add_argument("--out", type=Path, default=BENCH / "out" / "mixtral-ref-q4km")
+    parser.add_argument("--quant", default="Q4_K_M")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeat", type=int, default=1, help="runs per setting; the median is reported")
+    args = parser.parse_args()
+
+    subprocess.run([sys.executable, str(BENCH / "model.py"), str(args.source), "--shape", "mixtral-ref"], check=True)
+    source_gb = sum(p.stat().st_size for p in args.source.glob("*.safetensors")) / 1e9
+    rows = []
+    for workers in args.workers:
+        runs = [run_once(args.source, args.out, args.quant, workers) for _ in range(args.repeat)]
+        median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        rows.append({"workers": workers, **median})
+
+    print(f"\ncolibri-convert {args.quant} of {source_gb:.2f} GB bf16 (Mixtral reference shape), page cache evicted, "
+          f"median of {args.repeat}; llama-quantize: {LLAMA_QUANTIZE['seconds']:.0f} s, {LLAMA_QUANTIZE['mb_per_s']:.0f} MB/s, "
+          f"{LLAMA_QUANTIZE['peak_rss_mb']:.0f} MB with {LLAMA_QUANTIZE['threads']} threads")
+    print(f"{'workers':>7} {'seconds':>8} {'MB/s':>7} {'vs llama':>8} {'Mw/s/core':>9} {'RSS tree MB':>11} {'RSS proc MB':>11} {'out GB':>7}")
+    for r in rows:
+        print(f"{r['workers']:>7} {r['seconds']:>8.1f} {r['source_mb_per_s']:>7.1f} {r['source_mb_per_s'] / LLAMA_QUANTIZE['mb_per_s']:>7.2f}x "
+              f"{r['m_weights_per_s_per_worker']:>9.2f} {r['peak_rss_tree_mb']:>11.0f} {r['peak_rss_process_mb']:>11.0f} {r['output_gb']:>7.3f}")
+    result = {
+        "benchmark": "convert", "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} {os.cpu_count()} cores",
+        "quant": args.quant, "source_gb": source_gb, "repeat": args.repeat, "rows": rows, "llama_quantize": LLAMA_QUANTIZE,
+    }
+    (BENCH / "out").mkdir(exist_ok=True)
+    (BENCH / "out" / "convert.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
