@@ -1,9 +1,11 @@
 """GGML block quantizers, byte-identical to ggml's reference C code (ggml-quants.c).
 
-Every numba function below is a line-by-line port of its namesake in ggml-quants.c. To get
-the same bytes as C, all arithmetic stays in float32 (each operand is cast explicitly, since
-numba would otherwise promote int*float32 to float64), sums run left to right, and nothing is
-compiled with fastmath (a contracted multiply-add changes results).
+Each numba function ports its namesake in ggml-quants.c: `quantize_<type>(x, nrows, n,
+imatrix)`, which runs `quantize_row_<type>_ref` without an imatrix and the `_impl` variant
+with one. Bit-exactness rests on doing every float operation as C does: in float32 (operands
+are cast explicitly, as numba would promote int * float32 to float64), sums left to right,
+no fastmath (a fused multiply-add rounds differently). Where a loop is restructured for
+speed, the float32 operations and their order per sum are unchanged.
 """
 
 import gguf
@@ -13,9 +15,18 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 F32 = np.float32
-QK_K = 256
+QK_K = gguf.QK_K
+QK = 32  # weights per Q8_0 / Q5_0 / Q5_1 block
 GROUP_MAX_EPS = np.float32(1e-15)
 FLT_MAX = np.finfo(np.float32).max
+
+
+def _block_bytes(qtype: str) -> int:
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][1]
+
+
+Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES = _block_bytes("Q4_K"), _block_bytes("Q5_K"), _block_bytes("Q6_K")
+Q8_0_BYTES, Q5_0_BYTES, Q5_1_BYTES = _block_bytes("Q8_0"), _block_bytes("Q5_0"), _block_bytes("Q5_1")
 
 # error_model="numpy": a float division by zero gives inf/nan as in C instead of raising.
 _njit = njit(cache=True, nogil=True, error_model="numpy")
@@ -95,6 +106,12 @@ def _fp16_to_fp32(h):
 
 
 @_njit
+def _as_int8(value):
+    """The int8 that C gets by storing value (two's complement wrap)."""
+    return ((value + 128) & 0xFF) - 128
+
+
+@_njit
 def _store_fp16(y, offset, value):
     h = _fp32_to_fp16(value)
     y[offset] = h & 0xFF
@@ -111,10 +128,12 @@ def _load_fp16(y, offset):
 
 @_njit
 def _make_qx_quants(nmax, x, weights, L):
-    """make_qx_quants with rmse_type 1: symmetric levels L in [0, 2*nmax); returns the scale.
+    """make_qx_quants (rmse_type 1, weights given): levels L in [0, 2*nmax) for x ~ scale*(L - nmax).
+    Returns the scale.
 
-    The 18 trial scales are independent, so their sums run side by side (each trial its own
-    float32 chain in C's order; numba vectorizes across trials) before C's sequential choice."""
+    The 18 trial scales do not depend on each other, so their sums are accumulated side by
+    side (one float32 chain per trial, in C's order, which the compiler can vectorize across
+    trials); C's sequential choice among them follows."""
     n = x.size
     max_value = F32(0.0)
     amax = F32(0.0)
@@ -165,27 +184,13 @@ def _make_qx_quants(nmax, x, weights, L):
 
 
 @_njit
-def _trial_products(nmax, x, weights, min_value, iscale, levels, products):
-    """A trial's levels and the terms (wl, wl2, wlx) of its sums, in separate vectorizable loops."""
-    wl, wl2, wlx = products[0], products[1], products[2]
-    for i in range(x.size):
-        levels[i] = max(0, min(nmax, _nearest_int(iscale * (x[i] - min_value))))
-    for i in range(x.size):
-        wl[i] = weights[i] * F32(levels[i])
-    for i in range(x.size):
-        wl2[i] = wl[i] * F32(levels[i])
-    for i in range(x.size):
-        wlx[i] = wl[i] * x[i]
-
-
-@_njit
 def _make_qkx_quants(nmax, x, weights, L, rmin, rdelta, nstep):
-    """make_qkx2_quants / make_qkx3_quants (use_mad=false): levels in [0, nmax] for
-    x ~ scale*L - the_min. Returns (scale, the_min).
+    """make_qkx2_quants / make_qkx3_quants (use_mad=false, weights given): levels L in
+    [0, nmax] for x ~ scale*L - the_min. Returns (scale, the_min).
 
-    Element-wise products run in vectorizable loops; only the float32 sums stay scalar, in
-    C's order. The error sum of trial t runs alongside the fit sums of trial t+1, whose
-    levels assume the current min; they are redone when trial t lowers the error (moving min)."""
+    Each trial depends on the previous one (through min), so trials run in order; within a
+    trial the element-wise products get their own vectorizable loops and only the float32
+    sums, in C's order, stay scalar."""
     n = x.size
     min_value = x[0]
     max_value = x[0]
@@ -211,64 +216,51 @@ def _make_qkx_quants(nmax, x, weights, L, rmin, rdelta, nstep):
         diff = scale * F32(L[i]) + min_value - x[i]
         best_error += weights[i] * (diff * diff)
 
-    levels = np.empty((2, n), np.uint8)
-    products = np.empty((2, 3, n), np.float32)  # wl, wl2, wlx of trials t and t+1
-    werr = np.empty(n, np.float32)
-    iscale = (rmin + F32(nmax)) / (max_value - min_value)
-    _trial_products(nmax, x, weights, min_value, iscale, levels[0], products[0])
-    sum_l = F32(0.0)
-    sum_l2 = F32(0.0)
-    sum_xl = F32(0.0)
-    wl, wl2, wlx = products[0, 0], products[0, 1], products[0, 2]
-    for i in range(n):
-        sum_l += wl[i]
-        sum_l2 += wl2[i]
-        sum_xl += wlx[i]
-    for t in range(nstep + 1):
-        current = levels[t % 2]
-        following = levels[(t + 1) % 2]
-        following_products = products[(t + 1) % 2]
-        wl, wl2, wlx = following_products[0], following_products[1], following_products[2]
-        next_iscale = (rmin + rdelta * F32(t + 1) + F32(nmax)) / (max_value - min_value)
-        _trial_products(nmax, x, weights, min_value, next_iscale, following, following_products)
-        D = sum_w * sum_l2 - sum_l * sum_l
-        this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-        if this_min > 0:
-            this_min = F32(0.0)
-            this_scale = sum_xl / sum_l2
+    Laux = np.empty(n, np.uint8)
+    products = np.empty((4, n), np.float32)
+    wl, wl2, wlx, werr = products[0], products[1], products[2], products[3]
+    for step in range(nstep + 1):
+        iscale = (rmin + rdelta * F32(step) + F32(nmax)) / (max_value - min_value)
         for i in range(n):
-            diff = this_scale * F32(current[i]) + this_min - x[i]
-            werr[i] = weights[i] * (diff * diff)
-        error = F32(0.0)
+            Laux[i] = max(0, min(nmax, _nearest_int(iscale * (x[i] - min_value))))
+        for i in range(n):
+            wl[i] = weights[i] * F32(Laux[i])
+        for i in range(n):
+            wl2[i] = wl[i] * F32(Laux[i])
+        for i in range(n):
+            wlx[i] = wl[i] * x[i]
         sum_l = F32(0.0)
         sum_l2 = F32(0.0)
         sum_xl = F32(0.0)
         for i in range(n):
-            error += werr[i]
             sum_l += wl[i]
             sum_l2 += wl2[i]
             sum_xl += wlx[i]
-        if D > 0 and error < best_error:
-            L[:n] = current
-            best_error = error
-            scale = this_scale
-            min_value = this_min
-            next_iscale = (rmin + rdelta * F32(t + 1) + F32(nmax)) / (max_value - min_value)
-            _trial_products(nmax, x, weights, min_value, next_iscale, following, following_products)
-            sum_l = F32(0.0)
-            sum_l2 = F32(0.0)
-            sum_xl = F32(0.0)
+        D = sum_w * sum_l2 - sum_l * sum_l
+        if D > 0:
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            if this_min > 0:
+                this_min = F32(0.0)
+                this_scale = sum_xl / sum_l2
             for i in range(n):
-                sum_l += wl[i]
-                sum_l2 += wl2[i]
-                sum_xl += wlx[i]
+                diff = this_scale * F32(Laux[i]) + this_min - x[i]
+                werr[i] = weights[i] * (diff * diff)
+            error = F32(0.0)
+            for i in range(n):
+                error += werr[i]
+            if error < best_error:
+                L[:n] = Laux
+                best_error = error
+                scale = this_scale
+                min_value = this_min
     return scale, -min_value
 
 
 @_njit
 def _make_qp_quants(nmax, x, L, quant_weights):
-    """make_qp_quants: non-negative levels in [0, nmax] for the sub-block scales x."""
+    """make_qp_quants: levels L in [0, nmax] for the non-negative sub-block scales (or mins)
+    x, weighted by quant_weights. Returns the super-block scale."""
     n = x.size
     max_value = F32(0.0)
     for i in range(n):
@@ -435,7 +427,7 @@ def _quantize_q4_k(rows, imatrix, out):
     for r in range(rows.shape[0]):
         for b in range(rows.shape[1] // QK_K):
             x = rows[r, QK_K * b:QK_K * (b + 1)]
-            y = out[r, 144 * b:144 * (b + 1)]
+            y = out[r, Q4_K_BYTES * b:Q4_K_BYTES * (b + 1)]
             _quantize_scale_min_k4(x, imatrix[QK_K * b:QK_K * (b + 1)], 15, y, L)
             for j in range(0, QK_K, 64):
                 for i in range(32):
@@ -446,7 +438,7 @@ def _quantize_q4_k(rows, imatrix, out):
 def _dequantize_q4_k(blocks, out):
     for r in range(blocks.shape[0]):
         for b in range(out.shape[1] // QK_K):
-            y = blocks[r, 144 * b:144 * (b + 1)]
+            y = blocks[r, Q4_K_BYTES * b:Q4_K_BYTES * (b + 1)]
             x = out[r, QK_K * b:QK_K * (b + 1)]
             for j in range(0, QK_K, 64):
                 d1, m1 = _dequantize_scale_min_k4(y, j // 32)
@@ -466,7 +458,7 @@ def _quantize_q5_k(rows, imatrix, out):
     for r in range(rows.shape[0]):
         for b in range(rows.shape[1] // QK_K):
             x = rows[r, QK_K * b:QK_K * (b + 1)]
-            y = out[r, 176 * b:176 * (b + 1)]
+            y = out[r, Q5_K_BYTES * b:Q5_K_BYTES * (b + 1)]
             _quantize_scale_min_k4(x, imatrix[QK_K * b:QK_K * (b + 1)], 31, y, L)
             qh = y[16:48]
             qh[:] = 0
@@ -488,7 +480,7 @@ def _quantize_q5_k(rows, imatrix, out):
 def _dequantize_q5_k(blocks, out):
     for r in range(blocks.shape[0]):
         for b in range(out.shape[1] // QK_K):
-            y = blocks[r, 176 * b:176 * (b + 1)]
+            y = blocks[r, Q5_K_BYTES * b:Q5_K_BYTES * (b + 1)]
             x = out[r, QK_K * b:QK_K * (b + 1)]
             for j in range(0, QK_K, 64):
                 d1, m1 = _dequantize_scale_min_k4(y, j // 32)
@@ -512,7 +504,7 @@ def _quantize_q6_k(rows, imatrix, out):
     for r in range(rows.shape[0]):
         for b in range(rows.shape[1] // QK_K):
             x = rows[r, QK_K * b:QK_K * (b + 1)]
-            y = out[r, 210 * b:210 * (b + 1)]
+            y = out[r, Q6_K_BYTES * b:Q6_K_BYTES * (b + 1)]
             max_scale = F32(0.0)
             max_abs_scale = F32(0.0)
             for j in range(16):
@@ -535,7 +527,7 @@ def _quantize_q6_k(rows, imatrix, out):
             for j in range(16):
                 scale = min(127, _nearest_int(iscale * scales[j]))
                 y[192 + j] = scale & 0xFF
-                d = d_all * F32(((scale + 128) & 0xFF) - 128)
+                d = d_all * F32(_as_int8(scale))
                 if d == 0:
                     continue
                 for i in range(16):
@@ -552,7 +544,7 @@ def _quantize_q6_k(rows, imatrix, out):
 def _dequantize_q6_k(blocks, out):
     for r in range(blocks.shape[0]):
         for b in range(out.shape[1] // QK_K):
-            y = blocks[r, 210 * b:210 * (b + 1)]
+            y = blocks[r, Q6_K_BYTES * b:Q6_K_BYTES * (b + 1)]
             x = out[r, QK_K * b:QK_K * (b + 1)]
             d = _load_fp16(y, 208)
             for j in range(0, QK_K, 128):
@@ -565,7 +557,7 @@ def _dequantize_q6_k(blocks, out):
                               (ql1 >> 4) | (((qh >> 4) & 3) << 4),
                               (ql2 >> 4) | (((qh >> 6) & 3) << 4))
                     for k in range(4):
-                        scale = ((np.int64(y[192 + j // 16 + i // 16 + 2 * k]) + 128) & 0xFF) - 128
+                        scale = _as_int8(np.int64(y[192 + j // 16 + i // 16 + 2 * k]))
                         x[j + 32 * k + i] = d * F32(scale) * F32(quants[k] - 32)
 
 
@@ -575,27 +567,27 @@ def _dequantize_q6_k(blocks, out):
 @_njit
 def _quantize_q8_0(rows, imatrix, out):
     for r in range(rows.shape[0]):
-        for b in range(rows.shape[1] // 32):
-            x = rows[r, 32 * b:32 * (b + 1)]
-            y = out[r, 34 * b:34 * (b + 1)]
+        for b in range(rows.shape[1] // QK):
+            x = rows[r, QK * b:QK * (b + 1)]
+            y = out[r, Q8_0_BYTES * b:Q8_0_BYTES * (b + 1)]
             amax = F32(0.0)
             for v in x:
                 amax = amax if amax > abs(v) else abs(v)
             d = amax / F32(127)
             inv_d = F32(1.0) / d if d != 0 else F32(0.0)
             _store_fp16(y, 0, d)
-            for i in range(32):
+            for i in range(QK):
                 y[2 + i] = _round_half_away(x[i] * inv_d) & 0xFF
 
 
 @_njit
 def _dequantize_q8_0(blocks, out):
     for r in range(blocks.shape[0]):
-        for b in range(out.shape[1] // 32):
-            y = blocks[r, 34 * b:34 * (b + 1)]
+        for b in range(out.shape[1] // QK):
+            y = blocks[r, Q8_0_BYTES * b:Q8_0_BYTES * (b + 1)]
             d = _load_fp16(y, 0)
-            for i in range(32):
-                out[r, 32 * b + i] = F32(((np.int64(y[2 + i]) + 128) & 0xFF) - 128) * d
+            for i in range(QK):
+                out[r, QK * b + i] = F32(_as_int8(np.int64(y[2 + i]))) * d
 
 
 # ---------------------------------------------------------------- Q5_0 / Q5_1
@@ -630,16 +622,16 @@ def _row_sigma2(x):
 
 @_njit
 def _quantize_q5_0(rows, imatrix, out):
-    L = np.empty(32, np.uint8)
-    weights = np.empty(32, np.float32)
+    L = np.empty(QK, np.uint8)
+    weights = np.empty(QK, np.float32)
     for r in range(rows.shape[0]):
         sigma2 = _row_sigma2(rows[r]) if imatrix.size else F32(0.0)
-        for b in range(rows.shape[1] // 32):
-            x = rows[r, 32 * b:32 * (b + 1)]
-            y = out[r, 22 * b:22 * (b + 1)]
+        for b in range(rows.shape[1] // QK):
+            x = rows[r, QK * b:QK * (b + 1)]
+            y = out[r, Q5_0_BYTES * b:Q5_0_BYTES * (b + 1)]
             if imatrix.size:  # quantize_row_q5_0_impl
-                for i in range(32):
-                    weights[i] = imatrix[32 * b + i] * np.sqrt(sigma2 + x[i] * x[i])
+                for i in range(QK):
+                    weights[i] = imatrix[QK * b + i] * np.sqrt(sigma2 + x[i] * x[i])
                 d = _make_qx_quants(16, x, weights, L)
             else:  # quantize_row_q5_0_ref
                 amax = F32(0.0)
@@ -650,7 +642,7 @@ def _quantize_q5_0(rows, imatrix, out):
                         max_value = v
                 d = max_value / F32(-16)
                 inv_d = F32(1.0) / d if d != 0 else F32(0.0)
-                for i in range(32):
+                for i in range(QK):
                     L[i] = min(31, int(x[i] * inv_d + F32(16.5)) & 0xFF)
             _store_fp16(y, 0, d)
             _store_q5_levels(y, 2, L)
@@ -659,25 +651,25 @@ def _quantize_q5_0(rows, imatrix, out):
 @_njit
 def _dequantize_q5_0(blocks, out):
     for r in range(blocks.shape[0]):
-        for b in range(out.shape[1] // 32):
-            y = blocks[r, 22 * b:22 * (b + 1)]
+        for b in range(out.shape[1] // QK):
+            y = blocks[r, Q5_0_BYTES * b:Q5_0_BYTES * (b + 1)]
             d = _load_fp16(y, 0)
-            for j in range(32):
-                out[r, 32 * b + j] = F32(_load_q5_level(y, 2, j) - 16) * d
+            for j in range(QK):
+                out[r, QK * b + j] = F32(_load_q5_level(y, 2, j) - 16) * d
 
 
 @_njit
 def _quantize_q5_1(rows, imatrix, out):
-    L = np.empty(32, np.uint8)
-    weights = np.empty(32, np.float32)
+    L = np.empty(QK, np.uint8)
+    weights = np.empty(QK, np.float32)
     for r in range(rows.shape[0]):
         sigma2 = _row_sigma2(rows[r]) if imatrix.size else F32(0.0)
-        for b in range(rows.shape[1] // 32):
-            x = rows[r, 32 * b:32 * (b + 1)]
-            y = out[r, 24 * b:24 * (b + 1)]
+        for b in range(rows.shape[1] // QK):
+            x = rows[r, QK * b:QK * (b + 1)]
+            y = out[r, Q5_1_BYTES * b:Q5_1_BYTES * (b + 1)]
             if imatrix.size:  # quantize_row_q5_1_impl
-                for i in range(32):
-                    weights[i] = imatrix[32 * b + i] * np.sqrt(sigma2 + x[i] * x[i])
+                for i in range(QK):
+                    weights[i] = imatrix[QK * b + i] * np.sqrt(sigma2 + x[i] * x[i])
                 d, the_min = _make_qkx_quants(31, x, weights, L, F32(-0.9), F32(0.05), 36)
                 min_value = -the_min
             else:  # quantize_row_q5_1_ref
@@ -690,7 +682,7 @@ def _quantize_q5_1(rows, imatrix, out):
                         max_value = v
                 d = (max_value - min_value) / F32(31)
                 inv_d = F32(1.0) / d if d != 0 else F32(0.0)
-                for i in range(32):
+                for i in range(QK):
                     L[i] = int((x[i] - min_value) * inv_d + F32(0.5)) & 0xFF
             _store_fp16(y, 0, d)
             _store_fp16(y, 2, min_value)
@@ -700,12 +692,12 @@ def _quantize_q5_1(rows, imatrix, out):
 @_njit
 def _dequantize_q5_1(blocks, out):
     for r in range(blocks.shape[0]):
-        for b in range(out.shape[1] // 32):
-            y = blocks[r, 24 * b:24 * (b + 1)]
+        for b in range(out.shape[1] // QK):
+            y = blocks[r, Q5_1_BYTES * b:Q5_1_BYTES * (b + 1)]
             d = _load_fp16(y, 0)
             m = _load_fp16(y, 2)
-            for j in range(32):
-                out[r, 32 * b + j] = F32(_load_q5_level(y, 4, j)) * d + m
+            for j in range(QK):
+                out[r, QK * b + j] = F32(_load_q5_level(y, 4, j)) * d + m
 
 
 # ---------------------------------------------------------------- public API

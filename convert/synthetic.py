@@ -41,6 +41,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from formats.checkpoint import E4M3_TO_F32
+
 __all__ = [
     "ARCHITECTURES",
     "TensorSpec",
@@ -795,22 +797,9 @@ def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
-@lru_cache(maxsize=1)
-def _e4m3_table() -> np.ndarray:
-    codes = np.arange(256, dtype=np.uint32)
-    sign = np.where(codes & 0x80, -1.0, 1.0)
-    exp = (codes >> 3) & 0xF
-    man = (codes & 0x7).astype(np.float64)
-    val = np.where(exp == 0, man / 8.0 * 2.0**-6, (1.0 + man / 8.0) * 2.0 ** (exp.astype(np.float64) - 7))
-    val = sign * val
-    val[0x7F] = np.nan
-    val[0xFF] = np.nan
-    return val.astype(np.float32)
-
-
 def fp8_e4m3_to_float32(codes: np.ndarray) -> np.ndarray:
     """Decode float8 e4m3fn byte codes (uint8) to float32 (0x7F/0xFF are NaN)."""
-    return _e4m3_table()[np.asarray(codes, dtype=np.uint8)]
+    return E4M3_TO_F32[np.asarray(codes, dtype=np.uint8)]
 
 
 def _encode_e4m3(q: np.ndarray) -> np.ndarray:
