@@ -67,6 +67,7 @@ def run_demo(args: argparse.Namespace) -> int:
     out = os.path.join(args.dir, "model")
     print(f"building a tiny {args.arch} checkpoint in {source}", flush=True)
     write_checkpoint(source, args.arch)
+    print("converting it to Q4_K_M (the first run compiles the quantizers, ~30 s; later runs reuse numba's cache)", flush=True)
     summary = convert(source, out, ConvertOptions(quant="Q4_K_M", force=True, progress=False))
     print(format_summary(summary, out))
     return 0

@@ -418,9 +418,13 @@ def _dequantize_scale_min_k4(y, j):
     return _load_fp16(y, 0) * F32(sc), _load_fp16(y, 2) * F32(m)
 
 
-# ---------------------------------------------------------------- Q4_K
+# ---------------------------------------------------------------- block kernels
+# _quantize_<type>(rows f32[r, n], imatrix f32[n] or empty, out u8[r, row_bytes]) and
+# _dequantize_<type>(blocks u8[r, row_bytes], out f32[r, n]) loop over rows and blocks.
+# The comment above each pair gives ggml's block layout (fp16 fields little-endian).
 
 
+# block_q4_K: d, dmin (fp16), scales[12] (packed 6-bit scale/min), qs[128] (nibbles)
 @_njit
 def _quantize_q4_k(rows, imatrix, out):
     L = np.empty(QK_K, np.uint8)
@@ -449,9 +453,7 @@ def _dequantize_q4_k(blocks, out):
                     x[j + 32 + i] = d2 * F32(q >> 4) - m2
 
 
-# ---------------------------------------------------------------- Q5_K
-
-
+# block_q5_K: d, dmin (fp16), scales[12], qh[32] (fifth bits), qs[128] (low nibbles)
 @_njit
 def _quantize_q5_k(rows, imatrix, out):
     L = np.empty(QK_K, np.uint8)
@@ -493,9 +495,7 @@ def _dequantize_q5_k(blocks, out):
                     x[j + 32 + i] = d2 * F32((q >> 4) + (16 if h & (low_bit << 1) else 0)) - m2
 
 
-# ---------------------------------------------------------------- Q6_K
-
-
+# block_q6_K: ql[128] (low nibbles), qh[64] (2-bit high parts), scales[16] (int8), d (fp16)
 @_njit
 def _quantize_q6_k(rows, imatrix, out):
     L = np.empty(QK_K, np.uint8)
@@ -561,9 +561,7 @@ def _dequantize_q6_k(blocks, out):
                         x[j + 32 * k + i] = d * F32(scale) * F32(quants[k] - 32)
 
 
-# ---------------------------------------------------------------- Q8_0
-
-
+# block_q8_0: d (fp16), qs[32] (int8)
 @_njit
 def _quantize_q8_0(rows, imatrix, out):
     for r in range(rows.shape[0]):
@@ -590,9 +588,7 @@ def _dequantize_q8_0(blocks, out):
                 out[r, QK * b + i] = F32(_as_int8(np.int64(y[2 + i]))) * d
 
 
-# ---------------------------------------------------------------- Q5_0 / Q5_1
-
-
+# block_q5_0: d (fp16), qh[4] (fifth bits), qs[16] (nibbles); block_q5_1 adds m (fp16) after d
 @_njit
 def _store_q5_levels(y, offset, L):
     """Pack 32 five-bit levels: qh (4 bytes, bit j = high bit of level j) then 16 nibble bytes."""
@@ -735,22 +731,23 @@ def _fp32_to_bf16(x: np.ndarray) -> np.ndarray:
 
 def quantize(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.ndarray:
     """Encode float rows [..., n] as GGML qtype bytes [..., row_bytes], exactly as ggml's
-    quantize_<qtype>(x, nrows, n, imatrix) does (imatrix: importance weights [n], or None)."""
+    quantize_<qtype>(x, nrows, n, imatrix) does. imatrix: importance weights [n] or None
+    (ignored by F32, F16, BF16 and Q8_0, as in ggml)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     n = x.shape[-1]
     row_bytes = _row_layout(qtype, n)
-    if qtype == "F32":
-        return x.view(np.uint8).reshape(*x.shape[:-1], row_bytes)
-    if qtype == "F16":
-        return x.astype(np.float16).view(np.uint8).reshape(*x.shape[:-1], row_bytes)
-    if qtype == "BF16":
-        return _fp32_to_bf16(x).view(np.uint8).reshape(*x.shape[:-1], row_bytes)
     if imatrix is None:
         imatrix = np.empty(0, np.float32)
     else:
         imatrix = np.ascontiguousarray(imatrix, dtype=np.float32)
         if imatrix.shape != (n,):
-            raise ValueError(f"imatrix must have shape ({n},), got {imatrix.shape}")
+            raise ValueError(f"imatrix must have shape ({n},) to match the rows, got {imatrix.shape}")
+    if qtype == "F32":
+        return x.view(np.uint8).reshape(*x.shape[:-1], row_bytes).copy()
+    if qtype == "F16":
+        return x.astype(np.float16).view(np.uint8).reshape(*x.shape[:-1], row_bytes)
+    if qtype == "BF16":
+        return _fp32_to_bf16(x).view(np.uint8).reshape(*x.shape[:-1], row_bytes)
     out = np.empty((*x.shape[:-1], row_bytes), np.uint8)
     quantize_rows, _ = _BLOCK_CODECS[qtype]
     quantize_rows(x.reshape(-1, n), imatrix, out.reshape(-1, row_bytes))
