@@ -1,0 +1,179 @@
+"""`open_model`: a converted model opened for generation inside a RAM budget.
+
+    m = open_model(path, threads=2, ctx=4096, ram_budget="8G", expert_cache="2G", kv_quant="f16")
+    logits = m.prefill(token_ids)      # float32 [len(token_ids), vocab]; fills the KV cache
+    step = m.decode(token_id)          # float32 [vocab] for the next position
+    m.reset()                          # empty the KV cache
+    for piece in m.generate("Hello", max_tokens=32): print(piece, end="")
+    m.stats()                          # speeds, cache hit rate, bytes read per token, peak RSS
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from formats.layout import ModelLayout
+from runtime import kernels
+from runtime.expert_store import POLICIES, ExpertStore
+from runtime.kv_cache import KVCache, kv_bytes
+from runtime.memory import current_rss, format_size, parse_size, peak_rss, total_ram
+from runtime.model import Decoder
+
+SCRATCH_BYTES = 64 << 20  # activations and attention scores of one step, generously
+
+
+class BudgetError(Exception):
+    """A RAM budget that cannot hold what the model needs; the message gives the numbers."""
+
+
+@dataclass
+class Budget:
+    ram: int
+    baseline: int  # the process before the model: interpreter, numpy, numba
+    resident: int
+    kv: int
+    scratch: int
+    expert_cache: int
+
+    @property
+    def fixed(self) -> int:
+        return self.baseline + self.resident + self.kv + self.scratch
+
+
+def plan_budget(layout: ModelLayout, ctx: int, kv_quant: str, widths: dict, ram_budget, expert_cache) -> Budget:
+    c = layout.config
+    ram = parse_size(ram_budget) if ram_budget is not None else int(total_ram() * 0.8)
+    resident = sum(t.nbytes for t in layout.tensors.values())
+    kv = kv_bytes(c.n_layers, ctx, widths, kv_quant)
+    record = max((t.expert_bytes for t in layout.expert_layers.values()), default=0)
+    scratch = SCRATCH_BYTES + record * c.n_experts_used
+    budget = Budget(ram, current_rss(), resident, kv, scratch, 0)
+    if budget.fixed > ram:
+        raise BudgetError(
+            f"--ram-budget {format_size(ram)} cannot hold the resident weights ({format_size(resident)}) + KV cache "
+            f"({format_size(kv)} for --ctx {ctx}, {kv_quant}) + scratch ({format_size(scratch)}) + the runtime itself "
+            f"({format_size(budget.baseline)}): needs at least {format_size(budget.fixed)}; lower --ctx or raise the budget"
+        )
+    all_experts = sum(t.stride * t.count for t in layout.expert_layers.values())
+    room = ram - budget.fixed
+    if expert_cache is None:
+        budget.expert_cache = min(room, all_experts)
+    else:
+        budget.expert_cache = parse_size(expert_cache)
+        if budget.expert_cache > room:
+            raise BudgetError(
+                f"--expert-cache {format_size(budget.expert_cache)} does not fit: --ram-budget {format_size(ram)} leaves "
+                f"{format_size(room)} after resident weights, KV cache, scratch and runtime"
+            )
+    return budget
+
+
+class Model:
+    def __init__(self, path, threads: int | None = None, ctx: int = 4096, ram_budget=None, expert_cache=None,
+                 kv_quant: str = "f16", cache_policy: str = "lru"):
+        if cache_policy not in POLICIES:
+            raise ValueError(f"cache policy {cache_policy!r} unknown (known: {', '.join(POLICIES)})")
+        self.layout = ModelLayout(path)
+        self.config = c = self.layout.config
+        if threads:
+            kernels.set_threads(threads)
+        widths = Decoder.cache_widths_for(c)
+        self.budget = plan_budget(self.layout, ctx, kv_quant, widths, ram_budget, expert_cache)
+        self.store = ExpertStore(self.layout, self.budget.expert_cache, max(c.n_experts_used, 1), cache_policy)
+        self.decoder = Decoder(self.layout, self.store, ctx)
+        self.cache = KVCache(c.n_layers, ctx, widths, kv_quant)
+        self.ctx = ctx
+        self._tokenizer = None
+        self.timings = {"prompt_tokens": 0, "prompt_seconds": 0.0, "generated_tokens": 0, "generation_seconds": 0.0,
+                        "time_to_first_token": None}
+
+    # --- tokens in, logits out ------------------------------------------------------
+
+    def prefill(self, token_ids) -> np.ndarray:
+        """Logits [len(token_ids), vocab]; the tokens are appended to the KV cache."""
+        started = time.perf_counter()
+        logits = self.decoder.forward(list(token_ids), self.cache)
+        self.timings["prompt_tokens"] += len(token_ids)
+        self.timings["prompt_seconds"] += time.perf_counter() - started
+        return logits
+
+    def decode(self, token_id: int) -> np.ndarray:
+        """Logits [vocab] for the position after `token_id`."""
+        started = time.perf_counter()
+        logits = self.decoder.forward([int(token_id)], self.cache)[0]
+        self.timings["generated_tokens"] += 1
+        self.timings["generation_seconds"] += time.perf_counter() - started
+        return logits
+
+    def reset(self) -> None:
+        self.cache.length = 0
+
+    @property
+    def position(self) -> int:
+        return self.cache.length
+
+    # --- text ----------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from runtime.text import Tokenizer
+
+            self._tokenizer = Tokenizer.from_dir(self.layout.directory)
+        return self._tokenizer
+
+    def generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0, seed: int | None = None):
+        """Yield text as it is produced for `prompt` (a string, or chat messages)."""
+        from runtime.sampling import Sampler, SamplingParams
+
+        sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed))
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            ids = tok.encode(prompt)
+        else:
+            ids = tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=True), add_bos=False)
+        self.reset()
+        started = time.perf_counter()
+        logits = self.prefill(ids)[-1]
+        self.timings["time_to_first_token"] = time.perf_counter() - started
+        stream = tok.stream()
+        for _ in range(max_tokens):
+            token = sampler(logits)
+            if token in tok.eos_ids:
+                break
+            piece = stream.push(token)
+            if piece:
+                yield piece
+            if self.position >= self.ctx:
+                break
+            logits = self.decode(token)
+
+    # --- numbers -------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        t = self.timings
+        tokens = t["prompt_tokens"] + t["generated_tokens"]
+        store = self.store.stats()
+        return {
+            "prompt_tokens": t["prompt_tokens"],
+            "prompt_tok_per_s": t["prompt_tokens"] / t["prompt_seconds"] if t["prompt_seconds"] else None,
+            "generated_tokens": t["generated_tokens"],
+            "generation_tok_per_s": t["generated_tokens"] / t["generation_seconds"] if t["generation_seconds"] else None,
+            "time_to_first_token_s": t["time_to_first_token"],
+            **store,
+            "expert_bytes_read_per_token": store["expert_bytes_read"] / tokens if tokens else 0.0,
+            "resident_bytes": self.budget.resident,
+            "kv_cache_bytes": self.cache.nbytes,
+            "ram_budget_bytes": self.budget.ram,
+            "peak_rss_bytes": peak_rss(),
+        }
+
+
+def open_model(path, threads: int | None = None, ctx: int = 4096, ram_budget=None, expert_cache=None,
+               kv_quant: str = "f16", cache_policy: str = "lru") -> Model:
+    """Open a converted model; refuses a RAM budget that cannot hold it (see `plan_budget`)."""
+    return Model(path, threads, ctx, ram_budget, expert_cache, kv_quant, cache_policy)

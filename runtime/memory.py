@@ -1,0 +1,40 @@
+"""Sizes in the units users type (`4G`, `512M`) and what the process really holds."""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text) -> int:
+    """'4G', '512M', '1.5G', '0' or a plain byte count → bytes (binary units)."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ValueError(f"size {text!r} is not a number with an optional K/M/G/T suffix (e.g. 4G, 512M)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def format_size(nbytes: float) -> str:
+    for unit in ("B", "K", "M", "G", "T"):
+        if abs(nbytes) < 1024 or unit == "T":
+            return f"{nbytes:.0f}{unit}" if unit == "B" else f"{nbytes:.2f}{unit}"
+        nbytes /= 1024
+    return f"{nbytes}"
+
+
+def current_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def total_ram() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,307 @@
+"""The forward pass, driven only by the normalized config (`formats.model_config`).
+
+One decoder serves every architecture: attention is GQA/MHA (with optional q/k/v bias,
+per-head or whole-projection q/k RMSNorm, partial or interleaved rotary) or MLA (the
+compressed latent is what the KV cache holds, queries are absorbed into it); the FFN is
+dense or a routed mixture with optional shared experts. Resident tensors are read into
+RAM once; routed experts come through the `ExpertStore`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from formats.encodings import FLOAT_DTYPES
+from formats.layout import ModelLayout
+from formats.model_config import ModelConfig
+from runtime import kernels
+from runtime.expert_store import ExpertStore
+from runtime.kv_cache import KVCache
+from runtime.rope import Rope, _yarn_mscale
+
+
+class Linear:
+    """A resident matrix [rows, cols] kept in its stored encoding."""
+
+    def __init__(self, data: np.ndarray, encoding: str, shape):
+        self.data, self.encoding = data, encoding
+        self.rows, self.cols = shape
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x [n, cols] → [n, rows]."""
+        if x.shape[0] == 1:
+            return kernels.matvec(self.data, self.encoding, self.rows, self.cols, x[0])[None, :]
+        return kernels.matmul(self.data, self.encoding, self.rows, self.cols, x)
+
+    def rows_f32(self, first: int, count: int) -> np.ndarray:
+        return kernels.dequantize_rows(self.data, self.encoding, self.cols, first, count)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    variance = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
+    return (x / np.sqrt(variance + np.float32(eps))) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1) + np.exp(-x))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+class Weights:
+    """Resident tensors read from the layout into RAM (`pread`, not mmap: the RSS is ours)."""
+
+    def __init__(self, layout: ModelLayout):
+        self.layout = layout
+        self.raw: dict[str, np.ndarray] = {}
+        fds: dict[str, int] = {}
+        try:
+            for name, info in layout.tensors.items():
+                if info.file not in fds:
+                    layout.mmap(info.file)  # checks the file's size against the manifest
+                    fds[info.file] = os.open(layout.path(info.file), os.O_RDONLY)
+                buffer = np.empty(info.nbytes, dtype=np.uint8)
+                if os.preadv(fds[info.file], [buffer], info.offset) != info.nbytes:
+                    raise OSError(f"{layout.path(info.file)}: short read of {name}")
+                self.raw[name] = buffer
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.raw.values())
+
+    def has(self, name: str) -> bool:
+        return name in self.raw
+
+    def linear(self, name: str) -> Linear:
+        info = self.layout.tensors[name]
+        return Linear(self.raw[name], info.encoding, info.shape)
+
+    def vector(self, name: str) -> np.ndarray:
+        """A 1-D (norm, bias) tensor as float32."""
+        info = self.layout.tensors[name]
+        data = self.raw[name].view(FLOAT_DTYPES[info.encoding])
+        if info.encoding == "BF16":
+            return (data.astype(np.uint32) << 16).view(np.float32)
+        return data.astype(np.float32)
+
+
+class Attention:
+    """GQA / MHA with the variants of the supported architectures."""
+
+    def __init__(self, c: ModelConfig, w: Weights, layer: int, rope: Rope):
+        p = f"blk.{layer}."
+        self.c, self.layer, self.rope = c, layer, rope
+        self.q, self.k, self.v = (w.linear(p + f"attn_{x}.weight") for x in "qkv")
+        self.o = w.linear(p + "attn_output.weight")
+        self.bias = [w.vector(p + f"attn_{x}.bias") for x in "qkv"] if c.attn_bias else None
+        self.q_norm = w.vector(p + "attn_q_norm.weight") if c.qk_norm != "none" else None
+        self.k_norm = w.vector(p + "attn_k_norm.weight") if c.qk_norm != "none" else None
+        self.scale = np.float32(c.head_dim**-0.5)
+
+    def __call__(self, h: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
+        c, n = self.c, h.shape[0]
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        if self.bias:
+            q, k, v = q + self.bias[0], k + self.bias[1], v + self.bias[2]
+        if c.qk_norm == "full":
+            q, k = rms_norm(q, self.q_norm, c.norm_eps), rms_norm(k, self.k_norm, c.norm_eps)
+        if c.clip_qkv is not None:
+            q, k, v = (np.clip(t, -c.clip_qkv, c.clip_qkv) for t in (q, k, v))
+        q = q.reshape(n, c.n_heads, c.head_dim)
+        k = k.reshape(n, c.n_kv_heads, c.head_dim)
+        if c.qk_norm == "head":
+            q, k = rms_norm(q, self.q_norm, c.norm_eps), rms_norm(k, self.k_norm, c.norm_eps)
+        q, k = self.rope.apply(q, positions), self.rope.apply(k, positions)
+        start = int(positions[0])
+        cache.write(self.layer, "k", start, k.reshape(n, -1))
+        cache.write(self.layer, "v", start, v)
+        end = start + n
+        keys = cache.read(self.layer, "k", end).reshape(end, c.n_kv_heads, c.head_dim)
+        values = cache.read(self.layer, "v", end).reshape(end, c.n_kv_heads, c.v_head_dim)
+        group = c.n_heads // c.n_kv_heads
+        qg = q.reshape(n, c.n_kv_heads, group, c.head_dim)
+        scores = np.einsum("nkgd,tkd->kgnt", qg, keys) * self.scale
+        scores = scores + causal_mask(positions, end)
+        out = np.einsum("kgnt,tkd->nkgd", softmax(scores), values)
+        return self.o(out.reshape(n, c.n_heads * c.v_head_dim).astype(np.float32))
+
+
+class LatentAttention:
+    """MLA: the cache holds the normalized latent and the shared rotary key; queries are
+    absorbed into the latent space (exactly equal to expanding keys and values)."""
+
+    def __init__(self, c: ModelConfig, w: Weights, layer: int, rope: Rope):
+        p = f"blk.{layer}."
+        self.c, self.layer, self.rope = c, layer, rope
+        if c.q_lora_rank:
+            self.q_a, self.q_b = w.linear(p + "attn_q_a.weight"), w.linear(p + "attn_q_b.weight")
+            self.q_a_norm = w.vector(p + "attn_q_a_norm.weight")
+        else:
+            self.q = w.linear(p + "attn_q.weight")
+        self.kv_a = w.linear(p + "attn_kv_a_mqa.weight")
+        self.kv_a_norm = w.vector(p + "attn_kv_a_norm.weight")
+        self.kv_b = w.linear(p + "attn_kv_b.weight")
+        self.o = w.linear(p + "attn_output.weight")
+        scale = c.head_dim**-0.5
+        scaling = c.rope_scaling or {}
+        if scaling.get("mscale_all_dim"):
+            mscale = _yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+            scale *= mscale * mscale
+        self.scale = np.float32(scale)
+
+    def __call__(self, h: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
+        c, n = self.c, h.shape[0]
+        heads, nope, rope_dim, rank = c.n_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+        q = self.q_b(rms_norm(self.q_a(h), self.q_a_norm, c.norm_eps)) if c.q_lora_rank else self.q(h)
+        q = q.reshape(n, heads, nope + rope_dim)
+        q_pe = self.rope.apply(q[:, :, nope:], positions)
+        compressed = self.kv_a(h)
+        latent = rms_norm(compressed[:, :rank], self.kv_a_norm, c.norm_eps)
+        k_pe = self.rope.apply(compressed[:, None, rank:], positions)[:, 0]
+        start = int(positions[0])
+        cache.write(self.layer, "kv", start, latent)
+        cache.write(self.layer, "k_rope", start, k_pe)
+        end = start + n
+        latents, k_rope = cache.read(self.layer, "kv", end), cache.read(self.layer, "k_rope", end)
+        kv_b = self.kv_b.rows_f32(0, self.kv_b.rows).reshape(heads, nope + c.v_head_dim, rank)
+        q_latent = np.einsum("nhd,hdr->nhr", q[:, :, :nope], kv_b[:, :nope])
+        scores = (np.einsum("nhr,tr->hnt", q_latent, latents) + np.einsum("nhd,td->hnt", q_pe, k_rope)) * self.scale
+        scores = scores + causal_mask(positions, end)
+        context = np.einsum("hnt,tr->nhr", softmax(scores), latents)
+        out = np.einsum("nhr,hvr->nhv", context, kv_b[:, nope:])
+        return self.o(out.reshape(n, heads * c.v_head_dim).astype(np.float32))
+
+
+def causal_mask(positions: np.ndarray, end: int) -> np.ndarray:
+    """[n, end] additive mask: query at position p sees keys 0..p."""
+    keys = np.arange(end)
+    return np.where(keys[None, :] <= positions[:, None], np.float32(0), np.float32(-np.inf))
+
+
+class DenseFFN:
+    def __init__(self, w: Weights, prefix: str):
+        self.gate, self.up, self.down = (w.linear(f"{prefix}_{m}.weight") for m in ("gate", "up", "down"))
+
+    def __call__(self, h: np.ndarray) -> np.ndarray:
+        return self.down(silu(self.gate(h)) * self.up(h))
+
+
+class Router:
+    """Scores, the choice of top-k experts and their weights, per the normalized config."""
+
+    def __init__(self, c: ModelConfig, w: Weights, layer: int):
+        self.c = c
+        self.gate = w.linear(f"blk.{layer}.ffn_gate_inp.weight")
+        self.bias = w.vector(f"blk.{layer}.exp_probs_b.bias") if c.router_bias else None
+
+    def __call__(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(expert ids [n, k], weights [n, k])."""
+        c = self.c
+        logits = self.gate(h)
+        scores = softmax(logits) if c.router == "softmax" else np.float32(1) / (np.float32(1) + np.exp(-logits))
+        choice = scores + self.bias if self.bias is not None else scores
+        if c.router_groups > 1:
+            grouped = choice.reshape(h.shape[0], c.router_groups, -1)
+            if c.router_group_score == "top2_sum":
+                group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
+            else:
+                group_scores = grouped.max(-1)
+            keep = np.argsort(-group_scores, axis=-1, kind="stable")[:, : c.router_topk_groups]
+            mask = np.full(group_scores.shape, True)
+            np.put_along_axis(mask, keep, False, axis=-1)
+            choice = np.where(np.repeat(mask, grouped.shape[-1], axis=-1), -np.inf, choice)
+        ids = np.argsort(-choice, axis=-1, kind="stable")[:, : c.n_experts_used]
+        weights = np.take_along_axis(scores, ids, axis=-1)
+        if c.router_norm_topk:
+            weights = weights / (weights.sum(-1, keepdims=True) + (np.float32(1e-20) if c.router == "sigmoid" else 0))
+        return ids, (weights * np.float32(c.routed_scaling_factor)).astype(np.float32)
+
+
+class MoE:
+    def __init__(self, c: ModelConfig, w: Weights, layer: int, store: ExpertStore):
+        self.c, self.layer, self.store = c, layer, store
+        self.router = Router(c, w, layer)
+        table = store.tables[layer]
+        self.encodings = tuple(table.matrices[m].encoding for m in ("gate", "up", "down"))
+        self.offsets = tuple(table.matrices[m].offset for m in ("gate", "up", "down"))
+        self.shared = SharedExpert(w, layer, c.shared_expert_gate) if c.n_shared_experts else None
+        self.trace: list | None = None
+
+    def __call__(self, h: np.ndarray) -> np.ndarray:
+        c = self.c
+        ids, weights = self.router(h)
+        if self.trace is not None:
+            self.trace.append((self.layer, ids, weights))
+        if h.shape[0] == 1:
+            records = np.stack(self.store.fetch(self.layer, ids[0]))
+            out = kernels.moe_experts(records, self.encodings, self.offsets, c.expert_ffn, c.hidden_size, h[0], weights[0])[None, :]
+        else:
+            out = np.zeros_like(h)
+            for expert in np.unique(ids):  # batch-union: each needed expert read once, in file order
+                tokens, slot = np.nonzero(ids == expert)
+                (record,) = self.store.fetch(self.layer, [expert])
+                y = kernels.moe_experts_batch(record, self.encodings, self.offsets, c.expert_ffn, c.hidden_size, h[tokens])
+                out[tokens] += y * weights[tokens, slot][:, None]
+        if self.shared is not None:
+            out = out + self.shared(h)
+        return out
+
+
+class SharedExpert:
+    def __init__(self, w: Weights, layer: int, gated: bool):
+        p = f"blk.{layer}."
+        self.gate, self.up, self.down = (w.linear(p + f"ffn_{m}_shexp.weight") for m in ("gate", "up", "down"))
+        self.sigmoid_gate = w.linear(p + "ffn_gate_inp_shexp.weight") if gated else None
+
+    def __call__(self, h: np.ndarray) -> np.ndarray:
+        y = self.down(silu(self.gate(h)) * self.up(h))
+        if self.sigmoid_gate is not None:
+            y = y / (np.float32(1) + np.exp(-self.sigmoid_gate(h)))
+        return y
+
+
+class Decoder:
+    """Embeddings → layers → norm → logits, over a KV cache."""
+
+    def __init__(self, layout: ModelLayout, store: ExpertStore, ctx: int):
+        c = self.config = layout.config
+        w = self.weights = Weights(layout)
+        rope = Rope(c, ctx)
+        self.embed = w.linear("token_embd.weight")
+        self.output = w.linear("output.weight" if w.has("output.weight") else "token_embd.weight")
+        self.output_norm = w.vector("output_norm.weight")
+        self.layers = []
+        for i in range(c.n_layers):
+            attention = (LatentAttention if c.attention == "mla" else Attention)(c, w, i, rope)
+            ffn = MoE(c, w, i, store) if c.is_moe_layer(i) else DenseFFN(w, f"blk.{i}.ffn")
+            # llama.cpp names GLM-4.5's pre-FFN norm `post_attention_norm`; every other architecture's is `ffn_norm`
+            ffn_norm = f"blk.{i}.ffn_norm.weight" if w.has(f"blk.{i}.ffn_norm.weight") else f"blk.{i}.post_attention_norm.weight"
+            self.layers.append((w.vector(f"blk.{i}.attn_norm.weight"), attention, w.vector(ffn_norm), ffn))
+
+    @staticmethod
+    def cache_widths_for(c: ModelConfig) -> dict[str, int]:
+        """Per-position widths of the KV cache streams of one layer."""
+        if c.attention == "mla":
+            return {"kv": c.kv_lora_rank, "k_rope": c.qk_rope_head_dim}
+        return {"k": c.n_kv_heads * c.head_dim, "v": c.n_kv_heads * c.v_head_dim}
+
+    def forward(self, tokens, cache: KVCache) -> np.ndarray:
+        """Logits [n, vocab] for `tokens` placed after the cache's contents."""
+        c = self.config
+        start = cache.length
+        cache.check_room(start, len(tokens))
+        positions = np.arange(start, start + len(tokens))
+        x = np.concatenate([self.embed.rows_f32(int(t), 1) for t in tokens])
+        for attn_norm, attention, ffn_norm, ffn in self.layers:
+            x = x + attention(rms_norm(x, attn_norm, c.norm_eps), positions, cache)
+            x = x + ffn(rms_norm(x, ffn_norm, c.norm_eps))
+        cache.length = start + len(tokens)
+        return self.output(rms_norm(x, self.output_norm, c.norm_eps))

@@ -1,0 +1,83 @@
+"""Rotary position embeddings: frequency tables (plain and YaRN) and their application.
+
+Frequencies follow transformers' `modeling_rope_utils` (`_compute_default_rope_parameters`,
+`_compute_yarn_parameters`), so positions rotate exactly as in the reference models.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from formats.model_config import ModelConfig
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def inverse_frequencies(config: ModelConfig) -> tuple[np.ndarray, float]:
+    """(inv_freq [rope_dim / 2], attention factor applied to cos/sin)."""
+    dim, base = config.rope_dim, config.rope_theta
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    pos_freqs = np.float32(base) ** exponents
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in ("default", None):
+        return (1.0 / pos_freqs).astype(np.float32), 1.0
+    if kind != "yarn":
+        raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, yarn)")
+    factor = scaling.get("factor") or config.max_position_embeddings / scaling["original_max_position_embeddings"]
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    original = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / np.float32(high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
+class Rope:
+    """cos/sin tables for positions 0..ctx-1 and the rotation of q/k heads."""
+
+    def __init__(self, config: ModelConfig, ctx: int):
+        inv_freq, attention_factor = inverse_frequencies(config)
+        angles = np.arange(ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
+        self.cos = (np.cos(angles) * np.float32(attention_factor)).astype(np.float32)  # [ctx, dim/2]
+        self.sin = (np.sin(angles) * np.float32(attention_factor)).astype(np.float32)
+        self.dim = config.rope_dim
+        self.interleaved = config.rope_interleaved
+
+    def apply(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Rotate the first `dim` features of x [n, heads, width] at `positions` [n]; rest unchanged."""
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        rot = x[..., : self.dim]
+        if self.interleaved:
+            a, b = rot[..., 0::2], rot[..., 1::2]
+        else:
+            a, b = rot[..., : self.dim // 2], rot[..., self.dim // 2 :]
+        out = x.copy()
+        new_a, new_b = a * cos - b * sin, b * cos + a * sin
+        if self.interleaved:
+            out[..., 0 : self.dim : 2], out[..., 1 : self.dim : 2] = new_a, new_b
+        else:
+            out[..., : self.dim // 2], out[..., self.dim // 2 : self.dim] = new_a, new_b
+        return out
