@@ -1,5 +1,16 @@
-"""The colibri runtime: streams routed experts from the layout and generates text."""
+"""The colibri runtime: streams routed experts from the layout and generates text.
 
-from runtime.engine import BudgetError, Model, open_model
+    from runtime import open_model
+
+Imported lazily, so that light modules (`runtime.memory`) do not pull in the kernels.
+"""
 
 __all__ = ["BudgetError", "Model", "open_model"]
+
+
+def __getattr__(name):
+    if name in __all__:
+        from runtime import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'runtime' has no attribute {name!r}")

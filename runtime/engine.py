@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
@@ -110,6 +111,17 @@ class Model:
 
     def reset(self) -> None:
         self.cache.length = 0
+
+    def trace_routing(self, file) -> None:
+        """Write a JSON line per token per MoE layer to `file`: position, layer, expert ids, weights."""
+
+        def log(layer, positions, ids, weights):
+            for position, experts, expert_weights in zip(positions, ids, weights):
+                record = {"position": int(position), "layer": layer, "experts": [int(e) for e in experts],
+                          "weights": [round(float(w), 6) for w in expert_weights]}
+                file.write(json.dumps(record) + "\n")
+
+        self.decoder.route_log = log
 
     @property
     def position(self) -> int:

@@ -233,13 +233,12 @@ class MoE:
         self.encodings = tuple(table.matrices[m].encoding for m in ("gate", "up", "down"))
         self.offsets = tuple(table.matrices[m].offset for m in ("gate", "up", "down"))
         self.shared = SharedExpert(w, layer, c.shared_expert_gate) if c.n_shared_experts else None
-        self.trace: list | None = None
+        self.last_route: tuple[np.ndarray, np.ndarray] | None = None
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
         c = self.c
         ids, weights = self.router(h)
-        if self.trace is not None:
-            self.trace.append((self.layer, ids, weights))
+        self.last_route = ids, weights
         if h.shape[0] == 1:
             records = np.stack(self.store.fetch(self.layer, ids[0]))
             out = kernels.moe_experts(records, self.encodings, self.offsets, c.expert_ffn, c.hidden_size, h[0], weights[0])[None, :]
@@ -278,6 +277,7 @@ class Decoder:
         self.embed = w.linear("token_embd.weight")
         self.output = w.linear("output.weight" if w.has("output.weight") else "token_embd.weight")
         self.output_norm = w.vector("output_norm.weight")
+        self.route_log = None  # called as route_log(layer, positions, expert ids, weights) after each MoE layer
         self.layers = []
         for i in range(c.n_layers):
             attention = (LatentAttention if c.attention == "mla" else Attention)(c, w, i, rope)
@@ -300,8 +300,10 @@ class Decoder:
         cache.check_room(start, len(tokens))
         positions = np.arange(start, start + len(tokens))
         x = np.concatenate([self.embed.rows_f32(int(t), 1) for t in tokens])
-        for attn_norm, attention, ffn_norm, ffn in self.layers:
+        for layer, (attn_norm, attention, ffn_norm, ffn) in enumerate(self.layers):
             x = x + attention(rms_norm(x, attn_norm, c.norm_eps), positions, cache)
             x = x + ffn(rms_norm(x, ffn_norm, c.norm_eps))
+            if self.route_log is not None and isinstance(ffn, MoE):
+                self.route_log(layer, positions, *ffn.last_route)
         cache.length = start + len(tokens)
         return self.output(rms_norm(x, self.output_norm, c.norm_eps))

@@ -37,7 +37,8 @@ class Deepseek(Adapter):
             n_experts_used=used,
             expert_ffn=ffn,
             router=hf.get("scoring_func", "sigmoid" if method == "noaux_tc" else "softmax"),
-            router_norm_topk=bool(hf.get("norm_topk_prob", False)),
+            # transformers' DeepSeek-V2 never renormalises (its configs say norm_topk_prob: false anyway)
+            router_norm_topk=model_type != "deepseek_v2" and bool(hf.get("norm_topk_prob", False)),
             router_bias=method == "noaux_tc",
             router_groups=(hf.get("n_group") or 1) if grouped else 1,
             router_topk_groups=(hf.get("topk_group") or 1) if grouped else 1,
