@@ -17,7 +17,7 @@ from numba.extending import intrinsic
 F32 = np.float32
 QK_K = gguf.QK_K
 QK = 32  # weights per Q8_0 / Q5_0 / Q5_1 block
-GROUP_MAX_EPS = np.float32(1e-15)
+GROUP_MAX_EPS = F32(1e-15)
 FLT_MAX = np.finfo(np.float32).max
 
 
@@ -27,6 +27,12 @@ def _block_bytes(qtype: str) -> int:
 
 Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES = _block_bytes("Q4_K"), _block_bytes("Q5_K"), _block_bytes("Q6_K")
 Q8_0_BYTES, Q5_0_BYTES, Q5_1_BYTES = _block_bytes("Q8_0"), _block_bytes("Q5_0"), _block_bytes("Q5_1")
+
+# (rmin, rdelta, nstep) of ggml's make_qkx2_quants / make_qkx3_quants scale searches. As
+# tuples they reach numba as plain (not literal) values: one compiled search per nmax.
+Q4_K_SEARCH = (F32(-1.0), F32(0.1), 20)
+Q5_K_SEARCH = (F32(-0.5), F32(0.1), 15)
+IMATRIX_SEARCH = (F32(-0.9), F32(0.05), 36)
 
 # error_model="numpy": a float division by zero gives inf/nan as in C instead of raising.
 _njit = njit(cache=True, nogil=True, error_model="numpy")
@@ -128,8 +134,8 @@ def _load_fp16(y, offset):
 
 @_njit
 def _make_qx_quants(nmax, x, weights, L):
-    """make_qx_quants (rmse_type 1, weights given): levels L in [0, 2*nmax) for x ~ scale*(L - nmax).
-    Returns the scale.
+    """make_qx_quants (rmse_type 1, weights given): levels L in [0, 2*nmax) for
+    x ~ scale*(L - nmax). Returns the scale.
 
     The 18 trial scales do not depend on each other, so their sums are accumulated side by
     side (one float32 chain per trial, in C's order, which the compiler can vectorize across
@@ -184,13 +190,14 @@ def _make_qx_quants(nmax, x, weights, L):
 
 
 @_njit
-def _make_qkx_quants(nmax, x, weights, L, rmin, rdelta, nstep):
+def _make_qkx_quants(nmax, x, weights, L, search):
     """make_qkx2_quants / make_qkx3_quants (use_mad=false, weights given): levels L in
     [0, nmax] for x ~ scale*L - the_min. Returns (scale, the_min).
 
     Each trial depends on the previous one (through min), so trials run in order; within a
     trial the element-wise products get their own vectorizable loops and only the float32
     sums, in C's order, stay scalar."""
+    rmin, rdelta, nstep = search
     n = x.size
     min_value = x[0]
     max_value = x[0]
@@ -350,9 +357,9 @@ def _quantize_scale_min_k4(x, qw, nmax, y, L):
             for i in range(32):
                 weights[i] = av_x + abs(xs[i])
             if nmax == 15:
-                scales[j], mins[j] = _make_qkx_quants(15, xs, weights, L[32 * j:], F32(-1.0), F32(0.1), 20)
+                scales[j], mins[j] = _make_qkx_quants(15, xs, weights, L[32 * j:], Q4_K_SEARCH)
             else:
-                scales[j], mins[j] = _make_qkx_quants(31, xs, weights, L[32 * j:], F32(-0.5), F32(0.1), 15)
+                scales[j], mins[j] = _make_qkx_quants(31, xs, weights, L[32 * j:], Q5_K_SEARCH)
         max_scale = F32(0.0)
         max_min = F32(0.0)
         for j in range(8):
@@ -381,7 +388,7 @@ def _quantize_scale_min_k4(x, qw, nmax, y, L):
             for w in weights:
                 sumw += w
             sw[j] = sumw
-            scales[j], mins[j] = _make_qkx_quants(nmax, xs, weights, L[32 * j:], F32(-0.9), F32(0.05), 36)
+            scales[j], mins[j] = _make_qkx_quants(nmax, xs, weights, L[32 * j:], IMATRIX_SEARCH)
         d_block = _make_qp_quants(63, scales, Ls, sw)
         m_block = _make_qp_quants(63, mins, Lm, sw)
         if nmax == 31:  # only quantize_row_q5_K_impl clamps (a no-op unless a scale is negative)
@@ -666,7 +673,7 @@ def _quantize_q5_1(rows, imatrix, out):
             if imatrix.size:  # quantize_row_q5_1_impl
                 for i in range(QK):
                     weights[i] = imatrix[QK * b + i] * np.sqrt(sigma2 + x[i] * x[i])
-                d, the_min = _make_qkx_quants(31, x, weights, L, F32(-0.9), F32(0.05), 36)
+                d, the_min = _make_qkx_quants(31, x, weights, L, IMATRIX_SEARCH)
                 min_value = -the_min
             else:  # quantize_row_q5_1_ref
                 min_value = FLT_MAX

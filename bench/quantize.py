@@ -1,0 +1,92 @@
+"""Single-thread throughput of convert.quantize_q4k, per GGML type.
+
+Run from the repo root: .venv/bin/python bench/quantize.py [--rows 4096] [--n 4096] [--repeats 3]
+Prints M weights/s per type (best of --repeats, the first compiling call excluded) and, for
+Q4_K and Q6_K, the ratio to the speed of ggml's reference C quantizer on one core of the
+reference machine. Writes the same numbers to bench/out/quantize.json.
+"""
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from convert.quantize_q4k import dequantize, quantize  # noqa: E402
+
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"]
+IMATRIX_TYPES = {"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"}  # types whose output depends on it
+TARGET_MW_S = {"Q4_K": 11.0, "Q6_K": 16.0}  # ggml's C reference, one core
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def best_rate(fn, weights: int, repeats: int) -> float:
+    """M weights/s of the fastest of `repeats` calls."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return weights / best / 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--n", type=int, default=4096, help="row length (a multiple of 256)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "quantize.json")
+    args = parser.parse_args()
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((args.rows, args.n), dtype=np.float32)
+    imatrix = rng.random(args.n, dtype=np.float32) + np.float32(0.01)
+
+    results = {}
+    print(f"{args.rows}x{args.n} float32 weights, 1 thread, best of {args.repeats}")
+    print("M weights/s")
+    print(f"{'type':6} {'quantize':>10} {'+imatrix':>10} {'dequantize':>11}  {'target':>7} {'ratio':>6}")
+    for qtype in TYPES:
+        data = quantize(x[:2], qtype, imatrix)  # compile outside the timing
+        dequantize(data, qtype, args.n)
+        quantize(x[:2], qtype)
+        row = {"quantize": best_rate(lambda: quantize(x, qtype), x.size, args.repeats)}
+        if qtype in IMATRIX_TYPES:
+            row["quantize_imatrix"] = best_rate(lambda: quantize(x, qtype, imatrix), x.size, args.repeats)
+        data = quantize(x, qtype)
+        row["dequantize"] = best_rate(lambda: dequantize(data, qtype, args.n), x.size, args.repeats)
+        if qtype in TARGET_MW_S:
+            row["target"] = TARGET_MW_S[qtype]
+            row["ratio"] = row["quantize"] / row["target"]
+        results[qtype] = row
+        with_imatrix = f"{row['quantize_imatrix']:10.1f}" if "quantize_imatrix" in row else f"{'-':>10}"
+        target = f"{row['target']:7.1f} {row['ratio']:6.2f}" if "target" in row else f"{'-':>7} {'-':>6}"
+        print(f"{qtype:6} {row['quantize']:10.1f} {with_imatrix} {row['dequantize']:11.1f}  {target}")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "unit": "M weights/s, one thread, best of repeats",
+        "shape": [args.rows, args.n],
+        "repeats": args.repeats,
+        "machine": {"cpu": cpu_name(), "python": platform.python_version()},
+        "results": results,
+    }
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
