@@ -17,8 +17,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from formats.checkpoint import CheckpointError
     from formats.encodings import EncodingError
     from formats.layout import FormatError
+    from runtime.engine import BudgetError
+    from runtime.kv_cache import ContextOverflow
+    from runtime.text import TokenizerError
 
-    return ConfigError, ConvertError, CheckpointError, EncodingError, FormatError
+    return ConfigError, ConvertError, CheckpointError, EncodingError, FormatError, BudgetError, ContextOverflow, TokenizerError
 
 
 def _override(text: str) -> tuple[str, str]:
@@ -60,16 +63,31 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """The whole path on a tiny built-in model: build → convert → plan → run with stats."""
+    from colibri.run import format_plan, format_stats
     from convert.hf_to_colibri import ConvertOptions, convert, format_summary
     from convert.synthetic import write_checkpoint
+    from formats.layout import ModelLayout
+    from runtime import open_model
+    from runtime.memory import total_ram
+    from runtime.plan import measure_disk_bandwidth, plan
 
     source = os.path.join(args.dir, "source")
     out = os.path.join(args.dir, "model")
-    print(f"building a tiny {args.arch} checkpoint in {source}", flush=True)
+    print(f"1. building a tiny {args.arch} checkpoint (random weights, hub layout) in {source}", flush=True)
     write_checkpoint(source, args.arch)
-    print("converting it to Q4_K_M (the first run compiles the quantizers, ~30 s; later runs reuse numba's cache)", flush=True)
+    print("2. converting it to Q4_K_M (the first run compiles the kernels, ~30 s; later runs reuse numba's cache)", flush=True)
     summary = convert(source, out, ConvertOptions(quant="Q4_K_M", force=True, progress=False))
     print(format_summary(summary, out))
+    print("3. planning for this machine", flush=True)
+    layout = ModelLayout(out)
+    print(format_plan(plan(layout, total_ram(), ctx=512, disk_bw=measure_disk_bandwidth(layout)), out))
+    print("4. generating (greedy; the weights are random, so the text is too)", flush=True)
+    model = open_model(out, ctx=512)
+    for piece in model.generate("The river town woke slowly", max_tokens=args.max_tokens):
+        print(piece, end="", flush=True)
+    print()
+    print(format_stats(model.stats()))
     return 0
 
 
@@ -84,9 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_arguments(convert)
     convert.set_defaults(run=run_convert)
 
-    demo = commands.add_parser("demo", help="build a tiny built-in model and convert it (Q4_K_M)")
+    from colibri.run import add_plan_arguments, add_run_arguments, plan_command, run_command
+
+    run = commands.add_parser("run", help="generate text with a converted model (prompt, prompt file, chat or a folder of prompts)")
+    add_run_arguments(run)
+    run.set_defaults(run=run_command)
+
+    plan = commands.add_parser("plan", help="the RAM budget and expected speed for a model on this machine")
+    add_plan_arguments(plan)
+    plan.set_defaults(run=plan_command)
+
+    demo = commands.add_parser("demo", help="the whole path on a tiny built-in model: build, convert, plan, run")
     demo.add_argument("--dir", default="demo-out", help="working folder (default: %(default)s)")
     demo.add_argument("--arch", default="qwen3_moe", help="architecture of the tiny model (default: %(default)s)")
+    demo.add_argument("--max-tokens", type=int, default=24, help="tokens to generate (default: %(default)s)")
     demo.set_defaults(run=run_demo)
     return parser
 

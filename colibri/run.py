@@ -1,0 +1,199 @@
+"""`colibri run` and `colibri plan`: the runtime's command-line face."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from runtime.memory import format_size, parse_size
+
+PROMPT_SUFFIXES = (".txt", ".md", ".json")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="DIR", help="a converted model folder")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", metavar="TEXT", help="generate a continuation of TEXT")
+    source.add_argument("--prompt-file", type=Path, metavar="FILE", help="read the prompt from FILE")
+    source.add_argument("--chat", action="store_true", help="interactive chat on stdin, using the model's chat template")
+    source.add_argument("--prompt-dir", type=Path, metavar="IN",
+                        help="batch job: one output per prompt file in IN (.txt/.md plain, .json {\"messages\": [...]}); done ones are skipped")
+    p.add_argument("--out-dir", type=Path, metavar="OUT", help="where --prompt-dir writes IN's outputs (NAME.out.txt)")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--ctx", type=int, default=4096, help="context length in tokens; the KV cache is preallocated for it (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: %(default)s)")
+    p.add_argument("--ram-budget", type=_size, default=None, metavar="SIZE",
+                   help="RAM the runtime may use for weights, KV cache, expert cache and scratch, e.g. 24G (default: 80%% of RAM)")
+    p.add_argument("--expert-cache", type=_size, default=None, metavar="SIZE",
+                   help="bytes of hot experts kept in RAM, e.g. 4G (default: what the budget leaves)")
+    p.add_argument("--kv-quant", default="f16", choices=("f16", "q8_0", "f32"), help="KV cache storage (default: %(default)s)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p × the top probability (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    p.add_argument("--json", action="store_true", help="print the output and the run's numbers as one JSON object")
+    p.add_argument("--trace-routing", type=Path, metavar="FILE", help="write the experts chosen per token per layer (JSON lines)")
+
+
+def _sampling(args) -> dict:
+    return {"max_tokens": args.max_tokens, "temperature": args.temp, "top_k": args.top_k, "top_p": args.top_p,
+            "min_p": args.min_p, "seed": args.seed}
+
+
+def format_stats(stats: dict) -> str:
+    """One line of the numbers a run produced."""
+
+    def rate(v):
+        return "-" if v is None else f"{v:.2f}"
+
+    return (
+        f"[prompt {stats['prompt_tokens']} tok at {rate(stats['prompt_tok_per_s'])} tok/s, generated "
+        f"{stats['generated_tokens']} tok at {rate(stats['generation_tok_per_s'])} tok/s, first token "
+        f"{rate(stats['time_to_first_token_s'])} s, expert hit rate {stats['expert_hit_rate']:.1%}, "
+        f"{format_size(stats['expert_bytes_read_per_token'])} read/token, peak RSS {format_size(stats['peak_rss_bytes'])}]"
+    )
+
+
+def _prompt_of(path: Path):
+    if path.suffix == ".json":
+        messages = json.loads(path.read_text())
+        return messages["messages"] if isinstance(messages, dict) else messages
+    return path.read_text()
+
+
+def run_batch(model, args) -> int:
+    """The nightly batch job: each prompt file → one output; done ones skipped, failures isolated."""
+    if args.out_dir is None:
+        raise SystemExit("colibri run: error: --prompt-dir needs --out-dir")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    inputs = sorted(p for p in args.prompt_dir.iterdir() if p.is_file() and p.suffix in PROMPT_SUFFIXES)
+    done = skipped = 0
+    failed = []
+    for path in inputs:
+        target = args.out_dir / f"{path.stem}.out.txt"
+        if target.exists():
+            skipped += 1
+            continue
+        try:
+            text = "".join(model.generate(_prompt_of(path), **_sampling(args)))
+            partial = target.with_name(target.name + ".partial")
+            partial.write_text(text)
+            partial.replace(target)
+            done += 1
+            print(f"{path.name}: {model.timings['generated_tokens']} tokens", file=sys.stderr)
+        except Exception as e:  # one bad prompt must not stop the night's job
+            failed.append(path.name)
+            print(f"{path.name}: failed: {type(e).__name__}: {e}", file=sys.stderr)
+            if args.debug:
+                traceback.print_exc()
+    summary = {"inputs": len(inputs), "written": done, "skipped_done": skipped, "failed": failed}
+    print(json.dumps(summary) if args.json else
+          f"batch: {len(inputs)} prompts, {done} written, {skipped} already done, {len(failed)} failed"
+          + (f" ({', '.join(failed)})" if failed else ""))
+    return 1 if failed else 0
+
+
+def run_chat(model, args) -> int:
+    messages = []
+    print("chat: type a message, an empty line or Ctrl-D ends", file=sys.stderr)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line.strip()})
+        reply = []
+        for piece in model.generate(messages, **_sampling(args)):
+            reply.append(piece)
+            print(piece, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from runtime import open_model
+
+    model = open_model(args.model, threads=args.threads, ctx=args.ctx, ram_budget=args.ram_budget,
+                       expert_cache=args.expert_cache, kv_quant=args.kv_quant)
+    trace = open(args.trace_routing, "w") if args.trace_routing else None
+    if trace:
+        model.trace_routing(trace)
+    try:
+        if args.prompt_dir:
+            return run_batch(model, args)
+        if args.chat:
+            return run_chat(model, args)
+        prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
+        pieces = []
+        for piece in model.generate(prompt, **_sampling(args)):
+            pieces.append(piece)
+            if not args.json:
+                print(piece, end="", flush=True)
+        stats = model.stats()
+        if args.json:
+            print(json.dumps({"output": "".join(pieces), "stats": stats}))
+        else:
+            print()
+            print(format_stats(stats), file=sys.stderr)
+        return 0
+    finally:
+        if trace:
+            trace.close()
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="DIR", help="a converted model folder")
+    p.add_argument("--ram", type=_size, required=True, metavar="SIZE", help="the machine's RAM, e.g. 32G")
+    p.add_argument("--ctx", type=int, default=None, help="context length (default: the largest power of two whose KV cache takes at most a quarter of the free RAM)")
+    p.add_argument("--kv-quant", default="f16", choices=("f16", "q8_0", "f32"), help="KV cache storage (default: %(default)s)")
+    p.add_argument("--disk-bw", default=None, metavar="GB/s|measure",
+                   help="the disk's read bandwidth in GB/s, or 'measure' to read the model's expert files cold (default: not used)")
+    p.add_argument("--hit-rate", type=float, default=None, help="expected expert cache hit rate 0..1 (default: cache share of all experts)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    from formats.layout import ModelLayout
+    from runtime.plan import measure_disk_bandwidth, plan
+
+    layout = ModelLayout(args.model)
+    disk_bw = None
+    if args.disk_bw == "measure":
+        disk_bw = measure_disk_bandwidth(layout)
+    elif args.disk_bw is not None:
+        disk_bw = float(args.disk_bw) * 1e9
+    p = plan(layout, args.ram, args.ctx, args.kv_quant, disk_bw=disk_bw, hit_rate=args.hit_rate)
+    print(json.dumps(p, indent=1) if args.json else format_plan(p, args.model))
+    return 0 if p["fits"] else 1
+
+
+def format_plan(p: dict, model) -> str:
+    """The budget table of `runtime.plan.plan` for people."""
+    rows = [("resident weights (always in RAM)", p["resident_bytes"]), (f"KV cache (--ctx {p['ctx']}, {p['kv_quant']})", p["kv_cache_bytes"]),
+            ("expert cache (recommended --expert-cache)", p["expert_cache_bytes"]), ("scratch", p["scratch_bytes"]),
+            ("runtime (Python, numba, kernels)", p["runtime_bytes"]), ("OS and page cache reserve (15%)", p["os_reserve_bytes"])]
+    lines = [f"plan for {model} in {format_size(p['ram'])} of RAM"]
+    lines += [f"  {label:<44} {format_size(nbytes):>10}" for label, nbytes in rows]
+    lines.append(f"  {'all routed experts on disk':<44} {format_size(p['all_experts_bytes']):>10}")
+    lines.append(f"  expert bytes per token {format_size(p['expert_bytes_per_token'])}, hit rate {p['hit_rate']:.0%} → "
+                 f"{format_size(p['streamed_bytes_per_token'])} read from disk per token")
+    disk = f"disk {p['disk_bandwidth'] / 1e9:.2f} GB/s" if p["disk_bandwidth"] else "disk speed not given (--disk-bw)"
+    lines.append(f"  {disk}, memory {p['memory_bandwidth'] / 1e9:.1f} GB/s → decode ceiling "
+                 f"{p['ceiling_tok_per_s']:.2f} tok/s ({p['bound_by']}-bound)")
+    if not p["fits"]:
+        lines.append("  does NOT fit: lower --ctx, use --kv-quant q8_0, or add RAM")
+    else:
+        lines.append(f"  recommended: colibri run --model {model} --ram-budget {format_size(p['ram'] - p['os_reserve_bytes'])} "
+                     f"--expert-cache {format_size(p['expert_cache_bytes'])} --ctx {p['ctx']}")
+    return "\n".join(lines)

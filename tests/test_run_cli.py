@@ -1,0 +1,177 @@
+"""`colibri run` and `colibri plan` end to end on tiny converted models."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from colibri.cli import main
+from convert.hf_to_colibri import ConvertOptions, convert
+from convert.synthetic import write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    src = write_checkpoint(root / "src", "qwen3_moe")
+    convert(str(src), root / "model", ConvertOptions(quant="Q8_0", progress=False))
+    return root / "model"
+
+
+def run(argv, capsys):
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_prompt_json_gives_output_and_stats(model_dir, capsys):
+    code, out, err = run(["run", "--model", str(model_dir), "--prompt", "The river", "--max-tokens", "8", "--json", "--ram-budget", "2G"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    stats = result["stats"]
+    for key in ("prompt_tok_per_s", "generation_tok_per_s", "time_to_first_token_s", "expert_hit_rate",
+                "expert_bytes_read_per_token", "peak_rss_bytes"):
+        assert key in stats
+    assert stats["prompt_tokens"] > 0 and 0 < stats["generated_tokens"] <= 8
+    assert isinstance(result["output"], str)
+
+
+def test_greedy_run_is_deterministic_and_prints_stats(model_dir, capsys):
+    argv = ["run", "--model", str(model_dir), "--prompt", "Fishermen pulled", "--max-tokens", "6"]
+    first = run(argv, capsys)
+    second = run(argv, capsys)
+    assert first[0] == 0 and first[1] == second[1]
+    assert "tok/s" in first[2] and "hit rate" in first[2] and "peak RSS" in first[2]
+
+
+def test_trace_routing_writes_one_line_per_token_per_moe_layer(model_dir, tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    code, out, err = run(["run", "--model", str(model_dir), "--prompt", "hello there", "--max-tokens", "4", "--json",
+                          "--trace-routing", str(trace)], capsys)
+    assert code == 0, err
+    manifest = json.loads((model_dir / "colibri.json").read_text())
+    config = manifest["config"]
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    stats = json.loads(out)["stats"]
+    tokens = stats["prompt_tokens"] + stats["generated_tokens"]
+    assert len(records) == tokens * len(config["moe_layers"])
+    for r in records:
+        assert r["layer"] in config["moe_layers"] and len(r["experts"]) == config["n_experts_used"]
+        assert all(0 <= e < config["n_experts"] for e in r["experts"]) and len(r["weights"]) == len(r["experts"])
+    assert sorted({r["position"] for r in records}) == list(range(tokens))
+
+
+def test_prompt_dir_skips_done_and_isolates_failures(model_dir, tmp_path, capsys):
+    inputs, outputs = tmp_path / "in", tmp_path / "out"
+    inputs.mkdir()
+    (inputs / "a.txt").write_text("The baker opened")
+    (inputs / "b.json").write_text(json.dumps({"messages": [{"role": "user", "content": "Hello"}]}))
+    (inputs / "c.json").write_text("{ not json")
+    argv = ["run", "--model", str(model_dir), "--prompt-dir", str(inputs), "--out-dir", str(outputs), "--max-tokens", "4"]
+    code, out, err = run(argv, capsys)
+    assert code == 1 and "c.json: failed" in err and "2 written" in out and "1 failed" in out
+    assert (outputs / "a.out.txt").exists() and (outputs / "b.out.txt").exists() and not (outputs / "c.out.txt").exists()
+    before = (outputs / "a.out.txt").stat().st_mtime_ns
+    code, out, err = run(argv, capsys)
+    assert "0 written, 2 already done, 1 failed" in out
+    assert (outputs / "a.out.txt").stat().st_mtime_ns == before
+
+
+def test_hostile_chat_template_is_refused(model_dir, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    hostile = tmp_path / "hostile"
+    shutil.copytree(model_dir, hostile)
+    (hostile / "chat_template.jinja").write_text("{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    (inputs / "x.json").write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    code, out, err = run(["run", "--model", str(hostile), "--prompt-dir", str(inputs), "--out-dir", str(tmp_path / "o")], capsys)
+    assert code == 1 and "refused" in err and "chat_template.jinja" in err
+
+
+def test_missing_and_corrupt_manifest(model_dir, tmp_path, capsys):
+    code, out, err = run(["run", "--model", str(tmp_path), "--prompt", "x"], capsys)
+    assert code == 1 and "colibri.json" in err and "unfinished conversion" in err
+    (tmp_path / "colibri.json").write_text("{}")
+    code, out, err = run(["run", "--model", str(tmp_path), "--prompt", "x"], capsys)
+    assert code == 1 and "invalid manifest" in err and err.count("\n") == 1
+
+
+def test_context_overflow_is_a_clear_error(model_dir, capsys):
+    code, out, err = run(["run", "--model", str(model_dir), "--prompt", "word " * 40, "--ctx", "16"], capsys)
+    assert code == 1 and "context full" in err and "--ctx 16" in err
+
+
+def test_generation_stops_at_ctx(model_dir, capsys):
+    code, out, err = run(["run", "--model", str(model_dir), "--prompt", "a b", "--ctx", "12", "--max-tokens", "100", "--json"], capsys)
+    assert code == 0, err
+    stats = json.loads(out)["stats"]
+    assert stats["prompt_tokens"] + stats["generated_tokens"] <= 12
+
+
+def test_budget_too_small_gives_the_numbers(model_dir, capsys):
+    code, out, err = run(["run", "--model", str(model_dir), "--prompt", "x", "--ram-budget", "10M"], capsys)
+    assert code == 1 and "--ram-budget" in err and "needs at least" in err
+
+
+def test_plan_table_and_json(model_dir, capsys):
+    code, out, err = run(["plan", "--model", str(model_dir), "--ram", "2G", "--disk-bw", "2.5"], capsys)
+    assert code == 0, err
+    assert "resident weights" in out and "KV cache" in out and "decode ceiling" in out and "--expert-cache" in out
+    code, out, err = run(["plan", "--model", str(model_dir), "--ram", "2G", "--ctx", "1024", "--disk-bw", "measure", "--json"], capsys)
+    plan = json.loads(out)
+    assert code == 0 and plan["ctx"] == 1024 and plan["disk_bandwidth"] > 0 and plan["ceiling_tok_per_s"] > 0
+
+
+def test_rss_stays_in_budget_while_streaming(tmp_path):
+    """2,000 generated tokens with experts larger than the expert cache: RSS ≤ budget + 10%, no growth."""
+    src = write_checkpoint(tmp_path / "src", "mixtral")
+    convert(str(src), tmp_path / "model", ConvertOptions(quant="Q4_K_M", progress=False))
+    script = f"""
+import json, numpy as np
+from runtime import open_model
+from runtime.memory import current_rss
+m = open_model({str(tmp_path / 'model')!r}, ctx=2100, ram_budget="700M", expert_cache="400K", kv_quant="f16")
+assert m.store.cache_bytes < sum(t.stride * t.count for t in m.layout.expert_layers.values())
+token, samples = 1, []
+logits = m.prefill([1, 2, 3])[-1]
+for step in range(2000):
+    token = int(np.argmax(logits))
+    logits = m.decode(token)
+    if step % 100 == 0:
+        samples.append(current_rss())
+print(json.dumps({{"samples": samples, "stats": m.stats()}}))
+"""
+    # a first short run fills numba's cache, so the measured run pays no JIT-compilation memory
+    warm = subprocess.run([sys.executable, "-c", script.replace("range(2000)", "range(2)")], capture_output=True, text=True, timeout=600)
+    assert warm.returncode == 0, warm.stderr
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    budget = 700 << 20
+    assert result["stats"]["peak_rss_bytes"] <= budget * 1.1
+    assert result["stats"]["expert_misses"] > 0 and result["stats"]["expert_evictions"] > 0
+    warm = result["samples"][2:]
+    assert max(warm) - min(warm) < 16 << 20, warm  # no growth after warm-up
+
+
+def test_chat_reads_turns_from_stdin(model_dir):
+    command = [sys.executable, "-m", "colibri.cli", "run", "--model", str(model_dir), "--chat", "--max-tokens", "3"]
+    done = subprocess.run(command, input="Hello\nAnd again\n\n", capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("\n") == 2  # one reply line per turn
+
+
+@pytest.mark.parametrize("kind, min_cos", [("f16", 0.9999), ("q8_0", 0.999)])
+def test_quantized_kv_cache_stays_close_to_f32(model_dir, kind, min_cos):
+    from runtime import open_model
+
+    ids = list(range(5, 45))
+    reference = open_model(model_dir, ctx=64, kv_quant="f32").prefill(ids)
+    got = open_model(model_dir, ctx=64, kv_quant=kind).prefill(ids)
+    cos = (got * reference).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(reference, axis=-1))
+    assert cos.min() >= min_cos
+    assert open_model(model_dir, ctx=64, kv_quant=kind).cache.nbytes < open_model(model_dir, ctx=64, kv_quant="f32").cache.nbytes
