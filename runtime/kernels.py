@@ -257,7 +257,8 @@ def _prefetch(typingctx, array, byte_offset):
 
     def codegen(context, builder, signature, args):
         e = _Emitter(context, builder)
-        e.prefetch(e.pointer(signature.args[0], args[0], context.cast(builder, args[1], signature.args[1], types.int64)))
+        offset = context.cast(builder, args[1], signature.args[1], types.int64)
+        e.prefetch(e.pointer(signature.args[0], args[0], offset))
         return context.get_dummy_value()
 
     return types.void(array, byte_offset), codegen
