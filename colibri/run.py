@@ -38,6 +38,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-cache", type=_size, default=None, metavar="SIZE",
                    help="bytes of hot experts kept in RAM, e.g. 4G (default: what the budget leaves)")
     p.add_argument("--kv-quant", default="f16", choices=("f16", "q8_0", "f32"), help="KV cache storage (default: %(default)s)")
+    p.add_argument("--cache-policy", default="lru", choices=("lru", "lfru"),
+                   help="expert cache eviction: least recently used, or frequency with ageing (default: %(default)s)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
@@ -125,7 +127,7 @@ def run_command(args: argparse.Namespace) -> int:
     from runtime import open_model
 
     model = open_model(args.model, threads=args.threads, ctx=args.ctx, ram_budget=args.ram_budget,
-                       expert_cache=args.expert_cache, kv_quant=args.kv_quant)
+                       expert_cache=args.expert_cache, kv_quant=args.kv_quant, cache_policy=args.cache_policy)
     trace = open(args.trace_routing, "w") if args.trace_routing else None
     if trace:
         model.trace_routing(trace)

@@ -38,55 +38,68 @@ class LRUPolicy:
         return next((k for k in self.order if k not in protected), None)
 
 
-POLICIES = {"lru": LRUPolicy}
+class FrequencyRecencyPolicy:
+    """Frequency with exponential ageing: each use adds 1 to a score that halves every
+    `half_life` requests; evict the lowest score. Hot experts survive a burst of cold
+    ones (which plain LRU lets flush the cache), yet old popularity fades."""
+
+    name = "lfru"
+
+    def __init__(self, half_life: float = 2048.0):
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.clock = 0
+        self.score: dict[Key, tuple[float, int]] = {}  # key → (score at last use, time of last use)
+
+    def _current(self, key: Key) -> float:
+        score, last = self.score[key]
+        return score * self.decay ** (self.clock - last)
+
+    def touch(self, key: Key) -> None:
+        self.clock += 1
+        self.score[key] = ((self._current(key) if key in self.score else 0.0) + 1.0, self.clock)
+
+    def forget(self, key: Key) -> None:
+        self.score.pop(key, None)
+
+    def victim(self, protected: set[Key]) -> Key | None:
+        candidates = (k for k in self.score if k not in protected)
+        return min(candidates, key=self._current, default=None)
 
 
-class ExpertStore:
-    def __init__(self, layout: ModelLayout, cache_bytes: int, max_batch_experts: int, policy: str = "lru"):
-        self.layout = layout
-        self.tables = layout.expert_layers
-        self.record_bytes = max((t.expert_bytes for t in self.tables.values()), default=0)
-        self.capacity = cache_bytes // self.record_bytes if self.record_bytes else 0
-        scratch = max_batch_experts if self.capacity < max_batch_experts else 0
-        # slots [0, capacity) cache experts; the rest are scratch for a request larger than the cache
-        self.slab = np.empty((self.capacity + scratch, self.record_bytes), dtype=np.uint8)
-        self.slot_of: dict[Key, int] = {}
-        self.free = list(range(self.capacity - 1, -1, -1))
+POLICIES = {"lru": LRUPolicy, "lfru": FrequencyRecencyPolicy}
+
+
+class CacheIndex:
+    """Which expert sits in which cache slot, decided by a policy; counts hits and misses.
+
+    Separate from the I/O so that `bench/policy.py` can replay routing traces through the
+    very same bookkeeping the runtime uses.
+    """
+
+    def __init__(self, capacity: int, policy: str = "lru"):
+        self.capacity = capacity
         self.policy = POLICIES[policy]()
-        self.fds = {t.file: os.open(layout.path(t.file), os.O_RDONLY) for t in self.tables.values()}
-        self.hits = self.misses = self.bytes_read = self.evictions = 0
+        self.slot_of: dict[Key, int] = {}
+        self.free = list(range(capacity - 1, -1, -1))
+        self.hits = self.misses = self.evictions = 0
 
-    @property
-    def cache_bytes(self) -> int:
-        return self.capacity * self.record_bytes
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
-
-    def fetch(self, layer: int, experts) -> list[np.ndarray]:
-        """The records of `experts` of `layer`, in the order asked; misses are read in file order."""
-        keys = [(layer, int(e)) for e in experts]
+    def place(self, keys) -> list[tuple[Key, int | None, bool]]:
+        """(key, slot or None when it cannot be cached, hit) for each distinct key, in file order."""
         protected = set(keys)
-        records: dict[Key, np.ndarray] = {}
-        scratch = iter(range(self.capacity, self.slab.shape[0]))
-        for key in sorted(protected):  # file order: experts are stored by index
-            if key in self.slot_of:
+        placed = []
+        for key in sorted(protected):  # experts are stored by index: sorted is file order
+            hit = key in self.slot_of
+            if hit:
                 self.hits += 1
-                slot = self.slot_of[key]
             else:
                 self.misses += 1
                 slot = self._claim_slot(protected)
-                if slot is None:
-                    slot = next(scratch)
-                else:
+                if slot is not None:
                     self.slot_of[key] = slot
-                self._read(key, self.slab[slot])
             if key in self.slot_of:
                 self.policy.touch(key)
-            records[key] = self.slab[slot, : self.tables[layer].expert_bytes]
-        return [records[k] for k in keys]
+            placed.append((key, self.slot_of.get(key), hit))
+        return placed
 
     def _claim_slot(self, protected: set[Key]) -> int | None:
         if self.free:
@@ -98,6 +111,42 @@ class ExpertStore:
         self.evictions += 1
         return self.slot_of.pop(victim)
 
+
+class ExpertStore:
+    def __init__(self, layout: ModelLayout, cache_bytes: int, max_batch_experts: int, policy: str = "lru"):
+        self.layout = layout
+        self.tables = layout.expert_layers
+        self.record_bytes = max((t.expert_bytes for t in self.tables.values()), default=0)
+        capacity = cache_bytes // self.record_bytes if self.record_bytes else 0
+        self.index = CacheIndex(capacity, policy)
+        scratch = max_batch_experts if capacity < max_batch_experts else 0
+        # slots [0, capacity) cache experts; the rest are scratch for a request larger than the cache
+        self.slab = np.empty((capacity + scratch, self.record_bytes), dtype=np.uint8)
+        self.fds = {t.file: os.open(layout.path(t.file), os.O_RDONLY) for t in self.tables.values()}
+        self.bytes_read = 0
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.index.capacity * self.record_bytes
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def fetch(self, layer: int, experts) -> list[np.ndarray]:
+        """The records of `experts` of `layer`, in the order asked; misses are read in file order."""
+        keys = [(layer, int(e)) for e in experts]
+        scratch = iter(range(self.index.capacity, self.slab.shape[0]))
+        records: dict[Key, np.ndarray] = {}
+        for key, slot, hit in self.index.place(keys):
+            if slot is None:
+                slot = next(scratch)
+            if not hit:
+                self._read(key, self.slab[slot])
+            records[key] = self.slab[slot, : self.tables[layer].expert_bytes]
+        return [records[k] for k in keys]
+
     def _read(self, key: Key, buffer: np.ndarray) -> None:
         layer, expert = key
         table = self.tables[layer]
@@ -108,14 +157,15 @@ class ExpertStore:
         self.bytes_read += got
 
     def stats(self) -> dict:
-        lookups = self.hits + self.misses
+        index = self.index
+        lookups = index.hits + index.misses
         return {
             "expert_cache_bytes": self.cache_bytes,
-            "expert_cache_slots": self.capacity,
-            "expert_hits": self.hits,
-            "expert_misses": self.misses,
-            "expert_hit_rate": self.hits / lookups if lookups else 0.0,
+            "expert_cache_slots": index.capacity,
+            "expert_hits": index.hits,
+            "expert_misses": index.misses,
+            "expert_hit_rate": index.hits / lookups if lookups else 0.0,
             "expert_bytes_read": self.bytes_read,
-            "expert_evictions": self.evictions,
-            "cache_policy": self.policy.name,
+            "expert_evictions": index.evictions,
+            "cache_policy": index.policy.name,
         }

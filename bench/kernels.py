@@ -1,0 +1,142 @@
+"""Benchmark: GB/s of weight bytes through the runtime kernels, against memory bandwidth.
+
+Measures the machine's memory bandwidth (a numpy copy, read + written bytes; a numpy sum; and
+a numba read-only reduction with 1 and with all threads, the ceiling a streaming kernel can
+reach), then `matvec` for each encoding with 1 and all threads, fast (int8 activations) and
+exact (float32) paths, and `matmul` with n=64, on matrices larger than the last-level cache.
+Prints a table with each result as a fraction of the read bandwidth at the same thread count
+and writes bench/out/kernels.json. Every number is the median of --repeat runs.
+
+    python bench/kernels.py [--mb 1024] [--repeat 7] [--encodings Q4_K Q6_K Q8_0 BF16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from convert.quantize_q4k import quantize  # noqa: E402
+from formats.encodings import row_bytes  # noqa: E402
+from runtime import kernels  # noqa: E402
+
+COLS = 4096
+MATMUL_N = 64
+
+
+def median_seconds(run, repeat: int) -> float:
+    run()  # compile, and fault the pages in
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _read_all(words, nthreads):
+    """XOR of every word, each thread over one contiguous range: a pure read stream."""
+    partial = np.zeros(nthreads, np.uint64)
+    for t in prange(nthreads):
+        part = words[words.size * t // nthreads:words.size * (t + 1) // nthreads]
+        acc = np.uint64(0)
+        for i in range(part.size):  # indices from 0: no negative-index checks, vectorized
+            acc ^= part[i]
+        partial[t] = acc
+    return partial
+
+
+def memory_bandwidth(nbytes: int, repeat: int, thread_counts) -> dict:
+    a = np.ones(nbytes // 4, np.float32)
+    b = np.empty_like(a)
+    result = {
+        "copy_gbs": 2 * a.nbytes / median_seconds(lambda: np.copyto(b, a), repeat) / 1e9,
+        "numpy_sum_gbs": a.nbytes / median_seconds(lambda: a.sum(), repeat) / 1e9,
+    }
+    del b
+    words = a.view(np.uint64)
+    for n in thread_counts:
+        kernels.set_threads(n)
+        result[f"read_{n}t_gbs"] = a.nbytes / median_seconds(lambda: _read_all(words, n), repeat) / 1e9
+    return result
+
+
+def weight_bytes(encoding: str, rows: int, cols: int) -> np.ndarray:
+    """rows x cols weights in `encoding`: 256 random rows quantized by the project's
+    quantizer, tiled (real block contents, no denormals, quick to make)."""
+    sample = np.random.default_rng(0).standard_normal((256, cols)).astype(np.float32)
+    tile = quantize(sample, encoding).reshape(-1)
+    return np.resize(tile, rows * row_bytes(encoding, cols))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mb", type=int, default=1024, help="matvec matrix size (default 1024; above the L3 size)")
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--encodings", nargs="+", default=["Q4_K", "Q6_K", "Q8_0", "BF16"])
+    args = parser.parse_args()
+
+    if os.getloadavg()[0] > 0.5:
+        print(f"warning: load average {os.getloadavg()[0]:.2f}: other processes share the cores and the memory "
+              "bus, the numbers below will be low and noisy", file=sys.stderr)
+    all_threads = numba.config.NUMBA_NUM_THREADS
+    thread_counts = sorted({1, all_threads})
+    bandwidth = memory_bandwidth(args.mb << 20, args.repeat, thread_counts)
+    print(f"memory: copy {bandwidth['copy_gbs']:.1f} GB/s (read + write), numpy sum "
+          f"{bandwidth['numpy_sum_gbs']:.1f} GB/s, read " +
+          ", ".join(f"{bandwidth[f'read_{n}t_gbs']:.1f} GB/s ({n} thread{'s' * (n > 1)})" for n in thread_counts))
+
+    results = []
+    print(f"\n{'op':<10}{'encoding':<9}{'path':<7}{'threads':>8}{'GB/s':>8}{'of read bw':>12}")
+    for encoding in args.encodings:
+        paths = ("fast", "exact") if encoding in kernels.FAST_ENCODINGS else ("exact",)
+        for op, mb in (("matvec", args.mb), (f"matmul{MATMUL_N}", max(16, args.mb // 16))):
+            rows = (mb << 20) // row_bytes(encoding, COLS)
+            w = weight_bytes(encoding, rows, COLS)
+            x = np.random.default_rng(1).standard_normal((MATMUL_N if op != "matvec" else 1, COLS)).astype(np.float32)
+            for path in paths:
+                for n in thread_counts:
+                    kernels.set_threads(n)
+                    if op == "matvec":
+                        def run():
+                            kernels.matvec(w, encoding, rows, COLS, x[0], exact=path == "exact")
+                    else:
+                        def run():
+                            kernels.matmul(w, encoding, rows, COLS, x, exact=path == "exact")
+                    seconds = median_seconds(run, args.repeat if op == "matvec" else max(3, args.repeat // 2))
+                    gbs = w.nbytes / seconds / 1e9
+                    fraction = gbs / bandwidth[f"read_{n}t_gbs"]
+                    results.append({"op": op, "encoding": encoding, "path": path, "threads": n, "rows": rows,
+                                    "cols": COLS, "matrix_mb": w.nbytes / 2**20, "seconds": seconds,
+                                    "gbs": gbs, "fraction_of_read_bw": fraction})
+                    print(f"{op:<10}{encoding:<9}{path:<7}{n:>8}{gbs:>8.2f}{fraction:>11.0%}", flush=True)
+            del w
+
+    out = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "numba": numba.__version__, "threading_layer": numba.threading_layer(),
+                    "load_average": os.getloadavg()},
+        "memory_bandwidth": bandwidth,
+        "results": results,
+    }
+    path = ROOT / "bench" / "out" / "kernels.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\nthreading layer: {numba.threading_layer()}; wrote {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""runtime.kernels against gguf's decoder and float64 products.
+
+Weights are random rows quantized by our ggml-identical quantizer; the reference decodes
+them with `gguf.quants.dequantize` and multiplies in float64. The exact path must agree to
+1e-5 of the output's largest magnitude, the int8 fast path to `FAST_PATH_TOLERANCE`.
+"""
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import gguf
+import numba
+import numpy as np
+import pytest
+
+from convert.quantize_q4k import quantize
+from formats.encodings import ENCODINGS
+from runtime import kernels
+
+EXACT_TOLERANCE = 1e-5
+ROWS = 37  # not a multiple of the thread count
+# A row length per encoding, 256 to 2048 weights; 288 is not a whole number of 256-chunks.
+COLS = {"F32": 288, "F16": 256, "BF16": 2048, "Q8_0": 288, "Q5_0": 1056, "Q5_1": 288,
+        "Q4_K": 2048, "Q5_K": 256, "Q6_K": 1280}
+
+
+def random_weights(encoding, rows, cols, seed=0):
+    """(bytes [rows, row_bytes], float64 decoding of them by gguf)."""
+    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    w = quantize(values, encoding)
+    return w, gguf.quants.dequantize(w, gguf.GGMLQuantizationType[encoding]).astype(np.float64)
+
+
+def relative_error(got, want):
+    return np.abs(got - want).max() / np.abs(want).max()
+
+
+@pytest.fixture(scope="module", params=ENCODINGS)
+def matrix(request):
+    encoding = request.param
+    w, reference = random_weights(encoding, ROWS, COLS[encoding])
+    return encoding, w, reference
+
+
+@pytest.fixture(scope="module")
+def activations():
+    return np.random.default_rng(1).standard_normal((17, 2048)).astype(np.float32)
+
+
+def test_dequantize_rows_is_bit_identical_to_gguf(matrix):
+    encoding, w, reference = matrix
+    rows = kernels.dequantize_rows(w, encoding, reference.shape[1], 5, 30)
+    assert rows.dtype == np.float32 and rows.shape == (30, reference.shape[1])
+    assert np.array_equal(rows, reference[5:35].astype(np.float32))
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "fast"])
+def test_products_match_float64(matrix, activations, exact):
+    encoding, w, reference = matrix
+    cols = reference.shape[1]
+    tolerance = kernels.FAST_PATH_TOLERANCE if not exact and encoding in kernels.FAST_ENCODINGS else EXACT_TOLERANCE
+    x = activations[:, :cols]
+    y = kernels.matvec(w, encoding, ROWS, cols, x[0], exact=exact)
+    assert y.dtype == np.float32 and y.shape == (ROWS,)
+    assert relative_error(y, reference @ x[0]) <= tolerance
+    for n in (1, 3, 17):
+        y = kernels.matmul(w, encoding, ROWS, cols, x[:n], exact=exact)
+        assert y.dtype == np.float32 and y.shape == (n, ROWS)
+        assert relative_error(y, x[:n].astype(np.float64) @ reference.T) <= tolerance
+
+
+def test_fast_path_is_not_the_exact_path(activations):
+    w, _ = random_weights("Q4_K", ROWS, 256)
+    fast, exact = (kernels.matvec(w, "Q4_K", ROWS, 256, activations[0, :256], exact=e) for e in (False, True))
+    assert not np.array_equal(fast, exact)
+
+
+def test_results_do_not_depend_on_the_thread_count(activations):
+    w, _ = random_weights("Q4_K", ROWS, 2048)
+    before = numba.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            kernels.set_threads(threads)
+            results.append([kernels.matmul(w, "Q4_K", ROWS, 2048, activations[:3], exact=e) for e in (False, True)])
+    finally:
+        kernels.set_threads(before)
+    for one, two in zip(*results):
+        np.testing.assert_array_equal(one, two)
+
+
+def expert_records(encodings, ffn, hidden, k, seed=0):
+    """k expert records (gate, up, down back to back, padded to 4096 bytes, as in the
+    layout) and their float64 matrices."""
+    shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
+    matrices, blobs = [], []
+    for j in range(k):
+        parts = [random_weights(encoding, *shape, seed=seed + 3 * j + m)
+                 for m, (encoding, shape) in enumerate(zip(encodings, shapes))]
+        blobs.append(b"".join(part.tobytes() for part, _ in parts))
+        matrices.append([reference for _, reference in parts])
+    offsets = (0, len(parts[0][0].tobytes()), len(parts[0][0].tobytes()) + len(parts[1][0].tobytes()))
+    stride = -(-len(blobs[0]) // 4096) * 4096
+    records = np.zeros((k, stride), np.uint8)
+    for j, blob in enumerate(blobs):
+        records[j, :len(blob)] = np.frombuffer(blob, np.uint8)
+    return records, offsets, matrices
+
+
+def expert_reference(matrices, x):
+    gate, up, down = matrices
+    g, u = x @ gate.T, x @ up.T
+    return (g / (1 + np.exp(-g)) * u) @ down.T
+
+
+# (gate, up, down) encodings, ffn, hidden, exact: the Q4_K_M choice on both paths, the
+# fallback block types, and float weights mixed with int8 activations.
+EXPERTS = [(("Q4_K", "Q4_K", "Q6_K"), 512, 768, False), (("Q4_K", "Q4_K", "Q6_K"), 512, 768, True),
+           (("Q8_0", "Q5_1", "Q5_0"), 96, 288, False), (("BF16", "Q4_K", "F16"), 256, 256, False)]
+
+
+@pytest.mark.parametrize("encodings, ffn, hidden, exact", EXPERTS,
+                         ids=["-".join(e[0]) + ("-exact" if e[3] else "-fast") for e in EXPERTS])
+def test_moe_experts_match_reference(encodings, ffn, hidden, exact):
+    k = 3
+    records, offsets, matrices = expert_records(encodings, ffn, hidden, k)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(hidden).astype(np.float32)
+    weights = rng.random(k).astype(np.float32)
+    want = sum(weights[j] * expert_reference(matrices[j], x.astype(np.float64)) for j in range(k))
+    got = kernels.moe_experts(records, encodings, offsets, ffn, hidden, x, weights, exact=exact)
+    assert got.dtype == np.float32 and got.shape == (hidden,)
+    # two products in a row: the int8 path's errors add up
+    assert relative_error(got, want) <= (EXACT_TOLERANCE if exact else 2 * kernels.FAST_PATH_TOLERANCE)
+
+    for n in (1, 3):
+        xs = rng.standard_normal((n, hidden)).astype(np.float32)
+        got = kernels.moe_experts_batch(records[1], encodings, offsets, ffn, hidden, xs, exact=exact)
+        assert got.dtype == np.float32 and got.shape == (n, hidden)
+        want = expert_reference(matrices[1], xs.astype(np.float64))
+        assert relative_error(got, want) <= (EXACT_TOLERANCE if exact else 2 * kernels.FAST_PATH_TOLERANCE)
+
+
+def test_bad_arguments_are_refused():
+    w, _ = random_weights("Q8_0", 4, 64)
+    with pytest.raises(ValueError, match="shape"):
+        kernels.matvec(w, "Q8_0", 4, 64, np.zeros(32, np.float32))
+    with pytest.raises(ValueError, match="bytes"):
+        kernels.matvec(w, "Q8_0", 5, 64, np.zeros(64, np.float32))
+    with pytest.raises(ValueError, match="multiple"):
+        kernels.matvec(w, "Q8_0", 4, 48, np.zeros(48, np.float32))
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.moe_experts(np.zeros((2, 100), np.uint8), ("Q8_0",) * 3, (0, 0, 0), 32, 32,
+                            np.zeros(32, np.float32), np.ones(2, np.float32))
+
+
+def test_set_threads_warns_once_about_workqueue(monkeypatch):
+    monkeypatch.setattr(kernels.numba, "threading_layer", lambda: "workqueue")
+    monkeypatch.setattr(kernels, "_warned_workqueue", False)
+    with pytest.warns(RuntimeWarning, match="workqueue"):
+        kernels.set_threads(numba.get_num_threads())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernels.set_threads(numba.get_num_threads())
+
+
+PORTABLE_PRODUCTS = """
+import numpy as np
+from runtime import kernels
+x = np.load("x.npy")
+for encoding in ("Q4_K", "Q8_0"):
+    w = np.load(f"{encoding}.npy")
+    np.save(f"{encoding}-product.npy", kernels.matvec(w, encoding, w.shape[0], x.size, x))
+"""
+
+
+@pytest.mark.slow
+def test_portable_ir_matches_the_native_kernels(tmp_path):
+    """The int8 kernels built for a CPU without AVX2 or F16C (portable vector IR) give the
+    same products as the native ones."""
+    x = np.random.default_rng(1).standard_normal(512).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    weights = {encoding: random_weights(encoding, 37, 512)[0] for encoding in ("Q4_K", "Q8_0")}
+    for encoding, w in weights.items():  # unsigned x signed and signed x signed dot products
+        np.save(tmp_path / f"{encoding}.npy", w)
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", PYTHONPATH=str(root))
+    subprocess.run([sys.executable, "-c", PORTABLE_PRODUCTS], cwd=tmp_path, env=env, check=True)
+    for encoding, w in weights.items():
+        native = kernels.matvec(w, encoding, 37, 512, x)
+        assert relative_error(np.load(tmp_path / f"{encoding}-product.npy"), native) <= EXACT_TOLERANCE
