@@ -112,6 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(plan)
     plan.set_defaults(run=plan_command)
 
+    from verify.cli import add_verify_arguments, add_verify_source_arguments, verify_command, verify_source_command
+    from verify.smoke import add_smoke_arguments, smoke_command
+
+    verify_source = commands.add_parser("verify-source", help="check a downloaded checkpoint: shards, headers, tensors, sha256")
+    add_verify_source_arguments(verify_source)
+    verify_source.set_defaults(run=verify_source_command)
+
+    verify = commands.add_parser("verify", help="check a converted model: manifest, sizes, every tensor and expert checksum")
+    add_verify_arguments(verify)
+    verify.set_defaults(run=verify_command)
+
+    smoke = commands.add_parser("smoke", help="fixed-prompt baseline: --record FILE, or --compare FILE (KL, top-1, agreement, speed)")
+    add_smoke_arguments(smoke)
+    smoke.set_defaults(run=smoke_command)
+
     demo = commands.add_parser("demo", help="the whole path on a tiny built-in model: build, convert, plan, run")
     demo.add_argument("--dir", default="demo-out", help="working folder (default: %(default)s)")
     demo.add_argument("--arch", default="qwen3_moe", help="architecture of the tiny model (default: %(default)s)")

@@ -134,18 +134,19 @@ class ExpertStore:
             os.close(fd)
         self.fds.clear()
 
-    def fetch(self, layer: int, experts) -> list[np.ndarray]:
-        """The records of `experts` of `layer`, in the order asked; misses are read in file order."""
+    def fetch(self, layer: int, experts) -> np.ndarray:
+        """Slab rows holding `experts` of `layer`, in the order asked (int64); misses are read
+        in file order. A row stays valid until the next `fetch`."""
         keys = [(layer, int(e)) for e in experts]
         scratch = iter(range(self.index.capacity, self.slab.shape[0]))
-        records: dict[Key, np.ndarray] = {}
+        slots: dict[Key, int] = {}
         for key, slot, hit in self.index.place(keys):
             if slot is None:
                 slot = next(scratch)
             if not hit:
                 self._read(key, self.slab[slot])
-            records[key] = self.slab[slot, : self.tables[layer].expert_bytes]
-        return [records[k] for k in keys]
+            slots[key] = slot
+        return np.array([slots[k] for k in keys], dtype=np.int64)
 
     def _read(self, key: Key, buffer: np.ndarray) -> None:
         layer, expert = key

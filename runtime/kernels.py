@@ -751,17 +751,18 @@ def _dequantize_kernel(tag, w, first_row, cols, row_nbytes, out, nthreads):
 
 
 @_parallel
-def _moe_kernel(gate_tag, up_tag, down_tag, records, offsets, row_nbytes, ffn, hidden,
+def _moe_kernel(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes, ffn, hidden,
                 gate_act, up_act, h, h_act, weights, out, nthreads):
-    k = records.shape[0]
+    k = slots.shape[0]
     # 1. h[j, i] = silu(gate_j[i] . x) * (up_j[i] . x), over all k * ffn rows at once; each
     #    thread then quantizes its own (32-aligned) part of h for the down projection.
     for t in prange(nthreads):
         first, stop = _share(k * ffn, nthreads, t, ACT_BLOCK)
         for index in range(first, stop):
             j, i = index // ffn, index % ffn
-            gate = _row_dot(gate_tag, records[j], offsets[0] + i * row_nbytes[0], hidden, gate_act)
-            up = _row_dot(up_tag, records[j], offsets[1] + i * row_nbytes[1], hidden, up_act)
+            record = records[slots[j]]
+            gate = _row_dot(gate_tag, record, offsets[0] + i * row_nbytes[0], hidden, gate_act)
+            up = _row_dot(up_tag, record, offsets[1] + i * row_nbytes[1], hidden, up_act)
             h[j, i] = _silu(gate) * up
         _finish_activation(h_act, h, first, stop)
     # 2. out[r] = sum_j weights[j] * (down_j[r] . h[j]), one expert's rows at a time.
@@ -770,8 +771,9 @@ def _moe_kernel(gate_tag, up_tag, down_tag, records, offsets, row_nbytes, ffn, h
         out[first:stop] = 0.0
         for j in range(k):
             act = _act_row(h_act, j)
+            record = records[slots[j]]
             for r in range(first, stop):
-                out[r] += weights[j] * _row_dot(down_tag, records[j], offsets[2] + r * row_nbytes[2], ffn, act)
+                out[r] += weights[j] * _row_dot(down_tag, record, offsets[2] + r * row_nbytes[2], ffn, act)
 
 
 @_njit
@@ -873,18 +875,22 @@ def _expert_matrices(records: np.ndarray, encodings, offsets, ffn: int, hidden: 
 
 
 def moe_experts(records: np.ndarray, encodings: tuple[str, str, str], offsets: tuple[int, int, int], ffn: int,
-                hidden: int, x: np.ndarray, weights: np.ndarray, exact: bool = False) -> np.ndarray:
+                hidden: int, x: np.ndarray, weights: np.ndarray, exact: bool = False,
+                slots: np.ndarray | None = None) -> np.ndarray:
     """sum_j weights[j] * down_j(silu(gate_j @ x) * (up_j @ x)) -> float32 [hidden], for the
     k routed experts of one layer in one call (decode).
 
-    records: uint8 [k, record_bytes], one expert per row, with gate [ffn, hidden], up
-    [ffn, hidden] and down [hidden, ffn] at byte `offsets` in `encodings`. x float32
-    [hidden], weights float32 [k]. With int8 activations (exact=False), x is quantized once
-    for every gate and up, and each expert's hidden state once for its down."""
-    records = np.ascontiguousarray(records)
-    if records.dtype != np.uint8 or records.ndim != 2:
-        raise ValueError(f"records must be uint8 [k, record_bytes], got {records.dtype} {records.shape}")
-    k = records.shape[0]
+    records: uint8 [m, record_bytes], one expert per row, with gate [ffn, hidden], up
+    [ffn, hidden] and down [hidden, ffn] at byte `offsets` in `encodings`; the k experts are
+    rows `slots` (default: all m rows), so a cache slab is used in place, without a copy.
+    x float32 [hidden], weights float32 [k]. With int8 activations (exact=False), x is
+    quantized once for every gate and up, and each expert's hidden state once for its down."""
+    if records.dtype != np.uint8 or records.ndim != 2 or not records.flags.c_contiguous:
+        raise ValueError(f"records must be C-contiguous uint8 [m, record_bytes], got {records.dtype} {records.shape}")
+    slots = np.arange(records.shape[0]) if slots is None else np.asarray(slots, dtype=np.int64).reshape(-1)
+    if slots.size and (slots.min() < 0 or slots.max() >= records.shape[0]):
+        raise ValueError(f"slots {slots.tolist()} out of range for {records.shape[0]} records")
+    k = slots.shape[0]
     weights = np.ascontiguousarray(weights, dtype=np.float32).reshape(-1)
     if weights.shape != (k,):
         raise ValueError(f"weights must have shape ({k},), got {weights.shape}")
@@ -899,7 +905,7 @@ def moe_experts(records: np.ndarray, encodings: tuple[str, str, str], offsets: t
         h_act = (np.empty((k, ffn), np.int8), np.empty((k, ffn // ACT_BLOCK), np.float32),
                  np.empty((k, ffn // 16), np.float32))
     out = np.empty(hidden, np.float32)
-    _moe_kernel(BLOCK_TAGS[gate_enc], BLOCK_TAGS[up_enc], BLOCK_TAGS[down_enc], records,
+    _moe_kernel(BLOCK_TAGS[gate_enc], BLOCK_TAGS[up_enc], BLOCK_TAGS[down_enc], records, slots,
                 tuple(int(o) for o in offsets), sizes, ffn, hidden, gate_act, up_act, h, h_act, weights, out,
                 numba.get_num_threads())
     return out

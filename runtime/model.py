@@ -239,16 +239,18 @@ class MoE:
         c = self.c
         ids, weights = self.router(h)
         self.last_route = ids, weights
+        slab = self.store.slab
         if h.shape[0] == 1:
-            records = np.stack(self.store.fetch(self.layer, ids[0]))
-            out = kernels.moe_experts(records, self.encodings, self.offsets, c.expert_ffn, c.hidden_size, h[0], weights[0])[None, :]
+            slots = self.store.fetch(self.layer, ids[0])
+            out = kernels.moe_experts(slab, self.encodings, self.offsets, c.expert_ffn, c.hidden_size, h[0], weights[0],
+                                      slots=slots)[None, :]
         else:
             out = np.zeros_like(h)
             for expert in np.unique(ids):  # batch-union: each needed expert read once, in file order
-                tokens, slot = np.nonzero(ids == expert)
-                (record,) = self.store.fetch(self.layer, [expert])
-                y = kernels.moe_experts_batch(record, self.encodings, self.offsets, c.expert_ffn, c.hidden_size, h[tokens])
-                out[tokens] += y * weights[tokens, slot][:, None]
+                tokens, choice = np.nonzero(ids == expert)
+                (slot,) = self.store.fetch(self.layer, [expert])
+                y = kernels.moe_experts_batch(slab[slot], self.encodings, self.offsets, c.expert_ffn, c.hidden_size, h[tokens])
+                out[tokens] += y * weights[tokens, choice][:, None]
         if self.shared is not None:
             out = out + self.shared(h)
         return out

@@ -1,0 +1,258 @@
+"""colibri verify: is a converted model complete and intact?
+
+First the manifest: schema, format version and its own consistency (`ModelLayout`), its
+tables against the config (every resident tensor and expert layer the architecture
+implies, with that shape, in the encoding the recorded recipe gives), every file's size.
+Then every byte is read once, on parallel threads: the sha256 of each resident tensor and
+each expert record, NaN/Inf in the f16 scales of every block and in float tensors, and
+zeros in all padding (between resident tensors and after each expert record).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from convert.arch import ADAPTERS
+from formats.encodings import SCALE_OFFSETS, block_size
+from formats.layout import EXPERT_MATRICES, MANIFEST_NAME, FormatError, ModelLayout, expert_file_name
+from formats.recipe import Recipe
+from verify.sha_check import CHUNK_BYTES, ERROR, Finding, Report, human, read_chunks, run_parallel, some, split_message
+
+PAD = "padding"
+# Float encodings: the unsigned view and the exponent mask that marks NaN/Inf.
+EXPONENTS = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80)}
+F16_EXPONENT = 0x7C00
+PROBLEMS = {PAD: "non-zero padding bytes", **dict.fromkeys(EXPONENTS, "NaN/Inf values")}
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int  # absolute byte offset in the file
+    nbytes: int
+    kind: str  # an encoding, or PAD (must be zeros)
+    label: str  # its name in a finding: "down", "padding", "before tensor X"
+
+
+@dataclass(frozen=True)
+class Task:
+    file: str
+    what: str  # "tensor blk.0.attn_q.weight", "layer 3 expert 5", "padding"
+    segments: tuple[Segment, ...]
+    sha256: str | None  # of the non-padding segments, in order
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+
+def bad_offsets(chunk, kind: str) -> np.ndarray:
+    """Offsets in `chunk` of non-zero padding bytes, NaN/Inf floats, or blocks with a NaN/Inf f16 scale."""
+    if kind == PAD:
+        data = np.frombuffer(chunk, np.uint8)
+        return np.flatnonzero(data) if data.any() else np.empty(0, np.int64)
+    if kind in EXPONENTS:
+        dtype, mask = EXPONENTS[kind]
+        values = np.frombuffer(chunk, dtype)
+        return np.flatnonzero((values & mask) == mask) * values.itemsize
+    block = block_size(kind)[1]
+    count = len(chunk) // block
+    scales = [np.ndarray((count,), "<u2", chunk, offset, (block,)) for offset in SCALE_OFFSETS[kind]]
+    return np.unique(np.concatenate([np.flatnonzero((s & F16_EXPONENT) == F16_EXPONENT) for s in scales])) * block
+
+
+def chunk_bytes(kind: str) -> int:
+    """The largest read of whole blocks of `kind` (floats and padding: any multiple of 4) up to CHUNK_BYTES."""
+    unit = 1 if kind in PROBLEMS else block_size(kind)[1]
+    return CHUNK_BYTES // unit * unit
+
+
+def check_task(directory: Path, task: Task, advance) -> list[Finding]:
+    """Read `task`'s segments once: sha256 of the data, NaN/Inf and padding checks."""
+    digest, findings = hashlib.sha256(), []
+    try:
+        for seg in task.segments:
+            count, first, position = 0, None, seg.start
+            for chunk in read_chunks(directory / task.file, seg.start, seg.nbytes, chunk_bytes(seg.kind)):
+                if seg.kind != PAD:
+                    digest.update(chunk)
+                bad = bad_offsets(chunk, seg.kind)
+                if len(bad):
+                    first = position + int(bad[0]) if first is None else first
+                    count += len(bad)
+                position += len(chunk)
+                advance(len(chunk))
+            if count:
+                problem = PROBLEMS.get(seg.kind, "blocks with a NaN/Inf scale")
+                findings.append(Finding(ERROR, task.file, f"{task.what} {seg.label}".strip() + f": {problem} ({count}), first at byte {first}"))
+    except OSError as e:
+        return [Finding(ERROR, task.file, f"{task.what}: cannot read ({e})")]
+    if task.sha256 is not None and digest.hexdigest() != task.sha256:
+        data = [s for s in task.segments if s.kind != PAD]
+        span = f"bytes {data[0].start}..{data[-1].start + data[-1].nbytes}"
+        findings.insert(0, Finding(ERROR, task.file, f"{task.what} ({span}): sha256 mismatch"))
+    return findings
+
+
+def check_files(layout: ModelLayout, report: Report) -> set[str]:
+    """Every file in `files` present with its size; returns those that are."""
+    intact = set()
+    files = layout.manifest["files"]
+    for name, info in files.items():
+        path = layout.path(name)
+        size = path.stat().st_size if path.is_file() else None
+        report.files[name] = {"size": size, "expected_size": info["size"]}
+        if size is None:
+            report.add(ERROR, name, "missing")
+        elif size != info["size"]:
+            report.add(ERROR, name, f"{'truncated: ' if size < info['size'] else ''}has {size} bytes, the manifest says {info['size']}")
+        else:
+            intact.add(name)
+    for name in layout.manifest["tokenizer_files"]:
+        if name not in files:
+            report.add(ERROR, MANIFEST_NAME, f"tokenizer file {name} is not listed in files")
+    return intact
+
+
+def check_architecture(layout: ModelLayout, report: Report) -> None:
+    """The tensors and expert layers are those the config implies for its architecture."""
+    c = layout.config
+    adapter = ADAPTERS.get(c.architecture)
+    if adapter is None:
+        report.add(ERROR, MANIFEST_NAME, f"config: unsupported architecture {c.architecture!r}")
+        return
+    try:
+        source = dict(adapter.global_tensors(c))
+        for layer in range(c.n_layers):
+            source.update(adapter.layer_tensors(c, layer))
+        expert_shapes = adapter.expert_shapes(c)
+    except (TypeError, ValueError) as e:
+        report.add(ERROR, MANIFEST_NAME, f"config: inconsistent ({e})")
+        return
+    expected = {adapter.canonical_name(n, c.n_layers): tuple(shape) for n, shape in source.items()}
+    missing = [n for n in expected if n not in layout.tensors]
+    unexpected = [n for n in layout.tensors if n not in expected]
+    misshapen = [f"{n} {list(layout.tensors[n].shape)}" for n, s in expected.items() if n in layout.tensors and layout.tensors[n].shape != s]
+    for problem, names in (("lacks tensor", missing), ("has unexpected tensor", unexpected), ("has misshapen tensor", misshapen)):
+        if names:
+            report.add(ERROR, MANIFEST_NAME, f"{problem} {some(names)} for {c.architecture} as its config describes it")
+    layers = [e["layer"] for e in layout.manifest["expert_layers"]]
+    if layers != list(c.moe_layers):
+        report.add(ERROR, MANIFEST_NAME, f"expert layers {layers}, the config's MoE layers are {list(c.moe_layers)}")
+    for table in layout.expert_layers.values():
+        wrong = [f"{m} {list(table.matrices[m].shape)}" for m in EXPERT_MATRICES if table.matrices[m].shape != tuple(expert_shapes[m])]
+        if table.count != c.n_experts or wrong:
+            report.add(ERROR, MANIFEST_NAME, f"layer {table.layer}: {table.count} experts ({c.n_experts} in the config)"
+                       + (f", misshapen {', '.join(wrong)}" if wrong else ""))
+
+
+def check_recipe(layout: ModelLayout, report: Report) -> None:
+    """Each tensor's encoding is the one the recorded recipe and overrides give (GGUF imports excepted)."""
+    quant, c = layout.manifest["quant"], layout.config
+    if quant["recipe"] == "GGUF":
+        return
+    named = [(t.name, t.shape, t.encoding) for t in layout.tensors.values()]
+    named += [(f"blk.{t.layer}.ffn_{m}_exps.weight", t.matrices[m].shape, t.matrices[m].encoding)
+              for t in layout.expert_layers.values() for m in EXPERT_MATRICES]
+    try:
+        recipe = Recipe(quant["recipe"], c.n_layers, c.n_experts, c.tie_word_embeddings, [tuple(o) for o in quant["overrides"]])
+        wrong = [f"{name} is {enc}, not {want}" for name, shape, enc in named if enc != (want := recipe.encoding(name, shape))]
+    except (TypeError, ValueError, re.error) as e:
+        report.add(ERROR, MANIFEST_NAME, f"quant: {e}")
+        return
+    if wrong:
+        report.add(ERROR, MANIFEST_NAME, f"encodings contradict recipe {quant['recipe']}: {some(wrong)}")
+
+
+def resident_tasks(layout: ModelLayout, intact: set[str], report: Report) -> list[Task]:
+    """One task per resident tensor, and one for the padding of each file; overlaps reported."""
+    by_file = defaultdict(list)
+    for t in layout.tensors.values():
+        by_file[t.file].append(t)
+    tasks = []
+    for file, tensors in by_file.items():
+        if file not in layout.manifest["files"]:
+            report.add(ERROR, MANIFEST_NAME, f"tensor {tensors[0].name} is in {file}, which is not listed in files")
+            continue
+        tensors.sort(key=lambda t: t.offset)
+        gaps, end, sound = [], 0, True
+        for previous, t in zip([None, *tensors], tensors):
+            if t.offset < end:
+                report.add(ERROR, file, f"tensors {previous.name} and {t.name} overlap")
+                sound = False
+            elif t.offset > end:
+                gaps.append(Segment(end, t.offset - end, PAD, f"before tensor {t.name}"))
+            end = max(end, t.offset + t.nbytes)
+        size = layout.manifest["files"][file]["size"]
+        if end > size:
+            report.add(ERROR, file, f"tensors end at byte {end}, beyond the file's {size} bytes")
+            sound = False
+        elif size > end:
+            gaps.append(Segment(end, size - end, PAD, "at the end"))
+        if sound and file in intact:
+            tasks += [Task(file, f"tensor {t.name}", (Segment(t.offset, t.nbytes, t.encoding, ""),), t.sha256) for t in tensors]
+            tasks += [Task(file, "padding", tuple(gaps), None)] if gaps else []
+    return tasks
+
+
+def expert_tasks(layout: ModelLayout, intact: set[str], report: Report) -> list[Task]:
+    """One task per expert record: its three matrices, then its padding."""
+    if len(layout.expert_layers) != len(layout.manifest["expert_layers"]):
+        report.add(ERROR, MANIFEST_NAME, "an expert layer is listed twice")
+    tasks = []
+    for table in layout.expert_layers.values():
+        file, size = table.file, table.offset + table.count * table.stride
+        if file != expert_file_name(table.layer):
+            report.add(ERROR, MANIFEST_NAME, f"layer {table.layer}: experts in {file}, not {expert_file_name(table.layer)}")
+        if file not in layout.manifest["files"]:
+            report.add(ERROR, MANIFEST_NAME, f"layer {table.layer}: {file} is not listed in files")
+            continue
+        if layout.manifest["files"][file]["size"] != size:
+            report.add(ERROR, file, f"the manifest gives {layout.manifest['files'][file]['size']} bytes, {table.count} records of {table.stride} need {size}")
+            continue
+        if file not in intact:
+            continue
+        for e in range(table.count):
+            record = table.expert_offset(e)
+            segments = [Segment(record + table.matrices[m].offset, table.matrices[m].nbytes, table.matrices[m].encoding, m) for m in EXPERT_MATRICES]
+            if table.stride > table.expert_bytes:
+                segments.append(Segment(record + table.expert_bytes, table.stride - table.expert_bytes, PAD, PAD))
+            tasks.append(Task(file, f"layer {table.layer} expert {e}", tuple(segments), table.sha256[e]))
+    return tasks
+
+
+def verify_model(out, *, jobs: int | None = None, quick: bool = False, progress: bool = True) -> Report:
+    """Check a converted model folder; see the module docstring. `quick`: manifest and sizes only."""
+    directory = Path(out)
+    if not directory.is_dir():
+        raise FormatError(f"{out}: no such folder")
+    report = Report()
+    try:
+        layout = ModelLayout(directory)
+    except (FormatError, TypeError, ValueError) as e:  # ValueError: an encoding or config field it cannot represent
+        report.add(ERROR, *split_message(str(e), MANIFEST_NAME))
+    if not report.ok:
+        report.summary = "no usable manifest"
+        return report
+    intact = check_files(layout, report)
+    check_architecture(layout, report)
+    check_recipe(layout, report)
+    tasks = resident_tasks(layout, intact, report) + expert_tasks(layout, intact, report)
+    experts = sum(t.count for t in layout.expert_layers.values())
+    described = f"{len(layout.tensors)} tensors, {experts} experts in {len(layout.expert_layers)} layers"
+    if quick:
+        report.summary = f"{described}; sizes checked, contents not read (--quick)"
+        return report
+    total = sum(t.nbytes for t in tasks)
+    for findings in run_parallel(partial(check_task, directory), tasks, total, jobs or os.cpu_count() or 1, progress, "verify"):
+        report.findings.extend(findings)
+    checked = sum(t.sha256 is not None for t in tasks)
+    report.summary = f"{described}; {human(total)} read, {checked} sha256 checked"
+    return report
