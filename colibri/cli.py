@@ -97,35 +97,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    convert = commands.add_parser("convert", help="convert a Hugging Face checkpoint to the colibri layout",
-                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_convert_arguments(convert)
-    convert.set_defaults(run=run_convert)
-
     from colibri.run import add_plan_arguments, add_run_arguments, plan_command, run_command
-
-    run = commands.add_parser("run", help="generate text with a converted model (prompt, prompt file, chat or a folder of prompts)")
-    add_run_arguments(run)
-    run.set_defaults(run=run_command)
-
-    plan = commands.add_parser("plan", help="the RAM budget and expected speed for a model on this machine")
-    add_plan_arguments(plan)
-    plan.set_defaults(run=plan_command)
-
     from verify.cli import add_verify_arguments, add_verify_source_arguments, verify_command, verify_source_command
     from verify.smoke import add_smoke_arguments, smoke_command
 
-    verify_source = commands.add_parser("verify-source", help="check a downloaded checkpoint: shards, headers, tensors, sha256")
-    add_verify_source_arguments(verify_source)
-    verify_source.set_defaults(run=verify_source_command)
-
-    verify = commands.add_parser("verify", help="check a converted model: manifest, sizes, every tensor and expert checksum")
-    add_verify_arguments(verify)
-    verify.set_defaults(run=verify_command)
-
-    smoke = commands.add_parser("smoke", help="fixed-prompt baseline: --record FILE, or --compare FILE (KL, top-1, agreement, speed)")
-    add_smoke_arguments(smoke)
-    smoke.set_defaults(run=smoke_command)
+    for name, help_text, add_arguments, command in (
+        ("convert", "convert a Hugging Face checkpoint to the colibri layout", add_convert_arguments, run_convert),
+        ("run", "generate text with a converted model (prompt, prompt file, chat or a folder of prompts)", add_run_arguments, run_command),
+        ("plan", "the RAM budget and expected speed for a model on this machine", add_plan_arguments, plan_command),
+        ("verify-source", "check a downloaded checkpoint: shards, headers, tensors, sha256", add_verify_source_arguments, verify_source_command),
+        ("verify", "check a converted model: manifest, sizes, every tensor and expert checksum", add_verify_arguments, verify_command),
+        ("smoke", "fixed-prompt baseline: --record FILE, or --compare FILE (KL, top-1, agreement, speed)", add_smoke_arguments, smoke_command),
+    ):
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        add_arguments(sub)
+        sub.set_defaults(run=command)
 
     demo = commands.add_parser("demo", help="the whole path on a tiny built-in model: build, convert, plan, run")
     demo.add_argument("--dir", default="demo-out", help="working folder (default: %(default)s)")

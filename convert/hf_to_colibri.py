@@ -27,7 +27,7 @@ from colibri import __version__
 from convert.plan import ConversionPlan, ExpertLayerSource, ResidentTensor, make_plan
 from convert.quantize_q4k import quantize
 from convert.expert_layout import expert_matrix_table, write_expert_layer
-from formats.checkpoint import Checkpoint, CheckpointError
+from formats.checkpoint import Checkpoint
 from formats.encodings import tensor_bytes
 from formats.layout import (
     EXPERT_ALIGN, EXPERT_MATRICES, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, RESIDENT_FILE, TENSOR_ALIGN,

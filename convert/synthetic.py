@@ -41,7 +41,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from formats.checkpoint import E4M3_TO_F32
+from formats.checkpoint import E4M3_TO_F32, FP8_BLOCK
 
 __all__ = [
     "ARCHITECTURES",
@@ -81,8 +81,6 @@ DEFAULT_MAX_SHARD_BYTES = 2_000_000_000
 NORM_NOISE_STD = 0.1
 #: std of DeepSeek-V3/GLM ``e_score_correction_bias``
 SCORE_BIAS_STD = 0.05
-#: FP8 block size (DeepSeek-V3 / Kimi-K2 ``weight_block_size``)
-FP8_BLOCK = 128
 FP8_QUANTIZATION_CONFIG = {
     "activation_scheme": "dynamic",
     "fmt": "e4m3",

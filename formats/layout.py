@@ -7,7 +7,6 @@ and a memory-mapped reader that locates every tensor and every expert.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass

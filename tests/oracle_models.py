@@ -34,24 +34,10 @@ import json
 import math
 import pathlib
 import re
-import sys
 import tempfile
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
-try:  # the repository root may not be on sys.path when pytest runs from elsewhere
-    import convert.synthetic  # noqa: F401
-except ImportError:  # pragma: no cover - depends on how pytest was started
-    sys.path.insert(0, str(_ROOT))
-
-from convert import synthetic  # noqa: E402
-
-FP8_BLOCK = 128
-FP8_QUANTIZATION_CONFIG = {
-    "activation_scheme": "dynamic",
-    "fmt": "e4m3",
-    "quant_method": "fp8",
-    "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
-}
+from convert import synthetic
+from convert.synthetic import FP8_BLOCK, FP8_QUANTIZATION_CONFIG
 
 # 2-D ``*.weight`` tensors that are NOT linear projections quantized to FP8 in the
 # DeepSeek-V3 / Kimi-K2 hub checkpoints
@@ -215,7 +201,6 @@ def _to_fp8(tensors: dict) -> dict:
 
 
 def _dequantize_fp8(tensors: dict, dtype) -> dict:
-    torch = _torch()
     out = {}
     for name, t in tensors.items():
         if name.endswith("_scale_inv"):

@@ -5,7 +5,6 @@ import json
 import pickle
 import struct
 
-import pytest
 
 from colibri.cli import convert_main
 from convert.hf_to_colibri import ConvertOptions, convert
