@@ -1,0 +1,121 @@
+"""Benchmark: prompt and decode tok/s on the reference model, in RAM and streaming.
+
+(a) in RAM, warm: every expert fits the expert cache; the ceiling is
+    memory_bw / bytes_touched_per_token.
+(b) streaming: expert files dropped from the page cache first (POSIX_FADV_DONTNEED, no
+    root needed), expert cache a quarter of the experts; the ceiling is
+    disk_bw / (expert_bytes_per_token × (1 − hit_rate)), with disk_bw measured cold.
+    Misses after the first touch may be served by the page cache, as on a real machine;
+    the effective read bandwidth is reported next to the cold disk bandwidth.
+Prints a table against the ceilings and llama.cpp (tg128 33.7, pp512 142.6 tok/s on this
+machine and shape, Q4_K_M, 2 threads); writes bench/out/decode.json.
+
+    python bench/decode.py [--model DIR] [--prompt-tokens 64] [--tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from formats.layout import ModelLayout
+from runtime import open_model
+from runtime.plan import measure_disk_bandwidth
+
+BENCH = Path(__file__).resolve().parent
+LLAMA_CPP = {"tg128": 33.7, "pp512": 142.6}
+
+
+def reference_model(out: Path) -> Path:
+    """The Mixtral reference shape at Q4_K_M, built (bench/model.py + colibri-convert) if absent."""
+    if (out / "colibri.json").is_file():
+        return out
+    source = BENCH / "out" / "mixtral-ref"
+    subprocess.run([sys.executable, str(BENCH / "model.py"), str(source), "--shape", "mixtral-ref"], check=True)
+    subprocess.run([sys.executable, "-m", "colibri.cli", "convert", str(source), str(out), "--quant", "Q4_K_M"], check=True)
+    return out
+
+
+def read_bandwidth(threads: int) -> float:
+    """Bytes/s a 2-thread numba read reaches (bench/kernels.py's measure)."""
+    sys.path.insert(0, str(BENCH))
+    from kernels import memory_bandwidth
+
+    return memory_bandwidth(1 << 30, 5, [threads])[f"read_{threads}t_gbs"] * 1e9
+
+
+def evict(layout: ModelLayout) -> None:
+    for table in layout.expert_layers.values():
+        fd = os.open(layout.path(table.file), os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def run(model, prompt_tokens: int, tokens: int) -> dict:
+    ids = [int(t) for t in np.random.default_rng(0).integers(100, 30000, prompt_tokens)]
+    model.reset()
+    started = time.perf_counter()
+    logits = model.prefill(ids)[-1]
+    prefill_seconds = time.perf_counter() - started
+    read_before = model.store.bytes_read
+    started = time.perf_counter()
+    for _ in range(tokens):
+        logits = model.decode(int(np.argmax(logits)))
+    seconds = time.perf_counter() - started
+    stats = model.stats()
+    return {"prompt_tok_per_s": prompt_tokens / prefill_seconds, "decode_tok_per_s": tokens / seconds,
+            "hit_rate": stats["expert_hit_rate"], "read_bytes_per_token": (model.store.bytes_read - read_before) / tokens,
+            "effective_read_bw": (model.store.bytes_read - read_before) / seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=BENCH / "out" / "mixtral-ref-q4km")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+
+    layout = ModelLayout(reference_model(args.model))
+    c = layout.config
+    resident = sum(t.nbytes for t in layout.tensors.values())
+    all_experts = sum(t.stride * t.count for t in layout.expert_layers.values())
+    expert_per_token = sum(t.expert_bytes * c.n_experts_used for t in layout.expert_layers.values())
+    mem_bw = read_bandwidth(args.threads)
+
+    in_ram = open_model(layout.directory, threads=args.threads, ctx=1024, expert_cache=all_experts + (64 << 20))
+    run(in_ram, 8, 4)  # warm: kernels compiled, experts cached
+    a = run(in_ram, args.prompt_tokens, args.tokens)
+    a["ceiling"] = mem_bw / (resident + expert_per_token)
+    del in_ram
+
+    evict(layout)
+    disk_bw = measure_disk_bandwidth(layout)
+    evict(layout)
+    streaming = open_model(layout.directory, threads=args.threads, ctx=1024, expert_cache=all_experts // 4)
+    b = run(streaming, args.prompt_tokens, args.tokens)
+    b["ceiling"] = disk_bw / max(expert_per_token * (1 - b["hit_rate"]), 1)
+
+    print(f"\ndecode on {layout.directory.name}: resident {resident / 1e9:.2f} GB, experts {all_experts / 1e9:.2f} GB, "
+          f"{expert_per_token / 1e6:.0f} MB of experts per token; read bw {mem_bw / 1e9:.1f} GB/s, cold disk {disk_bw / 1e9:.2f} GB/s")
+    print(f"{'mode':<10}{'prompt tok/s':>13}{'decode tok/s':>13}{'ceiling':>9}{'of ceiling':>11}{'vs llama tg':>12}"
+          f"{'hit rate':>9}{'MB read/tok':>12}{'eff. read GB/s':>15}")
+    for name, r in (("in RAM", a), ("streaming", b)):
+        print(f"{name:<10}{r['prompt_tok_per_s']:>13.1f}{r['decode_tok_per_s']:>13.2f}{r['ceiling']:>9.1f}"
+              f"{r['decode_tok_per_s'] / r['ceiling']:>10.0%}{r['decode_tok_per_s'] / LLAMA_CPP['tg128']:>11.2f}x"
+              f"{r['hit_rate']:>9.1%}{r['read_bytes_per_token'] / 1e6:>12.1f}{r['effective_read_bw'] / 1e9:>15.2f}")
+    (BENCH / "out").mkdir(exist_ok=True)
+    (BENCH / "out" / "decode.json").write_text(json.dumps({
+        "date": time.strftime("%Y-%m-%d"), "threads": args.threads, "memory_read_bw": mem_bw, "disk_bw": disk_bw,
+        "in_ram": a, "streaming": b, "llama_cpp": LLAMA_CPP}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
