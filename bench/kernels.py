@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numba
 import numpy as np
-from numba import njit, prange
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -46,19 +45,6 @@ def median_seconds(run, repeat: int) -> float:
     return statistics.median(times)
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def _read_all(words, nthreads):
-    """XOR of every word, each thread over one contiguous range: a pure read stream."""
-    partial = np.zeros(nthreads, np.uint64)
-    for t in prange(nthreads):
-        part = words[words.size * t // nthreads:words.size * (t + 1) // nthreads]
-        acc = np.uint64(0)
-        for i in range(part.size):  # indices from 0: no negative-index checks, vectorized
-            acc ^= part[i]
-        partial[t] = acc
-    return partial
-
-
 def memory_bandwidth(nbytes: int, repeat: int, thread_counts) -> dict:
     a = np.ones(nbytes // 4, np.float32)
     b = np.empty_like(a)
@@ -70,7 +56,7 @@ def memory_bandwidth(nbytes: int, repeat: int, thread_counts) -> dict:
     words = a.view(np.uint64)
     for n in thread_counts:
         kernels.set_threads(n)
-        result[f"read_{n}t_gbs"] = a.nbytes / median_seconds(lambda: _read_all(words, n), repeat) / 1e9
+        result[f"read_{n}t_gbs"] = a.nbytes / median_seconds(lambda: kernels.read_seconds(words, n), repeat) / 1e9
     return result
 
 

@@ -931,3 +931,35 @@ def moe_experts_batch(record: np.ndarray, encodings: tuple[str, str, str], offse
     up = project(1, ffn, hidden, quantized if _fast(up_enc, exact) else x)
     h = _silu_times(gate, up)
     return project(2, hidden, ffn, _activation(h, _fast(down_enc, exact)))
+
+
+@_parallel
+def _read_stream(words, nthreads):
+    """XOR of every word, each thread over one contiguous range: a pure read stream."""
+    partial = np.zeros(nthreads, np.uint64)
+    for t in prange(nthreads):
+        part = words[words.size * t // nthreads:words.size * (t + 1) // nthreads]
+        acc = np.uint64(0)
+        for i in range(part.size):  # indices from 0: no negative-index checks, vectorized
+            acc ^= part[i]
+        partial[t] = acc
+    return partial
+
+
+def read_seconds(words: np.ndarray, threads: int) -> float:
+    """Seconds one pass of `threads` read streams takes over `words` (uint64)."""
+    import time
+
+    started = time.perf_counter()
+    _read_stream(words, threads)
+    return time.perf_counter() - started
+
+
+def measure_read_bandwidth(nbytes: int = 256 << 20, threads: int | None = None, repeat: int = 3) -> float:
+    """Bytes/s that `threads` (default: numba's count) contiguous read streams reach: the
+    memory bandwidth a weight-streaming kernel can hope for (median of `repeat`)."""
+    threads = threads or numba.get_num_threads()
+    words = np.ones(nbytes // 8, np.uint64)
+    read_seconds(words, threads)  # compile, and touch the pages
+    return nbytes / sorted(read_seconds(words, threads) for _ in range(repeat))[repeat // 2]
+

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 import time
 
-import numpy as np
 
 from formats.layout import ModelLayout
 from runtime.engine import SCRATCH_BYTES
+from runtime.kernels import measure_read_bandwidth
 from runtime.kv_cache import kv_bytes
 from runtime.model import Decoder
 
@@ -46,17 +46,6 @@ def measure_disk_bandwidth(layout: ModelLayout, max_bytes: int = 1 << 30, second
     return total / max(time.perf_counter() - started, 1e-9)
 
 
-def measure_memory_bandwidth(nbytes: int = 256 << 20) -> float:
-    """Read bandwidth of a large numpy reduction, bytes/s (median of 3)."""
-    data = np.ones(nbytes // 8, dtype=np.float64)
-    times = []
-    for _ in range(3):
-        started = time.perf_counter()
-        data.sum()
-        times.append(time.perf_counter() - started)
-    return nbytes / sorted(times)[1]
-
-
 def plan(layout: ModelLayout, ram: int, ctx: int | None = None, kv_quant: str = "f16", disk_bw: float | None = None,
          mem_bw: float | None = None, hit_rate: float | None = None) -> dict:
     """The budget table and the expected decode speed, as a dict (bytes, bytes/s, tok/s)."""
@@ -79,7 +68,7 @@ def plan(layout: ModelLayout, ram: int, ctx: int | None = None, kv_quant: str = 
     if hit_rate is None:  # uniform routing: the cache holds this share of the experts
         hit_rate = expert_cache / all_experts if all_experts else 1.0
     streamed = expert_bytes_per_token * (1 - hit_rate)
-    mem_bw = mem_bw or measure_memory_bandwidth()
+    mem_bw = mem_bw or measure_read_bandwidth()
     ceilings = {"memory": mem_bw / (resident + expert_bytes_per_token)}
     if disk_bw and streamed > 0:
         ceilings["disk"] = disk_bw / streamed
