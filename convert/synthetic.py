@@ -909,6 +909,7 @@ _GLM_TEMPLATE = (
 
 # specials: listed in id order; front=True puts them at ids 0.., else after the BPE vocab.
 # cfg_*: which token the config's bos/eos/pad ids name (eos may be a list).
+# "deepseek_back" (V2) is "deepseek" with the special tokens after the BPE vocab.
 _TOKENIZER_FAMILIES = {
     "llama": dict(
         specials=["<unk>", "<s>", "</s>"], front=True, bos="<s>", eos="</s>", pad=None, unk="<unk>",
@@ -934,13 +935,6 @@ _TOKENIZER_FAMILIES = {
         cfg_bos="<｜begin▁of▁sentence｜>", cfg_eos="<｜end▁of▁sentence｜>", cfg_pad=None,
         gen_eos="<｜end▁of▁sentence｜>",
     ),
-    "deepseek_back": dict(
-        specials=["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"], front=False,
-        bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>", pad="<｜end▁of▁sentence｜>", unk=None,
-        add_bos=True, template=_DEEPSEEK_TEMPLATE,
-        cfg_bos="<｜begin▁of▁sentence｜>", cfg_eos="<｜end▁of▁sentence｜>", cfg_pad=None,
-        gen_eos="<｜end▁of▁sentence｜>",
-    ),
     "kimi": dict(
         specials=["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
                   "<|im_middle|>"],
@@ -957,6 +951,8 @@ _TOKENIZER_FAMILIES = {
         gen_eos=["<|endoftext|>", "<|user|>", "<|observation|>"],
     ),
 }
+_TOKENIZER_FAMILIES["deepseek_back"] = {**_TOKENIZER_FAMILIES["deepseek"], "front": False}
+
 _ARCH_TOKENIZER = {
     "mixtral": "llama",
     "qwen2_moe": "chatml",
