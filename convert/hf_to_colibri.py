@@ -27,7 +27,7 @@ from colibri import __version__
 from convert.plan import ConversionPlan, ExpertLayerSource, ResidentTensor, make_plan
 from convert.quantize_q4k import quantize
 from convert.expert_layout import expert_matrix_table, write_expert_layer
-from formats.checkpoint import Checkpoint
+from formats.checkpoint import Checkpoint, cache_blob_sha256
 from formats.encodings import tensor_bytes
 from formats.layout import (
     EXPERT_ALIGN, EXPERT_MATRICES, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, RESIDENT_FILE, TENSOR_ALIGN,
@@ -88,8 +88,7 @@ def source_files(checkpoint: Checkpoint) -> dict:
     files = {}
     for shard in checkpoint.shards:
         path = checkpoint.directory / shard
-        blob = path.resolve().name
-        files[shard] = {"size": path.stat().st_size, "sha256": blob if re.fullmatch(r"[0-9a-f]{64}", blob) else None}
+        files[shard] = {"size": path.stat().st_size, "sha256": cache_blob_sha256(path)}
     return files
 
 

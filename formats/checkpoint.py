@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,13 @@ def _e4m3_table() -> np.ndarray:
 
 
 E4M3_TO_F32 = _e4m3_table()
+
+
+def cache_blob_sha256(path: Path) -> str | None:
+    """The sha256 of a file in the Hugging Face cache, where snapshot files link to
+    `blobs/<sha256>`; None elsewhere."""
+    blob = Path(path).resolve().name
+    return blob if re.fullmatch(r"[0-9a-f]{64}", blob) else None
 
 
 def read_header(path: Path) -> dict[str, TensorEntry]:

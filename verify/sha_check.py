@@ -23,13 +23,12 @@ from tqdm import tqdm
 
 from convert.arch import ConfigError
 from convert.plan import make_plan
-from formats.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, CheckpointError, read_header, shard_names
+from formats.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, CheckpointError, cache_blob_sha256, read_header, shard_names
 from formats.layout import write_atomic
 
 ERROR, WARNING = "error", "warning"
 CHUNK_BYTES = 8 << 20
 SUMS_NAME = "SHA256SUMS"
-SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 SUMS_LINE = re.compile(r"([0-9a-f]{64}) [ *](.+)")
 ORIGINS = {"hub": "the hub's LFS sha256", "hf-cache": "its HF cache blob name", "SHA256SUMS": SUMS_NAME}
 
@@ -291,10 +290,10 @@ def expected_digests(directory: Path, shards: list[str], hub: dict, report: Repo
             report.add(WARNING, SUMS_NAME, f"line {some(map(str, bad))} not of the form '<sha256>  <name>'")
     expected = {}
     for shard in shards:
-        blob = (directory / shard).resolve().name
+        blob = cache_blob_sha256(directory / shard)
         if shard in hub:
             expected[shard] = (hub[shard][0], "hub")
-        elif SHA256_HEX.fullmatch(blob):
+        elif blob:
             expected[shard] = (blob, "hf-cache")
         elif shard in sums:
             expected[shard] = (sums[shard], "SHA256SUMS")
