@@ -292,7 +292,7 @@ def convert(src: str, out, options: ConvertOptions | None = None) -> dict:
 
     sizes = {u.name: unit_source_bytes(checkpoint, u) for u in units}
     total = sum(sizes.values())
-    skipped_bytes = sum(sizes[u.name] for u in units if u not in todo)
+    skipped_bytes = total - sum(sizes[u.name] for u in todo)
     bar = tqdm(total=total, initial=skipped_bytes, unit="B", unit_scale=True, unit_divisor=1024,
                desc="converting", disable=not options.progress, dynamic_ncols=True)
     try:
