@@ -218,14 +218,18 @@ class ModelLayout:
     def path(self, file: str) -> Path:
         return self.directory / file
 
+    def check_size(self, file: str) -> Path:
+        """The file's path, after checking it has the size the manifest records."""
+        path = self.path(file)
+        expected = self.manifest["files"][file]["size"]
+        actual = path.stat().st_size if path.exists() else None
+        if actual != expected:
+            raise FormatError(f"{path}: expected {expected} bytes, found {'no file' if actual is None else actual}")
+        return path
+
     def mmap(self, file: str) -> np.memmap:
         if file not in self._maps:
-            path = self.path(file)
-            expected = self.manifest["files"][file]["size"]
-            actual = path.stat().st_size if path.exists() else None
-            if actual != expected:
-                raise FormatError(f"{path}: expected {expected} bytes, found {'no file' if actual is None else actual}")
-            self._maps[file] = np.memmap(path, dtype=np.uint8, mode="r")
+            self._maps[file] = np.memmap(self.check_size(file), dtype=np.uint8, mode="r")
         return self._maps[file]
 
     def tensor_data(self, name: str) -> np.ndarray:

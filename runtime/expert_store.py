@@ -122,7 +122,7 @@ class ExpertStore:
         scratch = max_batch_experts if capacity < max_batch_experts else 0
         # slots [0, capacity) cache experts; the rest are scratch for a request larger than the cache
         self.slab = np.empty((capacity + scratch, self.record_bytes), dtype=np.uint8)
-        self.fds = {t.file: os.open(layout.path(t.file), os.O_RDONLY) for t in self.tables.values()}
+        self.fds = {t.file: os.open(layout.check_size(t.file), os.O_RDONLY) for t in self.tables.values()}
         self.bytes_read = 0
 
     @property

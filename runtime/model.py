@@ -63,8 +63,7 @@ class Weights:
         try:
             for name, info in layout.tensors.items():
                 if info.file not in fds:
-                    layout.mmap(info.file)  # checks the file's size against the manifest
-                    fds[info.file] = os.open(layout.path(info.file), os.O_RDONLY)
+                    fds[info.file] = os.open(layout.check_size(info.file), os.O_RDONLY)
                 buffer = np.empty(info.nbytes, dtype=np.uint8)
                 if os.preadv(fds[info.file], [buffer], info.offset) != info.nbytes:
                     raise OSError(f"{layout.path(info.file)}: short read of {name}")
