@@ -18,7 +18,7 @@ import numpy as np
 
 from formats.layout import ModelLayout
 from runtime import kernels
-from runtime.expert_store import POLICIES, ExpertStore
+from runtime.expert_store import POLICIES, ExpertStore, cache_bytes_for_all
 from runtime.kv_cache import KVCache, kv_bytes
 from runtime.memory import current_rss, format_size, parse_size, peak_rss, total_ram
 from runtime.model import Decoder
@@ -58,10 +58,9 @@ def plan_budget(layout: ModelLayout, ctx: int, kv_quant: str, widths: dict, ram_
             f"({format_size(kv)} for --ctx {ctx}, {kv_quant}) + scratch ({format_size(scratch)}) + the runtime itself "
             f"({format_size(budget.baseline)}): needs at least {format_size(budget.fixed)}; lower --ctx or raise the budget"
         )
-    all_experts = sum(t.stride * t.count for t in layout.expert_layers.values())
     room = ram - budget.fixed
     if expert_cache is None:
-        budget.expert_cache = min(room, all_experts)
+        budget.expert_cache = min(room, cache_bytes_for_all(layout))
     else:
         budget.expert_cache = parse_size(expert_cache)
         if budget.expert_cache > room:
@@ -74,7 +73,8 @@ def plan_budget(layout: ModelLayout, ctx: int, kv_quant: str, widths: dict, ram_
 
 class Model:
     def __init__(self, path, threads: int | None = None, ctx: int = 4096, ram_budget=None, expert_cache=None,
-                 kv_quant: str = "f16", cache_policy: str = "lru"):
+                 kv_quant: str = "f16", cache_policy: str = "lru", prefetch: bool | None = None,
+                 direct_io: bool = False):
         if cache_policy not in POLICIES:
             raise ValueError(f"cache policy {cache_policy!r} unknown (known: {', '.join(POLICIES)})")
         self.layout = ModelLayout(path)
@@ -83,7 +83,8 @@ class Model:
             kernels.set_threads(threads)
         widths = Decoder.cache_widths_for(c)
         self.budget = plan_budget(self.layout, ctx, kv_quant, widths, ram_budget, expert_cache)
-        self.store = ExpertStore(self.layout, self.budget.expert_cache, max(c.n_experts_used, 1), cache_policy)
+        self.store = ExpertStore(self.layout, self.budget.expert_cache, max(c.n_experts_used, 1), cache_policy,
+                                 prefetch=prefetch, direct_io=direct_io)
         self.decoder = Decoder(self.layout, self.store, ctx)
         self.cache = KVCache(c.n_layers, ctx, widths, kv_quant)
         self.ctx = ctx
@@ -111,6 +112,10 @@ class Model:
 
     def reset(self) -> None:
         self.cache.length = 0
+
+    def close(self) -> None:
+        """Stop the prefetcher and close the expert files."""
+        self.store.close()
 
     def trace_routing(self, file) -> None:
         """Write a JSON line per token per MoE layer to `file`: position, layer, expert ids, weights."""
@@ -186,6 +191,9 @@ class Model:
 
 
 def open_model(path, threads: int | None = None, ctx: int = 4096, ram_budget=None, expert_cache=None,
-               kv_quant: str = "f16", cache_policy: str = "lru") -> Model:
-    """Open a converted model; refuses a RAM budget that cannot hold it (see `plan_budget`)."""
-    return Model(path, threads, ctx, ram_budget, expert_cache, kv_quant, cache_policy)
+               kv_quant: str = "f16", cache_policy: str = "lru", prefetch: bool | None = None,
+               direct_io: bool = False) -> Model:
+    """Open a converted model; refuses a RAM budget that cannot hold it (see `plan_budget`).
+    `prefetch` reads the next layer's predicted experts in the background (default: when
+    the expert cache cannot hold every expert); `direct_io` reads experts with O_DIRECT."""
+    return Model(path, threads, ctx, ram_budget, expert_cache, kv_quant, cache_policy, prefetch, direct_io)

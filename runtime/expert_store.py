@@ -1,20 +1,31 @@
 """ExpertStore: the one way the runtime reaches routed experts.
 
-It owns a byte-budgeted cache of whole expert records (one slab of equal slots, so a
-cached expert costs no allocation), the miss path (one `pread` of the expert's
-contiguous record straight into its slot), and the statistics the user sees. Which
-expert to evict is decided by a small pluggable policy object. Placement never changes
-the bytes: an expert read from the cache, the page cache or the disk is the same record.
+It owns a byte-budgeted cache of whole expert records (one slab of equal, page-aligned
+slots, so a cached expert costs no allocation), the miss path (one `pread` of the expert's
+contiguous record straight into its slot), an optional prefetcher (a background thread
+reading the experts the next layer is predicted to use while this one computes), and the
+statistics the user sees. Which expert to evict is decided by a small pluggable policy
+object. Placement never changes the bytes: an expert read from the cache, the page cache,
+the disk or ahead of time is the same record.
+
+Reads tell the kernel how they are made: expert files are read at random between
+experts and sequentially within one (`POSIX_FADV_RANDOM`: no readahead past the record);
+`direct_io=True` opens them with `O_DIRECT`, bypassing the page cache (aligned slots and
+lengths). Nothing is ever dropped from the page cache: a page we evict may be needed again.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
+import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from formats.layout import ModelLayout
+from formats.layout import EXPERT_ALIGN, ModelLayout, align_up
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -83,11 +94,12 @@ class CacheIndex:
         self.free = list(range(capacity - 1, -1, -1))
         self.hits = self.misses = self.evictions = 0
 
-    def place(self, keys) -> list[tuple[Key, int | None, bool]]:
-        """(key, slot or None when it cannot be cached, hit) for each distinct key, in file order."""
-        protected = set(keys)
+    def place(self, keys, protected: set[Key] = frozenset()) -> list[tuple[Key, int | None, bool]]:
+        """(key, slot or None when it cannot be cached, hit) for each distinct key, in file order;
+        neither these keys nor `protected` are evicted to make room."""
+        protected = set(keys) | protected
         placed = []
-        for key in sorted(protected):  # experts are stored by index: sorted is file order
+        for key in sorted(set(keys)):  # experts are stored by index: sorted is file order
             hit = key in self.slot_of
             if hit:
                 self.hits += 1
@@ -101,6 +113,20 @@ class CacheIndex:
             placed.append((key, self.slot_of.get(key), hit))
         return placed
 
+    def admit(self, key: Key, protected: set[Key]) -> int | None:
+        """A slot for `key`, read ahead of its use: not a lookup, so neither hit nor miss.
+        None when every slot holds a protected expert."""
+        slot = self._claim_slot(protected | {key})
+        if slot is not None:
+            self.slot_of[key] = slot
+            self.policy.touch(key)
+        return slot
+
+    def drop(self, key: Key) -> None:
+        """Forget `key` (its read failed): its slot is free again."""
+        self.policy.forget(key)
+        self.free.append(self.slot_of.pop(key))
+
     def _claim_slot(self, protected: set[Key]) -> int | None:
         if self.free:
             return self.free.pop()
@@ -112,53 +138,146 @@ class CacheIndex:
         return self.slot_of.pop(victim)
 
 
+def slot_bytes(layout: ModelLayout) -> int:
+    """Bytes of one cache slot: the largest expert record of any layer, page-aligned."""
+    return align_up(max((t.expert_bytes for t in layout.expert_layers.values()), default=0), EXPERT_ALIGN)
+
+
+def cache_bytes_for_all(layout: ModelLayout) -> int:
+    """An expert cache this large holds every routed expert of the model."""
+    return slot_bytes(layout) * sum(t.count for t in layout.expert_layers.values())
+
+
 class ExpertStore:
-    def __init__(self, layout: ModelLayout, cache_bytes: int, max_batch_experts: int, policy: str = "lru"):
+    def __init__(self, layout: ModelLayout, cache_bytes: int, max_batch_experts: int, policy: str = "lru",
+                 prefetch: bool | None = None, direct_io: bool = False):
+        """`prefetch`: read ahead in the background (default: when not every expert fits)."""
         self.layout = layout
         self.tables = layout.expert_layers
         self.record_bytes = max((t.expert_bytes for t in self.tables.values()), default=0)
-        capacity = cache_bytes // self.record_bytes if self.record_bytes else 0
+        # O_DIRECT reads whole aligned blocks into aligned buffers: slots are page multiples
+        self.slot_bytes = slot_bytes(layout) if direct_io else self.record_bytes
+        self.expert_count = sum(t.count for t in self.tables.values())
+        capacity = min(cache_bytes // self.slot_bytes, self.expert_count) if self.slot_bytes else 0
         self.index = CacheIndex(capacity, policy)
         scratch = max_batch_experts if capacity < max_batch_experts else 0
         # slots [0, capacity) cache experts; the rest are scratch for a request larger than the cache
-        self.slab = np.empty((capacity + scratch, self.record_bytes), dtype=np.uint8)
-        self.fds = {t.file: os.open(layout.check_size(t.file), os.O_RDONLY) for t in self.tables.values()}
-        self.bytes_read = 0
+        self.slab = _page_aligned((capacity + scratch, self.slot_bytes))
+        self.direct_io = direct_io
+        self.fds = {t.file: _open_expert_file(layout, t.file, direct_io) for t in self.tables.values()}
+        self.lock = threading.Lock()  # guards the index, `pending` and the counters
+        self.pending: dict[Key, Future] = {}  # experts being read ahead, not yet landed
+        if prefetch is None:
+            prefetch = capacity < self.expert_count
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="colibri-prefetch") if prefetch and capacity else None
+        self.counters = dict(bytes_read=0, read_seconds=0.0, waited_seconds=0.0, prefetched=0, prefetch_used=0)
+        self.unused_prefetches: set[Key] = set()
 
     @property
     def cache_bytes(self) -> int:
-        return self.index.capacity * self.record_bytes
+        return self.index.capacity * self.slot_bytes
+
+    @property
+    def bytes_read(self) -> int:
+        return self.counters["bytes_read"]
+
+    @property
+    def prefetching(self) -> bool:
+        return self.reader is not None
 
     def close(self) -> None:
+        if self.reader is not None:
+            self.reader.shutdown(wait=True)
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
 
     def fetch(self, layer: int, experts) -> np.ndarray:
         """Slab rows holding `experts` of `layer`, in the order asked (int64); misses are read
-        in file order. A row stays valid until the next `fetch`."""
+        in file order, experts being read ahead are waited for. A row stays valid until the
+        next `fetch` or `prefetch`."""
         keys = [(layer, int(e)) for e in experts]
+        with self.lock:
+            in_flight = [self.pending[k] for k in set(keys) if k in self.pending]
+        self._wait(in_flight)
         scratch = iter(range(self.index.capacity, self.slab.shape[0]))
         slots: dict[Key, int] = {}
-        for key, slot, hit in self.index.place(keys):
+        with self.lock:
+            placed = self.index.place(keys, protected=set(self.pending))
+            for key, _, hit in placed:
+                if hit and key in self.unused_prefetches:
+                    self.unused_prefetches.discard(key)
+                    self.counters["prefetch_used"] += 1
+        for key, slot, hit in placed:
             if slot is None:
                 slot = next(scratch)
             if not hit:
-                self._read(key, self.slab[slot])
+                started = time.perf_counter()
+                self._read(key, slot)
+                self._count_read(key, time.perf_counter() - started, waited=True)
             slots[key] = slot
         return np.array([slots[k] for k in keys], dtype=np.int64)
 
-    def _read(self, key: Key, buffer: np.ndarray) -> None:
+    def prefetch(self, layer: int, experts, in_use) -> None:
+        """Start reading the uncached `experts` of `layer` into free or evictable slots, in the
+        background; the experts `in_use` (keys) and those still in flight keep their slots."""
+        if self.reader is None:
+            return
+        with self.lock:
+            protected = set(in_use) | set(self.pending)
+            for key in sorted({(layer, int(e)) for e in experts}):
+                if key in self.index.slot_of:
+                    continue
+                slot = self.index.admit(key, protected)
+                if slot is None:
+                    break
+                protected.add(key)
+                self.counters["prefetched"] += 1
+                self.unused_prefetches.add(key)
+                self.pending[key] = self.reader.submit(self._read_ahead, key, slot)
+
+    def _read_ahead(self, key: Key, slot: int) -> None:
+        started = time.perf_counter()
+        try:
+            self._read(key, slot)
+        except BaseException:
+            with self.lock:
+                self.index.drop(key)  # a later fetch misses and reads it again, raising there
+                self.unused_prefetches.discard(key)
+                del self.pending[key]
+            raise
+        with self.lock:
+            del self.pending[key]
+        self._count_read(key, time.perf_counter() - started, waited=False)
+
+    def _wait(self, futures: list[Future]) -> None:
+        started = time.perf_counter()
+        for future in futures:
+            try:
+                future.result()
+            except OSError:
+                pass  # the expert was dropped from the index: fetch reads it again and reports
+        if futures:
+            with self.lock:
+                self.counters["waited_seconds"] += time.perf_counter() - started
+
+    def _read(self, key: Key, slot: int) -> None:
         layer, expert = key
         table = self.tables[layer]
-        view = buffer[: table.expert_bytes]
-        got = os.preadv(self.fds[table.file], [view], table.expert_offset(expert))
-        if got != table.expert_bytes:
+        length = align_up(table.expert_bytes, EXPERT_ALIGN) if self.direct_io else table.expert_bytes
+        got = os.preadv(self.fds[table.file], [self.slab[slot, :length]], table.expert_offset(expert))
+        if got < table.expert_bytes:
             raise OSError(f"{self.layout.path(table.file)}: short read of layer {layer} expert {expert}")
-        self.bytes_read += got
+
+    def _count_read(self, key: Key, seconds: float, waited: bool) -> None:
+        with self.lock:
+            self.counters["bytes_read"] += self.tables[key[0]].expert_bytes
+            self.counters["read_seconds"] += seconds
+            if waited:
+                self.counters["waited_seconds"] += seconds
 
     def stats(self) -> dict:
-        index = self.index
+        index, c = self.index, self.counters
         lookups = index.hits + index.misses
         return {
             "expert_cache_bytes": self.cache_bytes,
@@ -166,7 +285,33 @@ class ExpertStore:
             "expert_hits": index.hits,
             "expert_misses": index.misses,
             "expert_hit_rate": index.hits / lookups if lookups else 0.0,
-            "expert_bytes_read": self.bytes_read,
+            "expert_bytes_read": c["bytes_read"],
             "expert_evictions": index.evictions,
             "cache_policy": index.policy.name,
+            "direct_io": self.direct_io,
+            "prefetch": self.prefetching,
+            "prefetched_experts": c["prefetched"],
+            "prefetch_accuracy": c["prefetch_used"] / c["prefetched"] if c["prefetched"] else None,
+            "read_seconds": c["read_seconds"],
+            "read_hidden_share": 1 - c["waited_seconds"] / c["read_seconds"] if c["read_seconds"] else None,
         }
+
+
+def _page_aligned(shape: tuple[int, int]) -> np.ndarray:
+    """A zero-filled uint8 array on fresh pages (O_DIRECT needs aligned buffers)."""
+    nbytes = shape[0] * shape[1]
+    if not nbytes:
+        return np.empty(shape, dtype=np.uint8)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8).reshape(shape)
+
+
+def _open_expert_file(layout: ModelLayout, file: str, direct_io: bool) -> int:
+    path = layout.check_size(file)
+    if not direct_io:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        return fd
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as e:
+        raise OSError(f"{path}: cannot open with O_DIRECT ({e.strerror}); run without --direct-io") from None

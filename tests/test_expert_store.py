@@ -1,5 +1,7 @@
 """The expert cache: policies decide what stays, never what is computed."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -45,9 +47,29 @@ def model(tmp_path_factory):
     return root / "model"
 
 
-def test_placement_and_policy_never_change_logits(model):
+def test_read_ahead_is_neither_hit_nor_miss_and_keeps_protected_slots():
+    index = CacheIndex(3, "lru")
+    index.place([(0, 1), (0, 2)])
+    slot = index.admit((1, 7), protected={(0, 1), (0, 2)})
+    assert slot is not None and index.hits == 0 and index.misses == 2
+    assert index.admit((1, 8), protected={(0, 1), (0, 2), (1, 7)}) is None  # every slot is protected
+    assert index.place([(1, 7)])[0][2] and index.hits == 1  # the read-ahead expert is a hit
+    index.drop((1, 7))
+    assert (1, 7) not in index.slot_of and index.free == [slot]
+
+
+def _logits(model, ids, **options):
     from runtime import open_model
 
+    m = open_model(model, ctx=64, ram_budget="2G", **options)
+    try:
+        logits = [m.prefill(ids[:8])] + [m.decode(t)[None] for t in ids[8:]]
+        return np.concatenate(logits), m.stats()
+    finally:
+        m.close()
+
+
+def test_placement_policy_prefetch_and_direct_io_never_change_logits(model):
     from formats.layout import ModelLayout
 
     all_experts = sum(t.stride * t.count for t in ModelLayout(model).expert_layers.values())
@@ -55,10 +77,50 @@ def test_placement_and_policy_never_change_logits(model):
     runs = {}
     for policy in POLICIES:
         for cache in (0, all_experts // 3, all_experts):
-            m = open_model(model, ctx=64, expert_cache=cache, cache_policy=policy, ram_budget="2G")
-            logits = [m.prefill(ids[:8])] + [m.decode(t)[None] for t in ids[8:]]
-            runs[policy, cache] = (np.concatenate(logits), m.stats()["expert_hit_rate"])
-    reference = runs["lru", 0][0]
+            for prefetch in (False, True):
+                runs[policy, cache, prefetch] = _logits(model, ids, expert_cache=cache, cache_policy=policy, prefetch=prefetch)
+    runs["direct"] = _logits(model, ids, expert_cache=all_experts // 3, prefetch=True, direct_io=True)
+    reference = runs["lru", 0, False][0]
     assert all(np.array_equal(reference, logits) for logits, _ in runs.values())
     for policy in POLICIES:
-        assert runs[policy, 0][1] == 0.0 < runs[policy, all_experts // 3][1] < runs[policy, all_experts][1]
+        rates = [runs[policy, cache, False][1]["expert_hit_rate"] for cache in (0, all_experts // 3, all_experts)]
+        assert rates[0] == 0.0 < rates[1] < rates[2]
+    streaming = runs["lru", all_experts // 3, True][1]
+    assert streaming["prefetch"] and streaming["prefetched_experts"] > 0
+    assert 0 <= streaming["prefetch_accuracy"] <= 1 and 0 <= streaming["read_hidden_share"] <= 1
+    assert not runs["lru", all_experts // 3, False][1]["prefetched_experts"]
+    assert runs["direct"][1]["direct_io"] and runs["direct"][1]["expert_bytes_read"] > 0
+
+
+def test_default_prefetch_only_when_experts_must_stream(model):
+    from runtime import open_model
+
+    from formats.layout import ModelLayout
+
+    all_experts = sum(t.stride * t.count for t in ModelLayout(model).expert_layers.values())
+    assert not open_model(model, ctx=64, ram_budget="2G").stats()["prefetch"]
+    assert open_model(model, ctx=64, ram_budget="2G", expert_cache=all_experts // 3).stats()["prefetch"]
+
+
+def test_a_failed_read_ahead_is_reported_by_the_fetch_that_needs_it(model):
+    from runtime import open_model
+
+    from formats.layout import ModelLayout
+
+    all_experts = sum(t.stride * t.count for t in ModelLayout(model).expert_layers.values())
+    m = open_model(model, ctx=64, ram_budget="2G", expert_cache=all_experts // 3, prefetch=True)
+    store = m.store
+    layer = min(store.tables)
+    store.prefetch(layer, [0, 1], in_use=set())
+    for future in list(store.pending.values()):
+        future.exception()
+    store.index.place([(layer, 0)])  # landed: a hit, and the slot holds expert 0 of `layer`
+    slot = store.index.slot_of[(layer, 0)]
+    assert np.array_equal(store.slab[slot, : store.tables[layer].expert_bytes], ModelLayout(model).expert_data(layer, 0))
+    for fd in store.fds.values():
+        os.close(fd)
+    store.fds = {file: os.open("/dev/null", os.O_RDONLY) for file in store.fds}  # every read now comes up short
+    store.prefetch(layer, [5], in_use=set())
+    with pytest.raises(OSError, match="short read"):
+        store.fetch(layer, [5])
+    assert (layer, 5) not in store.index.slot_of or store.pending == {}
