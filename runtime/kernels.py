@@ -785,6 +785,59 @@ def _silu_times(gate, up):
     return gate
 
 
+# ------------------------------------------------------------------ attention and norms
+
+
+def _as_f32(v):
+    """float32 of a KV cache element: float16 bits (uint16) or a float32."""
+
+
+@overload(_as_f32)
+def _as_f32_overload(v):
+    if isinstance(v, types.Integer):
+        return lambda v: _half_to_float(v)
+    return lambda v: F32(v)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _attention_kernel(q, keys, values, start, scale, out, nthreads):
+    n, heads, width = q.shape
+    group = heads // keys.shape[1]
+    for t in prange(nthreads):
+        first, stop = _share(n * heads, nthreads, t, 1)
+        scores = np.empty(start + n, np.float32)
+        for work in range(first, stop):
+            i, h = work // heads, work % heads
+            kv, end = h // group, start + i + 1  # causal: query i sees positions 0..start+i
+            best = F32(-3.0e38)
+            for pos in range(end):
+                score = F32(0.0)
+                for d in range(width):
+                    score += q[i, h, d] * _as_f32(keys[pos, kv, d])
+                scores[pos] = score * scale
+                best = max(best, scores[pos])
+            total = F32(0.0)
+            for pos in range(end):
+                scores[pos] = np.exp(scores[pos] - best)
+                total += scores[pos]
+            out[i, h, :] = 0.0
+            for pos in range(end):
+                weight = scores[pos] / total
+                for d in range(values.shape[2]):
+                    out[i, h, d] += weight * _as_f32(values[pos, kv, d])
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _rms_norm_kernel(x, weight, eps, out):
+    for i in range(x.shape[0]):
+        total = F32(0.0)
+        for j in range(x.shape[1]):
+            total += x[i, j] * x[i, j]
+        inverse = F32(1.0) / np.sqrt(total / F32(x.shape[1]) + eps)
+        for j in range(x.shape[1]):
+            out[i, j] = x[i, j] * inverse * weight[j]
+
+
 # ------------------------------------------------------------------ public API
 
 _warned_workqueue = False
@@ -830,18 +883,39 @@ def _activation(x: np.ndarray, fast: bool):
     return _quantize_activations(x) if fast else x
 
 
-def _matmul(w: np.ndarray, encoding: str, rows: int, cols: int, act, n: int) -> np.ndarray:
-    w, nbytes = _weights(w, encoding, rows, cols)
-    out = np.empty((n, rows), np.float32)
-    _matmul_kernel(BLOCK_TAGS[encoding], w, rows, cols, nbytes, act, out, numba.get_num_threads())
-    return out
+class Matrix:
+    """A [rows, cols] weight matrix in its stored encoding, checked once and then multiplied
+    many times: the per-call work of a decode step is one activation and one kernel call."""
+
+    def __init__(self, w: np.ndarray, encoding: str, rows: int, cols: int, exact: bool = False):
+        self.data, self.row_nbytes = _weights(w, encoding, rows, cols)
+        self.encoding, self.rows, self.cols = encoding, rows, cols
+        self.tag = BLOCK_TAGS[encoding]
+        self.fast = _fast(encoding, exact)
+
+    def activation(self, x: np.ndarray):
+        """x float32 [n, cols] as this matrix's kernel takes it; share it between matrices of
+        the same `fast` that multiply the same x."""
+        return _activation(_float_rows(x, self.cols), self.fast)
+
+    def times(self, act, n: int) -> np.ndarray:
+        """The product with an activation from `activation` of n rows -> float32 [n, rows]."""
+        out = np.empty((n, self.rows), np.float32)
+        _matmul_kernel(self.tag, self.data, self.rows, self.cols, self.row_nbytes, act, out, numba.get_num_threads())
+        return out
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x float32 [n, cols] -> float32 [n, rows]."""
+        return self.times(self.activation(x), x.shape[0])
+
+    def rows_f32(self, first: int, count: int) -> np.ndarray:
+        return dequantize_rows(self.data, self.encoding, self.cols, first, count)
 
 
 def matmul(w: np.ndarray, encoding: str, rows: int, cols: int, x: np.ndarray, exact: bool = False) -> np.ndarray:
     """x float32 [n, cols] times the [rows, cols] matrix `w` (transposed) -> float32 [n, rows]
     (prefill). `exact=True` multiplies in float32 instead of with int8 activations."""
-    x = _float_rows(x, cols)
-    return _matmul(w, encoding, rows, cols, _activation(x, _fast(encoding, exact)), x.shape[0])
+    return Matrix(w, encoding, rows, cols, exact)(x)
 
 
 def matvec(w: np.ndarray, encoding: str, rows: int, cols: int, x: np.ndarray, exact: bool = False) -> np.ndarray:
@@ -851,6 +925,29 @@ def matvec(w: np.ndarray, encoding: str, rows: int, cols: int, x: np.ndarray, ex
     if x.shape != (cols,):
         raise ValueError(f"x must have shape ({cols},), got {x.shape}")
     return matmul(w, encoding, rows, cols, x.reshape(1, cols), exact)[0]
+
+
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, scale: float) -> np.ndarray:
+    """Causal softmax attention of the n queries at positions start..start+n-1.
+
+    q float32 [n, heads, width]; keys [start + n, kv_heads, width] and values [start + n,
+    kv_heads, v_width] as float32 or as float16 bits (uint16, read in place from an f16 KV
+    cache); query head h reads kv head h // (heads / kv_heads) -> float32 [n, heads, v_width]."""
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    n, heads, width = q.shape
+    if keys.shape[0] != start + n or values.shape[0] != start + n or keys.shape[2] != width or heads % keys.shape[1]:
+        raise ValueError(f"keys {keys.shape} / values {values.shape} do not fit queries {q.shape} at position {start}")
+    out = np.empty((n, heads, values.shape[2]), np.float32)
+    _attention_kernel(q, keys, values, start, F32(scale), out, numba.get_num_threads())
+    return out
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x / rms(x) * weight over the last axis (float32)."""
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+    out = np.empty_like(rows)
+    _rms_norm_kernel(rows, np.ascontiguousarray(weight, dtype=np.float32), F32(eps), out)
+    return out.reshape(x.shape)
 
 
 def dequantize_rows(w: np.ndarray, encoding: str, cols: int, first: int, count: int) -> np.ndarray:
@@ -925,7 +1022,7 @@ def moe_experts_batch(record: np.ndarray, encodings: tuple[str, str, str], offse
 
     def project(m, rows, cols, act):
         nbytes = rows * row_bytes(encodings[m], cols)
-        return _matmul(record[0, offsets[m]:offsets[m] + nbytes], encodings[m], rows, cols, act, x.shape[0])
+        return Matrix(record[0, offsets[m]:offsets[m] + nbytes], encodings[m], rows, cols, exact).times(act, x.shape[0])
 
     gate = project(0, ffn, hidden, quantized if _fast(gate_enc, exact) else x)
     up = project(1, ffn, hidden, quantized if _fast(up_enc, exact) else x)

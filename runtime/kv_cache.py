@@ -64,6 +64,13 @@ class KVCache:
         self.values[layer][name][start : start + n] = np.round(blocks * inverse[:, :, None]).reshape(n, -1).astype(np.int8)
         self.scales[layer][name][start : start + n] = scale
 
+    def stored(self, layer: int, name: str, end: int) -> np.ndarray:
+        """Positions 0..end-1 as `kernels.attention` takes them, without a copy when it can:
+        f32 as float32, f16 as its bits (uint16); q8_0 is dequantized to float32."""
+        if self.kind == "f16":
+            return self.values[layer][name][:end].view(np.uint16)
+        return self.read(layer, name, end)
+
     def read(self, layer: int, name: str, end: int) -> np.ndarray:
         """Positions 0..end-1 as float32 [end, width]."""
         if self.kind in FLOAT_KINDS:

@@ -22,26 +22,7 @@ from runtime.kv_cache import KVCache
 from runtime.rope import Rope, _yarn_mscale
 
 
-class Linear:
-    """A resident matrix [rows, cols] kept in its stored encoding."""
-
-    def __init__(self, data: np.ndarray, encoding: str, shape):
-        self.data, self.encoding = data, encoding
-        self.rows, self.cols = shape
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        """x [n, cols] → [n, rows]."""
-        if x.shape[0] == 1:
-            return kernels.matvec(self.data, self.encoding, self.rows, self.cols, x[0])[None, :]
-        return kernels.matmul(self.data, self.encoding, self.rows, self.cols, x)
-
-    def rows_f32(self, first: int, count: int) -> np.ndarray:
-        return kernels.dequantize_rows(self.data, self.encoding, self.cols, first, count)
-
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    variance = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
-    return (x / np.sqrt(variance + np.float32(eps))) * weight
+rms_norm = kernels.rms_norm
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -79,9 +60,9 @@ class Weights:
     def has(self, name: str) -> bool:
         return name in self.raw
 
-    def linear(self, name: str) -> Linear:
+    def linear(self, name: str) -> kernels.Matrix:
         info = self.layout.tensors[name]
-        return Linear(self.raw[name], info.encoding, info.shape)
+        return kernels.Matrix(self.raw[name], info.encoding, *info.shape)
 
     def vector(self, name: str) -> np.ndarray:
         """A 1-D (norm, bias) tensor as float32."""
@@ -107,7 +88,7 @@ class Attention:
 
     def __call__(self, h: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
         c, n = self.c, h.shape[0]
-        q, k, v = self.q(h), self.k(h), self.v(h)
+        q, k, v = self.project(h)
         if self.bias:
             q, k, v = q + self.bias[0], k + self.bias[1], v + self.bias[2]
         if c.qk_norm == "full":
@@ -123,14 +104,18 @@ class Attention:
         cache.write(self.layer, "k", start, k.reshape(n, -1))
         cache.write(self.layer, "v", start, v)
         end = start + n
-        keys = cache.read(self.layer, "k", end).reshape(end, c.n_kv_heads, c.head_dim)
-        values = cache.read(self.layer, "v", end).reshape(end, c.n_kv_heads, c.v_head_dim)
-        group = c.n_heads // c.n_kv_heads
-        qg = q.reshape(n, c.n_kv_heads, group, c.head_dim)
-        scores = np.einsum("nkgd,tkd->kgnt", qg, keys) * self.scale
-        scores = scores + causal_mask(positions, end)
-        out = np.einsum("kgnt,tkd->nkgd", softmax(scores), values)
-        return self.o(out.reshape(n, c.n_heads * c.v_head_dim).astype(np.float32))
+        keys = cache.stored(self.layer, "k", end).reshape(end, c.n_kv_heads, c.head_dim)
+        values = cache.stored(self.layer, "v", end).reshape(end, c.n_kv_heads, c.v_head_dim)
+        out = kernels.attention(q, keys, values, start, self.scale)
+        return self.o(out.reshape(n, c.n_heads * c.v_head_dim))
+
+    def project(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """q, k, v of h; the activation is quantized once for the matrices that share a path."""
+        matrices, acts = (self.q, self.k, self.v), {}
+        for m in matrices:
+            if m.fast not in acts:
+                acts[m.fast] = m.activation(h)
+        return tuple(m.times(acts[m.fast], h.shape[0]) for m in matrices)
 
 
 class LatentAttention:
@@ -233,6 +218,9 @@ class MoE:
         self.offsets = tuple(table.matrices[m].offset for m in ("gate", "up", "down"))
         self.shared = SharedExpert(w, layer, c.shared_expert_gate) if c.n_shared_experts else None
         self.last_route: tuple[np.ndarray, np.ndarray] | None = None
+        # (next MoE layer, its FFN norm weight / ours): h times the ratio is what the next
+        # router would see if this layer and the next attention added nothing
+        self.lookahead: tuple[MoE, np.ndarray] | None = None
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
         c = self.c
@@ -241,6 +229,7 @@ class MoE:
         slab = self.store.slab
         if h.shape[0] == 1:
             slots = self.store.fetch(self.layer, ids[0])
+            self.prefetch_next(h, ids[0])
             out = kernels.moe_experts(slab, self.encodings, self.offsets, c.expert_ffn, c.hidden_size, h[0], weights[0],
                                       slots=slots)[None, :]
         else:
@@ -253,6 +242,14 @@ class MoE:
         if self.shared is not None:
             out = out + self.shared(h)
         return out
+
+    def prefetch_next(self, h: np.ndarray, in_use: np.ndarray) -> None:
+        """Start reading the experts the next MoE layer's router picks for the current hidden state."""
+        if self.lookahead is None or not self.store.prefetching:
+            return
+        following, norm_ratio = self.lookahead
+        predicted, _ = following.router(h * norm_ratio)
+        self.store.prefetch(following.layer, predicted[0], in_use={(self.layer, int(e)) for e in in_use})
 
 
 class SharedExpert:
@@ -286,6 +283,10 @@ class Decoder:
             # llama.cpp names GLM-4.5's pre-FFN norm `post_attention_norm`; every other architecture's is `ffn_norm`
             ffn_norm = f"blk.{i}.ffn_norm.weight" if w.has(f"blk.{i}.ffn_norm.weight") else f"blk.{i}.post_attention_norm.weight"
             self.layers.append((w.vector(f"blk.{i}.attn_norm.weight"), attention, w.vector(ffn_norm), ffn))
+        moe = [(ffn, ffn_norm) for _, _, ffn_norm, ffn in self.layers if isinstance(ffn, MoE)]
+        for (this, this_norm), (following, following_norm) in zip(moe, moe[1:]):
+            ratio = np.divide(following_norm, this_norm, out=np.zeros_like(this_norm), where=this_norm != 0)
+            this.lookahead = following, ratio
 
     @staticmethod
     def cache_widths_for(c: ModelConfig) -> dict[str, int]:

@@ -192,3 +192,43 @@ def test_portable_ir_matches_the_native_kernels(tmp_path):
     for encoding, w in weights.items():
         native = kernels.matvec(w, encoding, 37, 512, x)
         assert relative_error(np.load(tmp_path / f"{encoding}-product.npy"), native) <= EXACT_TOLERANCE
+
+
+def reference_attention(q, keys, values, start):
+    """float64 causal softmax attention with grouped KV heads."""
+    n, heads, width = q.shape
+    group = heads // keys.shape[1]
+    out = np.zeros((n, heads, values.shape[2]))
+    for i in range(n):
+        for h in range(heads):
+            k, v = keys[: start + i + 1, h // group].astype(np.float64), values[: start + i + 1, h // group].astype(np.float64)
+            scores = k @ q[i, h] / np.sqrt(width)
+            p = np.exp(scores - scores.max())
+            out[i, h] = (p / p.sum()) @ v
+    return out
+
+
+@pytest.mark.parametrize("stored", [np.float32, np.float16])
+@pytest.mark.parametrize("start, n", [(0, 1), (0, 7), (9, 1), (5, 4)])
+def test_attention_matches_float64_with_grouped_heads_and_a_causal_mask(stored, start, n):
+    rng = np.random.default_rng(start * 10 + n)
+    heads, kv_heads, width, v_width = 8, 2, 64, 48
+    q = rng.standard_normal((n, heads, width)).astype(np.float32)
+    keys = rng.standard_normal((start + n, kv_heads, width)).astype(stored)
+    values = rng.standard_normal((start + n, kv_heads, v_width)).astype(stored)
+    as_kernel_reads = (lambda a: a.view(np.uint16)) if stored == np.float16 else (lambda a: a)
+    got = kernels.attention(q, as_kernel_reads(keys), as_kernel_reads(values), start, width**-0.5)
+    assert relative_error(got, reference_attention(q, keys, values, start)) < 1e-5
+
+
+def test_attention_refuses_a_cache_that_does_not_fit_the_queries():
+    q = np.zeros((2, 4, 16), np.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.attention(q, np.zeros((3, 2, 16), np.float32), np.zeros((3, 2, 16), np.float32), 0, 0.25)
+
+
+def test_rms_norm_matches_float64():
+    x = np.random.default_rng(3).standard_normal((3, 5, 96)).astype(np.float32)
+    weight = np.random.default_rng(4).standard_normal(96).astype(np.float32)
+    want = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * weight
+    assert relative_error(kernels.rms_norm(x, weight, 1e-6), want) < 1e-6
