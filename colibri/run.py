@@ -39,6 +39,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-quant", default="f16", choices=("f16", "q8_0", "f32"), help="KV cache storage (default: %(default)s)")
     p.add_argument("--cache-policy", default="lru", choices=("lru", "lfru"),
                    help="expert cache eviction: least recently used, or frequency with ageing (default: %(default)s)")
+    p.add_argument("--prefetch", default="auto", choices=("auto", "on", "off"),
+                   help="read the experts the next layer will likely use while this one computes; auto = when the "
+                        "expert cache cannot hold every expert (default: %(default)s)")
+    p.add_argument("--direct-io", action="store_true",
+                   help="read experts with O_DIRECT, bypassing the page cache (leaves its RAM to other programs; "
+                        "fastest on NVMe when the expert cache is large)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
@@ -63,8 +69,17 @@ def format_stats(stats: dict) -> str:
         f"[prompt {stats['prompt_tokens']} tok at {rate(stats['prompt_tok_per_s'])} tok/s, generated "
         f"{stats['generated_tokens']} tok at {rate(stats['generation_tok_per_s'])} tok/s, first token "
         f"{rate(stats['time_to_first_token_s'])} s, expert hit rate {stats['expert_hit_rate']:.1%}, "
-        f"{format_size(stats['expert_bytes_read_per_token'])} read/token, peak RSS {format_size(stats['peak_rss_bytes'])}]"
+        f"{format_size(stats['expert_bytes_read_per_token'])} read/token{_prefetch_stats(stats)}, "
+        f"peak RSS {format_size(stats['peak_rss_bytes'])}]"
     )
+
+
+def _prefetch_stats(stats: dict) -> str:
+    if not stats["prefetch"] or stats["prefetch_accuracy"] is None:
+        return ""
+    hidden = stats["read_hidden_share"]
+    return (f", prefetch accuracy {stats['prefetch_accuracy']:.0%}"
+            + (f", {hidden:.0%} of read time hidden" if hidden is not None else ""))
 
 
 def _prompt_of(path: Path):
@@ -126,7 +141,8 @@ def run_command(args: argparse.Namespace) -> int:
     from runtime import open_model
 
     model = open_model(args.model, threads=args.threads, ctx=args.ctx, ram_budget=args.ram_budget,
-                       expert_cache=args.expert_cache, kv_quant=args.kv_quant, cache_policy=args.cache_policy)
+                       expert_cache=args.expert_cache, kv_quant=args.kv_quant, cache_policy=args.cache_policy,
+                       prefetch={"auto": None, "on": True, "off": False}[args.prefetch], direct_io=args.direct_io)
     trace = open(args.trace_routing, "w") if args.trace_routing else None
     if trace:
         model.trace_routing(trace)

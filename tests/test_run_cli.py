@@ -46,6 +46,14 @@ def test_greedy_run_is_deterministic_and_prints_stats(model_dir, capsys):
     assert "tok/s" in first[2] and "hit rate" in first[2] and "peak RSS" in first[2]
 
 
+def test_streaming_flags_keep_the_text_and_report_prefetch(model_dir, capsys):
+    argv = ["run", "--model", str(model_dir), "--prompt", "Fishermen pulled", "--max-tokens", "6", "--ram-budget", "2G"]
+    _, in_ram, in_ram_err = run(argv, capsys)
+    code, streamed, err = run(argv + ["--expert-cache", "1M", "--prefetch", "on", "--direct-io"], capsys)
+    assert code == 0, err
+    assert streamed == in_ram and "prefetch accuracy" in err and "prefetch" not in in_ram_err
+
+
 def test_trace_routing_writes_one_line_per_token_per_moe_layer(model_dir, tmp_path, capsys):
     trace = tmp_path / "trace.jsonl"
     code, out, err = run(["run", "--model", str(model_dir), "--prompt", "hello there", "--max-tokens", "4", "--json",
