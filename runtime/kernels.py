@@ -46,7 +46,8 @@ from formats.encodings import ENCODINGS, block_size, row_bytes
 F32 = np.float32
 CHUNK = 256  # weights dequantized at a time by the exact path (a multiple of every block size)
 ACT_BLOCK = 32  # activation values per int8 scale
-GROUP = 4  # activations multiplied together by the int8 matmul (each weight block unpacked once)
+GROUP = 8  # activations multiplied together by the int8 matmul (each weight block unpacked once);
+# a remainder of at least GROUP // 2 rows is done as one half group
 PREFETCH_BYTES = 4096  # how far ahead of the current block the weight stream is prefetched
 CACHE_LINE = 64
 
@@ -482,15 +483,22 @@ def _row_dot_int8(typingctx, tag, w, offset, nblocks, xq, xd, xs):
     return types.float32(tag, w, offset, nblocks, xq, xd, xs), _int8_rows_codegen(encoding, 1)
 
 
-@intrinsic
-def _row_dots_int8(typingctx, tag, w, offset, nblocks, xq, xd, xs):
-    """As _row_dot_int8 for the first GROUP rows of int8 activations [n, ...] at once: a
-    tuple of GROUP float32."""
-    encoding = _quantized_encoding(tag)
-    if encoding is None:
-        return None
-    signature = types.UniTuple(types.float32, GROUP)(tag, w, offset, nblocks, xq, xd, xs)
-    return signature, _int8_rows_codegen(encoding, GROUP)
+def _row_dots_int8_intrinsic(count):
+    @intrinsic
+    def row_dots_int8(typingctx, tag, w, offset, nblocks, xq, xd, xs):
+        """As _row_dot_int8 for the first `count` rows of int8 activations [n, ...] at once:
+        a tuple of `count` float32."""
+        encoding = _quantized_encoding(tag)
+        if encoding is None:
+            return None
+        signature = types.UniTuple(types.float32, count)(tag, w, offset, nblocks, xq, xd, xs)
+        return signature, _int8_rows_codegen(encoding, count)
+
+    return row_dots_int8
+
+
+_row_dots_int8 = _row_dots_int8_intrinsic(GROUP)
+_row_dots_int8_half = _row_dots_int8_intrinsic(GROUP // 2)
 
 
 @intrinsic
@@ -638,6 +646,11 @@ def _row_times_overload(tag, w, offset, cols, act, out, r, buf):
                 dots = _row_dots_int8(tag, w, offset, nblocks, q[i:], d[i:], s[i:])
                 for k in range(GROUP):
                     out[i + k, r] = dots[k]
+            if n - grouped >= GROUP // 2:
+                dots = _row_dots_int8_half(tag, w, offset, nblocks, q[grouped:], d[grouped:], s[grouped:])
+                for k in range(GROUP // 2):
+                    out[grouped + k, r] = dots[k]
+                grouped += GROUP // 2
             for i in range(grouped, n):
                 out[i, r] = _row_dot_int8(tag, w, offset, nblocks, q[i], d[i], s[i])
         return int8_impl

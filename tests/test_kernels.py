@@ -66,7 +66,7 @@ def test_products_match_float64(matrix, activations, exact):
     y = kernels.matvec(w, encoding, ROWS, cols, x[0], exact=exact)
     assert y.dtype == np.float32 and y.shape == (ROWS,)
     assert relative_error(y, reference @ x[0]) <= tolerance
-    for n in (1, 3, 17):
+    for n in (1, 3, 6, 13, 17):  # singles, a half group, whole groups and both
         y = kernels.matmul(w, encoding, ROWS, cols, x[:n], exact=exact)
         assert y.dtype == np.float32 and y.shape == (n, ROWS)
         assert relative_error(y, x[:n].astype(np.float64) @ reference.T) <= tolerance
