@@ -7,6 +7,8 @@ written out in `formats/spec.md`; quantizers live in `convert/`, kernels in `run
 
 from __future__ import annotations
 
+from functools import cache
+
 import gguf
 import numpy as np
 
@@ -30,6 +32,7 @@ def ggml_type(encoding: str) -> gguf.GGMLQuantizationType:
     return gguf.GGMLQuantizationType[encoding]
 
 
+@cache  # on the runtime's hot path: gguf's enum lookup costs ~50 µs
 def block_size(encoding: str) -> tuple[int, int]:
     """(weights per block, bytes per block) of `encoding`."""
     return gguf.GGML_QUANT_SIZES[ggml_type(encoding)]
