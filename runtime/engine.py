@@ -2,6 +2,7 @@
 
     m = open_model(path, threads=2, ctx=4096, ram_budget="8G", expert_cache="2G", kv_quant="f16")
     logits = m.prefill(token_ids)      # float32 [len(token_ids), vocab]; fills the KV cache
+    last = m.prefill(token_ids, all_logits=False)  # float32 [1, vocab]: only the last position's
     step = m.decode(token_id)          # float32 [vocab] for the next position
     m.reset()                          # empty the KV cache
     for piece in m.generate("Hello", max_tokens=32): print(piece, end="")
@@ -94,10 +95,12 @@ class Model:
 
     # --- tokens in, logits out ------------------------------------------------------
 
-    def prefill(self, token_ids) -> np.ndarray:
-        """Logits [len(token_ids), vocab]; the tokens are appended to the KV cache."""
+    def prefill(self, token_ids, all_logits: bool = True) -> np.ndarray:
+        """Logits [len(token_ids), vocab], or [1, vocab] for the last position only (the output
+        matrix is the largest one: generating needs just that row); the tokens are appended to
+        the KV cache."""
         started = time.perf_counter()
-        logits = self.decoder.forward(list(token_ids), self.cache)
+        logits = self.decoder.forward(list(token_ids), self.cache, all_logits)
         self.timings["prompt_tokens"] += len(token_ids)
         self.timings["prompt_seconds"] += time.perf_counter() - started
         return logits
@@ -155,7 +158,7 @@ class Model:
             ids = tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=True), add_bos=False)
         self.reset()
         started = time.perf_counter()
-        logits = self.prefill(ids)[-1]
+        logits = self.prefill(ids, all_logits=False)[-1]
         self.timings["time_to_first_token"] = time.perf_counter() - started
         stream = tok.stream()
         for _ in range(max_tokens):

@@ -295,8 +295,9 @@ class Decoder:
             return {"kv": c.kv_lora_rank, "k_rope": c.qk_rope_head_dim}
         return {"k": c.n_kv_heads * c.head_dim, "v": c.n_kv_heads * c.v_head_dim}
 
-    def forward(self, tokens, cache: KVCache) -> np.ndarray:
-        """Logits [n, vocab] for `tokens` placed after the cache's contents."""
+    def forward(self, tokens, cache: KVCache, all_logits: bool = True) -> np.ndarray:
+        """Logits [n, vocab] for `tokens` placed after the cache's contents ([1, vocab] for the
+        last token only, unless `all_logits`)."""
         c = self.config
         start = cache.length
         cache.check_room(start, len(tokens))
@@ -308,4 +309,4 @@ class Decoder:
             if self.route_log is not None and isinstance(ffn, MoE):
                 self.route_log(layer, positions, *ffn.last_route)
         cache.length = start + len(tokens)
-        return self.output(rms_norm(x, self.output_norm, c.norm_eps))
+        return self.output(rms_norm(x if all_logits else x[-1:], self.output_norm, c.norm_eps))

@@ -70,7 +70,7 @@ def free_run(model, prompt_ids: list[list[int]], max_tokens: int) -> tuple[list[
     for ids in prompt_ids:
         model.reset()
         started = time.perf_counter()
-        logits = model.prefill(ids)[-1]
+        logits = model.prefill(ids, all_logits=False)[-1]
         prompt_s += time.perf_counter() - started
         tokens = []
         for _ in range(max_tokens):
