@@ -124,3 +124,14 @@ def test_a_failed_read_ahead_is_reported_by_the_fetch_that_needs_it(model):
     with pytest.raises(OSError, match="short read"):
         store.fetch(layer, [5])
     assert (layer, 5) not in store.index.slot_of or store.pending == {}
+
+
+def test_prefill_of_the_last_position_only_gives_its_row(model):
+    from runtime import open_model
+
+    m = open_model(model, ctx=64, ram_budget="2G")
+    ids = list(range(3, 14))
+    every = m.prefill(ids)
+    m.reset()
+    last = m.prefill(ids, all_logits=False)
+    assert last.shape == (1, every.shape[1]) and np.array_equal(last[0], every[-1])
