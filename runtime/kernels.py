@@ -973,52 +973,61 @@ def dequantize_rows(w: np.ndarray, encoding: str, cols: int, first: int, count: 
     return out
 
 
-def _expert_matrices(records: np.ndarray, encodings, offsets, ffn: int, hidden: int) -> tuple[int, int, int]:
-    """Row sizes of gate, up and down; checks that the three matrices fit in a record."""
-    shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
-    sizes = tuple(row_bytes(encoding, cols) for encoding, (_, cols) in zip(encodings, shapes))
-    for name, offset, (rows, _), size in zip(("gate", "up", "down"), offsets, shapes, sizes):
-        if offset < 0 or offset + rows * size > records.shape[-1]:
-            raise ValueError(f"{name} [{rows} rows of {size} bytes] at offset {offset} does not fit "
-                             f"in a record of {records.shape[-1]} bytes")
-    return sizes
+class ExpertKernel:
+    """sum_j weights[j] * down_j(silu(gate_j @ x) * (up_j @ x)) for the k routed experts of one
+    layer in one call (decode); encodings, offsets and sizes are checked once, here.
+
+    An expert is a row of `records` (uint8 [m, record_bytes]) with gate [ffn, hidden], up
+    [ffn, hidden] and down [hidden, ffn] at byte `offsets` in `encodings`. With int8
+    activations (exact=False), x is quantized once for every gate and up, and each expert's
+    hidden state once for its down."""
+
+    def __init__(self, record_bytes: int, encodings: tuple[str, str, str], offsets: tuple[int, int, int], ffn: int,
+                 hidden: int, exact: bool = False):
+        shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
+        self.sizes = tuple(row_bytes(encoding, cols) for encoding, (_, cols) in zip(encodings, shapes))
+        for name, offset, (rows, _), size in zip(("gate", "up", "down"), offsets, shapes, self.sizes):
+            if offset < 0 or offset + rows * size > record_bytes:
+                raise ValueError(f"{name} [{rows} rows of {size} bytes] at offset {offset} does not fit "
+                                 f"in a record of {record_bytes} bytes")
+        self.record_bytes, self.ffn, self.hidden = record_bytes, ffn, hidden
+        self.tags = tuple(BLOCK_TAGS[encoding] for encoding in encodings)
+        self.offsets = tuple(int(o) for o in offsets)
+        self.fast = tuple(_fast(encoding, exact) for encoding in encodings)
+
+    def __call__(self, records: np.ndarray, slots: np.ndarray, x: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """records uint8 [m, >= record_bytes] (C-contiguous, e.g. a cache slab used in place),
+        slots int64 [k] (the experts' rows), x float32 [hidden], weights float32 [k] -> float32 [hidden]."""
+        k, ffn = slots.shape[0], self.ffn
+        x = x.reshape(1, self.hidden)
+        quantized = _quantize_activations(x) if self.fast[0] or self.fast[1] else None
+        gate_act, up_act = ((tuple(a[0] for a in quantized) if fast else x[0]) for fast in self.fast[:2])
+        h = np.empty((k, ffn), np.float32)
+        h_act = h
+        if self.fast[2]:
+            h_act = (np.empty((k, ffn), np.int8), np.empty((k, ffn // ACT_BLOCK), np.float32),
+                     np.empty((k, ffn // 16), np.float32))
+        out = np.empty(self.hidden, np.float32)
+        _moe_kernel(*self.tags, records, slots, self.offsets, self.sizes, ffn, self.hidden, gate_act, up_act, h, h_act,
+                    weights, out, numba.get_num_threads())
+        return out
 
 
 def moe_experts(records: np.ndarray, encodings: tuple[str, str, str], offsets: tuple[int, int, int], ffn: int,
                 hidden: int, x: np.ndarray, weights: np.ndarray, exact: bool = False,
                 slots: np.ndarray | None = None) -> np.ndarray:
-    """sum_j weights[j] * down_j(silu(gate_j @ x) * (up_j @ x)) -> float32 [hidden], for the
-    k routed experts of one layer in one call (decode).
-
-    records: uint8 [m, record_bytes], one expert per row, with gate [ffn, hidden], up
-    [ffn, hidden] and down [hidden, ffn] at byte `offsets` in `encodings`; the k experts are
-    rows `slots` (default: all m rows), so a cache slab is used in place, without a copy.
-    x float32 [hidden], weights float32 [k]. With int8 activations (exact=False), x is
-    quantized once for every gate and up, and each expert's hidden state once for its down."""
+    """`ExpertKernel` on experts `slots` of `records` (default: all of its rows), with checks of
+    every argument: x float32 [hidden], weights float32 [k] -> float32 [hidden]."""
     if records.dtype != np.uint8 or records.ndim != 2 or not records.flags.c_contiguous:
         raise ValueError(f"records must be C-contiguous uint8 [m, record_bytes], got {records.dtype} {records.shape}")
     slots = np.arange(records.shape[0]) if slots is None else np.asarray(slots, dtype=np.int64).reshape(-1)
     if slots.size and (slots.min() < 0 or slots.max() >= records.shape[0]):
         raise ValueError(f"slots {slots.tolist()} out of range for {records.shape[0]} records")
-    k = slots.shape[0]
     weights = np.ascontiguousarray(weights, dtype=np.float32).reshape(-1)
-    if weights.shape != (k,):
-        raise ValueError(f"weights must have shape ({k},), got {weights.shape}")
-    x = _float_rows(np.asarray(x).reshape(1, -1), hidden)
-    sizes = _expert_matrices(records, encodings, offsets, ffn, hidden)
-    gate_enc, up_enc, down_enc = encodings
-    quantized = _quantize_activations(x) if _fast(gate_enc, exact) or _fast(up_enc, exact) else None
-    gate_act, up_act = ((tuple(a[0] for a in quantized) if _fast(enc, exact) else x[0]) for enc in (gate_enc, up_enc))
-    h = np.empty((k, ffn), np.float32)
-    h_act = h
-    if _fast(down_enc, exact):
-        h_act = (np.empty((k, ffn), np.int8), np.empty((k, ffn // ACT_BLOCK), np.float32),
-                 np.empty((k, ffn // 16), np.float32))
-    out = np.empty(hidden, np.float32)
-    _moe_kernel(BLOCK_TAGS[gate_enc], BLOCK_TAGS[up_enc], BLOCK_TAGS[down_enc], records, slots,
-                tuple(int(o) for o in offsets), sizes, ffn, hidden, gate_act, up_act, h, h_act, weights, out,
-                numba.get_num_threads())
-    return out
+    if weights.shape != slots.shape:
+        raise ValueError(f"weights must have shape ({slots.shape[0]},), got {weights.shape}")
+    x = _float_rows(np.asarray(x).reshape(1, -1), hidden)[0]
+    return ExpertKernel(records.shape[1], encodings, offsets, ffn, hidden, exact)(records, slots, x, weights)
 
 
 def moe_experts_batch(record: np.ndarray, encodings: tuple[str, str, str], offsets: tuple[int, int, int],
@@ -1029,7 +1038,7 @@ def moe_experts_batch(record: np.ndarray, encodings: tuple[str, str, str], offse
     if record.dtype != np.uint8:
         raise ValueError(f"record must be uint8 bytes, got {record.dtype}")
     x = _float_rows(x, hidden)
-    _expert_matrices(record, encodings, offsets, ffn, hidden)
+    ExpertKernel(record.shape[1], encodings, offsets, ffn, hidden, exact)  # checks the record
     gate_enc, up_enc, down_enc = encodings
     quantized = _quantize_activations(x) if _fast(gate_enc, exact) or _fast(up_enc, exact) else None
 

@@ -216,6 +216,7 @@ class MoE:
         table = store.tables[layer]
         self.encodings = tuple(table.matrices[m].encoding for m in ("gate", "up", "down"))
         self.offsets = tuple(table.matrices[m].offset for m in ("gate", "up", "down"))
+        self.experts = kernels.ExpertKernel(store.slab.shape[1], self.encodings, self.offsets, c.expert_ffn, c.hidden_size)
         self.shared = SharedExpert(w, layer, c.shared_expert_gate) if c.n_shared_experts else None
         self.last_route: tuple[np.ndarray, np.ndarray] | None = None
         # (next MoE layer, its FFN norm weight / ours): h times the ratio is what the next
@@ -230,8 +231,7 @@ class MoE:
         if h.shape[0] == 1:
             slots = self.store.fetch(self.layer, ids[0])
             self.prefetch_next(h, ids[0])
-            out = kernels.moe_experts(slab, self.encodings, self.offsets, c.expert_ffn, c.hidden_size, h[0], weights[0],
-                                      slots=slots)[None, :]
+            out = self.experts(slab, slots, h[0], weights[0])[None, :]
         else:
             out = np.zeros_like(h)
             for expert in np.unique(ids):  # batch-union: each needed expert read once, in file order
