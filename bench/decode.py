@@ -3,14 +3,16 @@
 (a) in RAM, warm: every expert fits the expert cache; the ceiling is
     memory_bw / bytes_touched_per_token.
 (b) streaming: expert files dropped from the page cache first (POSIX_FADV_DONTNEED, no
-    root needed), expert cache a quarter of the experts; the ceiling is
-    disk_bw / (expert_bytes_per_token × (1 − hit_rate)), with disk_bw measured cold.
-    Misses after the first touch may be served by the page cache, as on a real machine;
-    the effective read bandwidth is reported next to the cold disk bandwidth.
+    root needed), expert cache a share of the experts (--stream-share), prefetch off, on,
+    and on with O_DIRECT; the ceiling is disk_bw / (expert_bytes_per_token × (1 − hit_rate)),
+    with disk_bw measured cold. Buffered misses after the first touch may be served by the
+    page cache, as on a real machine (O_DIRECT always reads the disk); the effective read
+    bandwidth is reported next to the cold disk bandwidth, with prefetch accuracy and the
+    share of read time hidden behind compute. Every mode must produce the same tokens.
 Prints a table against the ceilings and llama.cpp (tg128 33.7, pp512 142.6 tok/s on this
 machine and shape, Q4_K_M, 2 threads); writes bench/out/decode.json.
 
-    python bench/decode.py [--model DIR] [--prompt-tokens 64] [--tokens 48]
+    python bench/decode.py [--model DIR] [--prompt-tokens 64] [--tokens 48] [--stream-share 0.25]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 
 from formats.layout import ModelLayout
 from runtime import open_model
+from runtime.expert_store import cache_bytes_for_all
 from runtime.plan import measure_disk_bandwidth
 
 BENCH = Path(__file__).resolve().parent
@@ -65,14 +68,18 @@ def run(model, prompt_tokens: int, tokens: int) -> dict:
     logits = model.prefill(ids, all_logits=False)[-1]
     prefill_seconds = time.perf_counter() - started
     read_before = model.store.bytes_read
+    generated = []
     started = time.perf_counter()
     for _ in range(tokens):
-        logits = model.decode(int(np.argmax(logits)))
+        generated.append(int(np.argmax(logits)))
+        logits = model.decode(generated[-1])
     seconds = time.perf_counter() - started
     stats = model.stats()
     return {"prompt_tok_per_s": prompt_tokens / prefill_seconds, "decode_tok_per_s": tokens / seconds,
             "hit_rate": stats["expert_hit_rate"], "read_bytes_per_token": (model.store.bytes_read - read_before) / tokens,
-            "effective_read_bw": (model.store.bytes_read - read_before) / seconds}
+            "effective_read_bw": (model.store.bytes_read - read_before) / seconds,
+            "prefetch_accuracy": stats["prefetch_accuracy"], "read_hidden_share": stats["read_hidden_share"],
+            "tokens": generated}
 
 
 def main() -> None:
@@ -81,40 +88,52 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--stream-share", type=float, default=0.25, help="expert cache as a share of all experts when streaming")
     args = parser.parse_args()
 
     layout = ModelLayout(reference_model(args.model))
     c = layout.config
     resident = sum(t.nbytes for t in layout.tensors.values())
-    all_experts = sum(t.stride * t.count for t in layout.expert_layers.values())
+    all_experts = cache_bytes_for_all(layout)
     expert_per_token = sum(t.expert_bytes * c.n_experts_used for t in layout.expert_layers.values())
     mem_bw = read_bandwidth(args.threads)
 
-    in_ram = open_model(layout.directory, threads=args.threads, ctx=1024, expert_cache=all_experts + (64 << 20))
+    in_ram = open_model(layout.directory, threads=args.threads, ctx=1024, expert_cache=all_experts)
     run(in_ram, 8, 4)  # warm: kernels compiled, experts cached
-    a = run(in_ram, args.prompt_tokens, args.tokens)
-    a["ceiling"] = mem_bw / (resident + expert_per_token)
+    results = {"in RAM": run(in_ram, args.prompt_tokens, args.tokens)}
+    results["in RAM"]["ceiling"] = mem_bw / (resident + expert_per_token)
+    in_ram.close()
     del in_ram
 
     evict(layout)
     disk_bw = measure_disk_bandwidth(layout)
-    evict(layout)
-    streaming = open_model(layout.directory, threads=args.threads, ctx=1024, expert_cache=all_experts // 4)
-    b = run(streaming, args.prompt_tokens, args.tokens)
-    b["ceiling"] = disk_bw / max(expert_per_token * (1 - b["hit_rate"]), 1)
+    for name, prefetch, direct_io in (("stream", False, False), ("stream+prefetch", True, False),
+                                      ("stream+prefetch+direct", True, True)):
+        evict(layout)
+        model = open_model(layout.directory, threads=args.threads, ctx=1024, expert_cache=int(all_experts * args.stream_share),
+                           prefetch=prefetch, direct_io=direct_io)
+        r = results[name] = run(model, args.prompt_tokens, args.tokens)
+        r["ceiling"] = disk_bw / max(expert_per_token * (1 - r["hit_rate"]), 1)
+        model.close()
+    same = all(r["tokens"] == results["in RAM"]["tokens"] for r in results.values())
 
     print(f"\ndecode on {layout.directory.name}: resident {resident / 1e9:.2f} GB, experts {all_experts / 1e9:.2f} GB, "
-          f"{expert_per_token / 1e6:.0f} MB of experts per token; read bw {mem_bw / 1e9:.1f} GB/s, cold disk {disk_bw / 1e9:.2f} GB/s")
-    print(f"{'mode':<10}{'prompt tok/s':>13}{'decode tok/s':>13}{'ceiling':>9}{'of ceiling':>11}{'vs llama tg':>12}"
-          f"{'hit rate':>9}{'MB read/tok':>12}{'eff. read GB/s':>15}")
-    for name, r in (("in RAM", a), ("streaming", b)):
-        print(f"{name:<10}{r['prompt_tok_per_s']:>13.1f}{r['decode_tok_per_s']:>13.2f}{r['ceiling']:>9.1f}"
+          f"{expert_per_token / 1e6:.0f} MB of experts per token; read bw {mem_bw / 1e9:.1f} GB/s, cold disk {disk_bw / 1e9:.2f} GB/s; "
+          f"streaming cache {args.stream_share:.0%} of the experts")
+    print(f"{'mode':<24}{'prompt tok/s':>13}{'decode tok/s':>13}{'ceiling':>9}{'of ceiling':>11}{'vs llama tg':>12}"
+          f"{'hit rate':>9}{'MB read/tok':>12}{'eff. read GB/s':>15}{'prefetch acc.':>14}{'read hidden':>12}")
+    for name, r in results.items():
+        accuracy, hidden = r["prefetch_accuracy"], r["read_hidden_share"]
+        print(f"{name:<24}{r['prompt_tok_per_s']:>13.1f}{r['decode_tok_per_s']:>13.2f}{r['ceiling']:>9.1f}"
               f"{r['decode_tok_per_s'] / r['ceiling']:>10.0%}{r['decode_tok_per_s'] / LLAMA_CPP['tg128']:>11.2f}x"
-              f"{r['hit_rate']:>9.1%}{r['read_bytes_per_token'] / 1e6:>12.1f}{r['effective_read_bw'] / 1e9:>15.2f}")
+              f"{r['hit_rate']:>9.1%}{r['read_bytes_per_token'] / 1e6:>12.1f}{r['effective_read_bw'] / 1e9:>15.2f}"
+              f"{'-' if accuracy is None else f'{accuracy:.0%}':>14}{'-' if hidden is None else f'{hidden:.0%}':>12}")
+    print(f"same tokens in every mode: {'yes' if same else 'NO'}; prompt tok/s vs llama.cpp pp512: "
+          f"{results['in RAM']['prompt_tok_per_s'] / LLAMA_CPP['pp512']:.2f}x")
     (BENCH / "out").mkdir(exist_ok=True)
     (BENCH / "out" / "decode.json").write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "threads": args.threads, "memory_read_bw": mem_bw, "disk_bw": disk_bw,
-        "in_ram": a, "streaming": b, "llama_cpp": LLAMA_CPP}, indent=1))
+        "stream_share": args.stream_share, "same_tokens": same, "modes": results, "llama_cpp": LLAMA_CPP}, indent=1))
 
 
 if __name__ == "__main__":

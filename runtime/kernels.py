@@ -812,8 +812,7 @@ def _as_f32_overload(v):
     return lambda v: F32(v)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _attention_kernel(q, keys, values, start, scale, out, nthreads):
+def _attention_loops(q, keys, values, start, scale, out, nthreads):
     n, heads, width = q.shape
     group = heads // keys.shape[1]
     for t in prange(nthreads):
@@ -838,6 +837,13 @@ def _attention_kernel(q, keys, values, start, scale, out, nthreads):
                 weight = scores[pos] / total
                 for d in range(values.shape[2]):
                     out[i, h, d] += weight * _as_f32(values[pos, kv, d])
+
+
+# A decode step's attention is too small to pay for waking the threads; long contexts and
+# prompts are not.
+_attention_serial = njit(cache=True, nogil=True, fastmath=True)(_attention_loops)
+_attention_parallel = njit(cache=True, nogil=True, parallel=True, fastmath=True)(_attention_loops)
+PARALLEL_ATTENTION_WORK = 1 << 20  # multiply-adds from which attention runs on all threads
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -951,7 +957,11 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     if keys.shape[0] != start + n or values.shape[0] != start + n or keys.shape[2] != width or heads % keys.shape[1]:
         raise ValueError(f"keys {keys.shape} / values {values.shape} do not fit queries {q.shape} at position {start}")
     out = np.empty((n, heads, values.shape[2]), np.float32)
-    _attention_kernel(q, keys, values, start, F32(scale), out, numba.get_num_threads())
+    work = n * heads * (start + n) * (width + values.shape[2])
+    if work >= PARALLEL_ATTENTION_WORK:
+        _attention_parallel(q, keys, values, start, F32(scale), out, numba.get_num_threads())
+    else:
+        _attention_serial(q, keys, values, start, F32(scale), out, 1)
     return out
 
 

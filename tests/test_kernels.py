@@ -209,7 +209,7 @@ def reference_attention(q, keys, values, start):
 
 
 @pytest.mark.parametrize("stored", [np.float32, np.float16])
-@pytest.mark.parametrize("start, n", [(0, 1), (0, 7), (9, 1), (5, 4)])
+@pytest.mark.parametrize("start, n", [(0, 1), (0, 7), (9, 1), (5, 4), (300, 8)])  # the last runs threaded
 def test_attention_matches_float64_with_grouped_heads_and_a_causal_mask(stored, start, n):
     rng = np.random.default_rng(start * 10 + n)
     heads, kv_heads, width, v_width = 8, 2, 64, 48
