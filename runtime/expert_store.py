@@ -28,6 +28,8 @@ import numpy as np
 from formats.layout import EXPERT_ALIGN, ModelLayout, align_up
 
 Key = tuple[int, int]  # (layer, expert)
+READ_THREADS = 4  # a layer's misses in flight at once: an NVMe needs a queue to reach its bandwidth
+PREFETCH_THREADS = 2  # read-ahead has its own threads, so a miss never queues behind a guess
 
 
 class LRUPolicy:
@@ -169,7 +171,8 @@ class ExpertStore:
         self.pending: dict[Key, Future] = {}  # experts being read ahead, not yet landed
         if prefetch is None:
             prefetch = capacity < self.expert_count
-        self.reader = ThreadPoolExecutor(1, thread_name_prefix="colibri-prefetch") if prefetch and capacity else None
+        self.readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="colibri-read")
+        self.prefetcher = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="colibri-prefetch") if prefetch and capacity else None
         self.counters = dict(bytes_read=0, read_seconds=0.0, waited_seconds=0.0, prefetched=0, prefetch_used=0)
         self.unused_prefetches: set[Key] = set()
 
@@ -183,11 +186,12 @@ class ExpertStore:
 
     @property
     def prefetching(self) -> bool:
-        return self.reader is not None
+        return self.prefetcher is not None
 
     def close(self) -> None:
-        if self.reader is not None:
-            self.reader.shutdown(wait=True)
+        for pool in (self.readers, self.prefetcher):
+            if pool is not None:
+                pool.shutdown(wait=True)
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
@@ -208,20 +212,30 @@ class ExpertStore:
                 if hit and key in self.unused_prefetches:
                     self.unused_prefetches.discard(key)
                     self.counters["prefetch_used"] += 1
+        misses = []
         for key, slot, hit in placed:
-            if slot is None:
-                slot = next(scratch)
+            slots[key] = next(scratch) if slot is None else slot
             if not hit:
-                started = time.perf_counter()
-                self._read(key, slot)
-                self._count_read(key, time.perf_counter() - started, waited=True)
-            slots[key] = slot
+                misses.append((key, slots[key]))
+        if misses:  # read together (a deeper disk queue), waited for together
+            started = time.perf_counter()
+            reads = [(key, self.readers.submit(self._read, key, slot)) for key, slot in misses]
+            failed = [(key, read.exception()) for key, read in reads if read.exception() is not None]
+            if failed:
+                with self.lock:
+                    for key, _ in failed:
+                        if key in self.index.slot_of:
+                            self.index.drop(key)  # its slot holds no expert
+                raise failed[0][1]
+            seconds = time.perf_counter() - started
+            for key, _ in misses:
+                self._count_read(key, seconds / len(misses), waited=True)
         return np.array([slots[k] for k in keys], dtype=np.int64)
 
     def prefetch(self, layer: int, experts, in_use) -> None:
         """Start reading the uncached `experts` of `layer` into free or evictable slots, in the
         background; the experts `in_use` (keys) and those still in flight keep their slots."""
-        if self.reader is None:
+        if not self.prefetching:
             return
         with self.lock:
             protected = set(in_use) | set(self.pending)
@@ -234,7 +248,7 @@ class ExpertStore:
                 protected.add(key)
                 self.counters["prefetched"] += 1
                 self.unused_prefetches.add(key)
-                self.pending[key] = self.reader.submit(self._read_ahead, key, slot)
+                self.pending[key] = self.prefetcher.submit(self._read_ahead, key, slot)
 
     def _read_ahead(self, key: Key, slot: int) -> None:
         started = time.perf_counter()
