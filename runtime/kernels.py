@@ -756,6 +756,17 @@ def _matmul_kernel(tag, w, rows, cols, row_nbytes, act, out, nthreads):
 
 
 @_parallel
+def _per_head_kernel(tag, w, cols, row_nbytes, act, heads, stride, first, out, nthreads):
+    groups, rows = out.shape
+    for t in prange(nthreads):
+        lo, hi = _share(groups * rows, nthreads, t, 1)
+        for index in range(lo, hi):
+            g, r = index // rows, index % rows
+            row = first + (g % heads) * stride + r
+            out[g, r] = _row_dot(tag, w, row * row_nbytes, cols, _act_row(act, g))
+
+
+@_parallel
 def _dequantize_kernel(tag, w, first_row, cols, row_nbytes, out, nthreads):
     for t in prange(nthreads):
         first, stop = _share(out.shape[0], nthreads, t, 1)
@@ -926,6 +937,17 @@ class Matrix:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x float32 [n, cols] -> float32 [n, rows]."""
         return self.times(self.activation(x), x.shape[0])
+
+    def times_per_head(self, x: np.ndarray, heads: int, rows: int, stride: int, first: int = 0) -> np.ndarray:
+        """x float32 [n * heads, cols], row g belonging to head g % heads, times that head's
+        `rows` rows (first + head * stride onwards) -> float32 [n * heads, rows]: a slice of
+        the matrix per head, as MLA's absorbed projections need."""
+        if first + (heads - 1) * stride + rows > self.rows or x.shape[0] % heads:
+            raise ValueError(f"{heads} heads of {rows} rows every {stride} from {first} do not fit {self.rows} rows")
+        out = np.empty((x.shape[0], rows), np.float32)
+        _per_head_kernel(self.tag, self.data, self.cols, self.row_nbytes, self.activation(x), heads, stride, first, out,
+                         numba.get_num_threads())
+        return out
 
     def rows_f32(self, first: int, count: int) -> np.ndarray:
         return dequantize_rows(self.data, self.encoding, self.cols, first, count)

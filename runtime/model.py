@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from convert.quantize_q4k import quantize
 from formats.encodings import FLOAT_DTYPES
 from formats.layout import ModelLayout
 from formats.model_config import ModelConfig
@@ -133,6 +134,7 @@ class LatentAttention:
         self.kv_a = w.linear(p + "attn_kv_a_mqa.weight")
         self.kv_a_norm = w.vector(p + "attn_kv_a_norm.weight")
         self.kv_b = w.linear(p + "attn_kv_b.weight")
+        self.k_absorb = absorbed_keys(self.kv_b, c)
         self.o = w.linear(p + "attn_output.weight")
         scale = c.head_dim**-0.5
         scaling = c.rope_scaling or {}
@@ -155,13 +157,25 @@ class LatentAttention:
         cache.write(self.layer, "k_rope", start, k_pe)
         end = start + n
         latents, k_rope = cache.read(self.layer, "kv", end), cache.read(self.layer, "k_rope", end)
-        kv_b = self.kv_b.rows_f32(0, self.kv_b.rows).reshape(heads, nope + c.v_head_dim, rank)
-        q_latent = np.einsum("nhd,hdr->nhr", q[:, :, :nope], kv_b[:, :nope])
+        q_nope = q[:, :, :nope].reshape(n * heads, nope)
+        q_latent = self.k_absorb.times_per_head(q_nope, heads, rank, rank).reshape(n, heads, rank)
         scores = (np.einsum("nhr,tr->hnt", q_latent, latents) + np.einsum("nhd,td->hnt", q_pe, k_rope)) * self.scale
         scores = scores + causal_mask(positions, end)
-        context = np.einsum("hnt,tr->nhr", softmax(scores), latents)
-        out = np.einsum("nhr,hvr->nhv", context, kv_b[:, nope:])
-        return self.o(out.reshape(n, heads * c.v_head_dim).astype(np.float32))
+        context = np.einsum("hnt,tr->nhr", softmax(scores), latents).astype(np.float32).reshape(n * heads, rank)
+        out = self.kv_b.times_per_head(context, heads, c.v_head_dim, nope + c.v_head_dim, first=nope)
+        return self.o(out.reshape(n, heads * c.v_head_dim))
+
+
+def absorbed_keys(kv_b: kernels.Matrix, c: ModelConfig) -> kernels.Matrix:
+    """The key half of MLA's kv_b transposed per head, [heads * kv_lora_rank, qk_nope_head_dim],
+    so that absorbing a query into the latent space is a product with stored rows (as
+    llama.cpp's attn_k_b). Built once at load: F32 when kv_b is a float encoding, else Q8_0
+    (finer than kv_b's own blocks; F32 when the rows do not fill Q8_0 blocks)."""
+    heads, nope, rank = c.n_heads, c.qk_nope_head_dim, c.kv_lora_rank
+    keys = kv_b.rows_f32(0, kv_b.rows).reshape(heads, nope + c.v_head_dim, rank)[:, :nope]
+    transposed = np.ascontiguousarray(keys.transpose(0, 2, 1)).reshape(heads * rank, nope)
+    encoding = "F32" if kv_b.encoding in FLOAT_DTYPES or nope % 32 else "Q8_0"
+    return kernels.Matrix(quantize(transposed, encoding).reshape(-1), encoding, heads * rank, nope)
 
 
 def causal_mask(positions: np.ndarray, end: int) -> np.ndarray:

@@ -232,3 +232,14 @@ def test_rms_norm_matches_float64():
     weight = np.random.default_rng(4).standard_normal(96).astype(np.float32)
     want = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * weight
     assert relative_error(kernels.rms_norm(x, weight, 1e-6), want) < 1e-6
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "fast"])
+def test_per_head_products_use_each_heads_rows(exact):
+    heads, rows, stride, first, cols = 3, 5, 8, 2, 256
+    w, reference = random_weights("Q8_0", first + heads * stride, cols)
+    x = np.random.default_rng(5).standard_normal((2 * heads, cols)).astype(np.float32)  # 2 tokens × 3 heads
+    got = kernels.Matrix(w, "Q8_0", first + heads * stride, cols, exact).times_per_head(x, heads, rows, stride, first)
+    want = np.stack([reference[first + (g % heads) * stride:][:rows] @ x[g] for g in range(2 * heads)])
+    assert got.shape == (2 * heads, rows)
+    assert relative_error(got, want) <= (EXACT_TOLERANCE if exact else kernels.FAST_PATH_TOLERANCE)
