@@ -48,7 +48,7 @@ class Budget:
 def plan_budget(layout: ModelLayout, ctx: int, kv_quant: str, widths: dict, ram_budget, expert_cache) -> Budget:
     c = layout.config
     ram = parse_size(ram_budget) if ram_budget is not None else int(total_ram() * 0.8)
-    resident = sum(t.nbytes for t in layout.tensors.values())
+    resident = Decoder.resident_bytes(layout)
     kv = kv_bytes(c.n_layers, ctx, widths, kv_quant)
     record = max((t.expert_bytes for t in layout.expert_layers.values()), default=0)
     scratch = SCRATCH_BYTES + record * c.n_experts_used

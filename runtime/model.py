@@ -303,6 +303,14 @@ class Decoder:
             this.lookahead = following, ratio
 
     @staticmethod
+    def resident_bytes(layout: ModelLayout) -> int:
+        """RAM of the resident weights: the stored tensors plus what is derived at load
+        (MLA's absorbed keys, at most 4 bytes a value)."""
+        c = layout.config
+        derived = 4 * c.n_layers * c.n_heads * c.kv_lora_rank * c.qk_nope_head_dim if c.attention == "mla" else 0
+        return sum(t.nbytes for t in layout.tensors.values()) + derived
+
+    @staticmethod
     def cache_widths_for(c: ModelConfig) -> dict[str, int]:
         """Per-position widths of the KV cache streams of one layer."""
         if c.attention == "mla":

@@ -52,7 +52,7 @@ def plan(layout: ModelLayout, ram: int, ctx: int | None = None, kv_quant: str = 
     """The budget table and the expected decode speed, as a dict (bytes, bytes/s, tok/s)."""
     c = layout.config
     widths = Decoder.cache_widths_for(c)
-    resident = sum(t.nbytes for t in layout.tensors.values())
+    resident = Decoder.resident_bytes(layout)
     all_experts = sum(t.stride * t.count for t in layout.expert_layers.values())
     record = max((t.expert_bytes for t in layout.expert_layers.values()), default=0)
     scratch = SCRATCH_BYTES + record * c.n_experts_used
