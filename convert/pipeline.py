@@ -1,0 +1,295 @@
+"""The resumable conversion pipeline every source shares (safetensors, GGUF).
+
+A source describes its conversion as a `Job`: the normalized config, independent units of
+work (the resident file, one file per MoE layer) and a picklable function that writes one
+unit into OUT and returns its manifest fragment. `run_job` does the rest the same way for
+every source: each finished unit is recorded in a journal (`OUT/.colibri-convert.json`)
+with a fingerprint of the conversion, so a killed run rerun with the same arguments skips
+the journalled units and produces byte-identical output; units run in `workers`
+processes (threads for a job whose units only copy and hash); the manifest is written
+last, so until then OUT is an unfinished conversion.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import multiprocessing
+import shutil
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from tqdm import tqdm
+
+from colibri import __version__
+from formats.layout import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, RESIDENT_FILE, write_atomic, write_manifest
+from formats.model_config import ModelConfig
+
+JOURNAL_NAME = ".colibri-convert.json"
+# Files a conversion writes next to the layout (copied from a checkpoint, or rebuilt from GGUF metadata).
+TOKENIZER_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
+)
+
+
+class ConvertError(Exception):
+    """A conversion that cannot proceed; the message is one line."""
+
+
+@dataclass
+class ConvertOptions:
+    quant: str | None = None  # recipe; None: Q4_K_M for a checkpoint (a GGUF is imported as it is)
+    overrides: list[tuple[str, str]] = field(default_factory=list)
+    workers: int = 1
+    force: bool = False
+    revision: str | None = None
+    progress: bool = True
+
+
+@dataclass
+class Job:
+    """One conversion, described by its source; `run_job` carries it out."""
+
+    config: ModelConfig
+    units: list  # each has a unique `name`
+    run_unit: Callable  # picklable: run_unit(out, unit, advance) -> manifest fragment
+    source_bytes: dict[str, int]  # unit name → bytes of source it reads (progress)
+    output_bytes: dict[str, int]  # unit name → bytes it writes (free-space check)
+    quant: dict  # the manifest's `quant`
+    provenance: dict  # the manifest's `provenance`
+    tokenizer_files: dict[str, bytes]  # written into OUT and listed in `tokenizer_files`
+    total_source_bytes: int
+    action: str  # the summary's first words, e.g. "converted mixtral to Q4_K_M"
+    threads: bool = False  # units only read, hash and write (all release the GIL): threads, not processes
+
+
+def fingerprint(job: Job) -> dict:
+    """What makes two runs the same conversion (a rerun resumes only when this matches)."""
+    p = job.provenance
+    return {
+        "source": p["source"], "revision": p["revision"],
+        "source_sizes": {name: f["size"] for name, f in p["source_files"].items()},
+        "quant": job.quant["recipe"], "overrides": job.quant["overrides"], "converter_version": __version__,
+    }
+
+
+def our_files(out: Path) -> list[Path]:
+    names = [MANIFEST_NAME, JOURNAL_NAME, RESIDENT_FILE, *TOKENIZER_FILES]
+    return [out / n for n in names] + sorted(out.glob("*.partial")) + [out / "experts"]
+
+
+def prepare_output(out: Path, print_: dict, force: bool) -> dict:
+    """Journalled units to keep: those of an unfinished run of this same conversion."""
+    journal_path = out / JOURNAL_NAME
+    if not out.exists() or not any(out.iterdir()):
+        return {}
+    journal = None
+    if journal_path.is_file():
+        try:
+            journal = json.loads(journal_path.read_text())
+        except json.JSONDecodeError:
+            journal = None
+    if journal and journal.get("fingerprint") == print_:
+        return journal.get("units", {})
+    if not force:
+        if journal or (out / MANIFEST_NAME).exists():
+            raise ConvertError(f"{out}: holds a different conversion (other source or quant); use --force to replace it")
+        raise ConvertError(f"{out}: folder is not empty and holds no colibri conversion; choose another or use --force")
+    for path in our_files(out):
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    return {}
+
+
+def check_free_space(out: Path, needed: int) -> None:
+    probe = out if out.exists() else out.parent
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if needed > free:
+        raise ConvertError(f"{out}: needs {needed / 1e9:.2f} GB more, only {free / 1e9:.2f} GB free on that disk")
+
+
+def run_job(job: Job, out, options: ConvertOptions, started: float | None = None) -> dict:
+    """Carry out `job` into `out` (resuming an unfinished run of it); returns the summary."""
+    started = time.monotonic() if started is None else started
+    out = Path(out)
+    print_ = fingerprint(job)
+    done = prepare_output(out, print_, options.force)
+    todo = [u for u in job.units if not _unit_done(out, u.name, done)]
+    check_free_space(out, sum(job.output_bytes[u.name] for u in todo))
+    out.mkdir(parents=True, exist_ok=True)
+    journal = {"fingerprint": print_, "units": {k: v for k, v in done.items() if k in {u.name for u in job.units}}}
+    write_atomic(out / JOURNAL_NAME, json.dumps(journal, indent=1).encode())
+
+    total = sum(job.source_bytes.values())
+    skipped_bytes = total - sum(job.source_bytes[u.name] for u in todo)
+    bar = tqdm(total=total, initial=skipped_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+               desc="converting", disable=not options.progress, dynamic_ncols=True)
+    try:
+        _run_units(job.run_unit, out, todo, options.workers, bar, journal, job.threads)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            kept = len(journal["units"])
+            raise ConvertError(f"{out}: disk full ({kept} of {len(job.units)} units kept); free space and rerun the same command to resume") from None
+        raise
+    finally:
+        bar.close()
+
+    manifest = build_manifest(job, journal["units"], out)
+    write_manifest(out, manifest)
+    elapsed = time.monotonic() - started
+    return summarize(manifest, job, total - skipped_bytes, elapsed, len(job.units) - len(todo))
+
+
+def _unit_done(out: Path, name: str, done: dict) -> bool:
+    fragment = done.get(name)
+    return bool(fragment) and all((out / f).is_file() and (out / f).stat().st_size == info["size"] for f, info in fragment["files"].items())
+
+
+def _record(out: Path, journal: dict, name: str, fragment: dict) -> None:
+    journal["units"][name] = fragment
+    write_atomic(out / JOURNAL_NAME, json.dumps(journal, indent=1).encode())
+
+
+_worker_progress = None
+
+
+def _init_worker(counter) -> None:
+    global _worker_progress
+    _worker_progress = counter
+
+
+def _advance_shared(nbytes: int) -> None:
+    with _worker_progress.get_lock():
+        _worker_progress.value += nbytes
+
+
+def _run_unit_in_worker(run_unit: Callable, out: Path, unit) -> dict:
+    return run_unit(out, unit, _advance_shared)
+
+
+def _run_units(run_unit: Callable, out: Path, units: list, workers: int, bar: tqdm, journal: dict, threads: bool) -> None:
+    if workers <= 1 or len(units) <= 1:
+        for unit in units:
+            _record(out, journal, unit.name, run_unit(out, unit, bar.update))
+        return
+    if threads:
+        lock = threading.Lock()
+
+        def advance(nbytes: int) -> None:
+            with lock:
+                bar.update(nbytes)
+
+        pool = ThreadPoolExecutor(workers)
+        pending = {pool.submit(run_unit, out, unit, advance): unit for unit in units}
+        poll = None
+    else:
+        context = multiprocessing.get_context("spawn")
+        counter, reported = context.Value("q", 0), [0]
+        pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(counter,))
+        pending = {pool.submit(_run_unit_in_worker, run_unit, out, unit): unit for unit in units}
+
+        def poll() -> None:
+            with counter.get_lock():
+                bar.update(counter.value - reported[0])
+                reported[0] = counter.value
+
+    with pool:
+        try:
+            while pending:
+                finished, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                if poll:
+                    poll()
+                for future in finished:
+                    unit = pending.pop(future)
+                    _record(out, journal, unit.name, future.result())
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            raise
+
+
+def build_manifest(job: Job, fragments: dict, out: Path) -> dict:
+    """The manifest from the units' fragments; writes the tokenizer files on the way."""
+    tensors, out_files, expert_layers = {}, {}, []
+    for fragment in fragments.values():
+        tensors.update(fragment.get("tensors", {}))
+        out_files.update(fragment["files"])
+        if "expert_layer" in fragment:
+            expert_layers.append(fragment["expert_layer"])
+    for name, data in job.tokenizer_files.items():
+        write_atomic(out / name, data)
+        out_files[name] = {"size": len(data)}
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "converter": {"name": "colibri-convert", "version": __version__},
+        "config": job.config.to_dict(),
+        "quant": job.quant,
+        "provenance": job.provenance,
+        "files": dict(sorted(out_files.items())),
+        "tensors": dict(sorted(tensors.items())),
+        "expert_layers": sorted(expert_layers, key=lambda e: e["layer"]),
+        "tokenizer_files": list(job.tokenizer_files),
+    }
+
+
+def summarize(manifest: dict, job: Job, converted_bytes: int, seconds: float, resumed: int) -> dict:
+    resident_bytes = sum(t["nbytes"] for t in manifest["tensors"].values())
+    resident_weights = sum(int(np.prod(t["shape"])) for t in manifest["tensors"].values())
+    expert_bytes = sum(e["expert_bytes"] * e["count"] for e in manifest["expert_layers"])
+    expert_weights = sum(e["count"] * sum(int(np.prod(m["shape"])) for m in e["matrices"].values()) for e in manifest["expert_layers"])
+    encodings: dict[str, int] = {}
+    for t in manifest["tensors"].values():
+        encodings[t["encoding"]] = encodings.get(t["encoding"], 0) + 1
+    for e in manifest["expert_layers"]:
+        for m in e["matrices"].values():
+            encodings[m["encoding"]] = encodings.get(m["encoding"], 0) + e["count"]
+    return {
+        "action": job.action,
+        "architecture": job.config.architecture,
+        "quant": manifest["quant"]["recipe"],
+        "source_bytes": job.total_source_bytes,
+        "output_bytes": sum(f["size"] for f in manifest["files"].values()),
+        "resident_bytes": resident_bytes,
+        "expert_bytes": expert_bytes,
+        "resident_bpw": 8 * resident_bytes / max(resident_weights, 1),
+        "expert_bpw": 8 * expert_bytes / max(expert_weights, 1),
+        "parameters": resident_weights + expert_weights,
+        "moe_layers": len(manifest["expert_layers"]),
+        "experts_per_layer": job.config.n_experts,
+        "tensors_by_encoding": dict(sorted(encodings.items())),
+        "skipped_tensors": len(job.provenance["skipped_tensors"]),
+        "mtp_layers_skipped": job.config.mtp_layers_skipped,
+        "units_resumed": resumed,
+        "seconds": seconds,
+        "source_mb_per_s": converted_bytes / 1e6 / max(seconds, 1e-9),
+    }
+
+
+def format_summary(s: dict, out) -> str:
+    gb = 1e9
+    lines = [
+        f"{s['action']} in {s['seconds']:.1f} s → {out}",
+        f"  parameters     {s['parameters'] / 1e9:.3f} B ({s['moe_layers']} MoE layers × {s['experts_per_layer']} experts)",
+        f"  source         {s['source_bytes'] / gb:.3f} GB",
+        f"  output         {s['output_bytes'] / gb:.3f} GB "
+        f"(resident {s['resident_bytes'] / gb:.3f} GB at {s['resident_bpw']:.2f} bpw, "
+        f"experts {s['expert_bytes'] / gb:.3f} GB at {s['expert_bpw']:.2f} bpw)",
+        f"  throughput     {s['source_mb_per_s']:.1f} MB/s of source",
+        "  tensors        " + ", ".join(f"{k} {v}" for k, v in s["tensors_by_encoding"].items()),
+    ]
+    if s["units_resumed"]:
+        lines.append(f"  resumed        {s['units_resumed']} units were already done and kept")
+    if s["skipped_tensors"]:
+        lines.append(f"  skipped        {s['skipped_tensors']} tensors ({s['mtp_layers_skipped']} multi-token-prediction layers, not used for generation)")
+    return "\n".join(lines)
