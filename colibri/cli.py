@@ -36,14 +36,18 @@ def _override(text: str) -> tuple[str, str]:
 def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     from formats.recipe import RECIPES
 
-    p.add_argument("src", metavar="SRC", help="checkpoint folder (config.json + safetensors), or a Hugging Face repo id")
+    p.add_argument("src", metavar="SRC",
+                   help="checkpoint folder (config.json + safetensors), a Hugging Face repo id, or a .gguf file "
+                        "(for a split GGUF, any part: the others are found next to it)")
     p.add_argument("out", metavar="OUT", help="output folder; an unfinished conversion there is resumed")
-    p.add_argument("--quant", default="Q4_K_M", choices=RECIPES, type=str.upper,
-                   help="quantization recipe (default: %(default)s, llama.cpp's per-tensor choices)")
+    p.add_argument("--quant", default=None, choices=RECIPES, type=str.upper,
+                   help="quantization recipe (default: Q4_K_M, llama.cpp's per-tensor choices; "
+                        "a GGUF keeps its own types and takes no --quant)")
     p.add_argument("--override", action="append", default=[], type=_override, metavar="REGEX=TYPE",
                    help="force TYPE for tensors whose canonical name matches REGEX (first match wins; repeatable)")
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
-                   help="processes converting layers in parallel, ~0.3-0.6 GB of RAM each (default: %(default)s)")
+                   help="processes converting layers in parallel, ~0.3-0.6 GB of RAM each; a GGUF import uses "
+                        "threads (default: %(default)s)")
     p.add_argument("--revision", help="hub revision (branch, tag or commit) when SRC is a repo id (default: main)")
     p.add_argument("--force", action="store_true", help="replace a different conversion already in OUT")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
@@ -59,6 +63,25 @@ def run_convert(args: argparse.Namespace) -> int:
     )
     summary = convert(args.src, args.out, options)
     print(json.dumps(summary, indent=1) if args.json else format_summary(summary, args.out))
+    return 0
+
+
+def add_export_gguf_arguments(p: argparse.ArgumentParser) -> None:
+    from colibri.run import _size
+
+    p.add_argument("model", metavar="DIR", help="a converted colibri model folder")
+    p.add_argument("out", metavar="OUT.gguf", help="the GGUF to write (with --split-max-size: OUT-00001-of-0000N.gguf, ...)")
+    p.add_argument("--split-max-size", type=_size, default=0, metavar="SIZE",
+                   help="split into parts of at most SIZE, e.g. 2G, named as llama.cpp's gguf-split does (default: one file)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_export_gguf(args: argparse.Namespace) -> int:
+    from convert.colibri_to_gguf import export_gguf, format_export_summary
+
+    summary = export_gguf(args.model, args.out, split_max_size=args.split_max_size, progress=not args.no_progress and not args.json)
+    print(json.dumps(summary, indent=1) if args.json else format_export_summary(summary))
     return 0
 
 
@@ -102,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     from verify.smoke import add_smoke_arguments, smoke_command
 
     for name, help_text, add_arguments, command in (
-        ("convert", "convert a Hugging Face checkpoint to the colibri layout", add_convert_arguments, run_convert),
+        ("convert", "convert a Hugging Face checkpoint or a GGUF file to the colibri layout", add_convert_arguments, run_convert),
+        ("export-gguf", "write a converted model as a GGUF file that llama.cpp runs (blocks copied, not re-quantized)",
+         add_export_gguf_arguments, run_export_gguf),
         ("run", "generate text with a converted model (prompt, prompt file, chat or a folder of prompts)", add_run_arguments, run_command),
         ("plan", "the RAM budget and expected speed for a model on this machine", add_plan_arguments, plan_command),
         ("verify-source", "check a downloaded checkpoint: shards, headers, tensors, sha256", add_verify_source_arguments, verify_source_command),
@@ -140,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def convert_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="colibri-convert", description="Convert a Hugging Face MoE checkpoint to the colibri layout.")
+    parser = argparse.ArgumentParser(prog="colibri-convert", description="Convert a Hugging Face MoE checkpoint or a GGUF file to the colibri layout.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     add_convert_arguments(parser)
     parser.set_defaults(run=run_convert)

@@ -1,0 +1,162 @@
+"""colibri export-gguf DIR OUT.gguf: a colibri model as a GGUF that llama.cpp runs.
+
+The inverse of `convert.gguf_to_colibri`, blocks copied, never re-quantized: llama.cpp's
+metadata keys and tensor names (`convert.gguf_arch`), each layer's routed experts stacked
+again as `blk.N.ffn_{gate,up,down}_exps` (the experts' bytes concatenated in expert
+order), Q and K rows permuted back into llama.cpp's order for `llama`, and the tokenizer
+as `tokenizer.ggml.*` metadata (`convert.gguf_tokenizer`). DeepSeek's `attn_kv_b` is
+written unsplit, the form llama.cpp still loads when `key_length_mla` is absent, so no
+block is re-encoded.
+
+Everything that could fail is checked before a byte is written. Tensor data is streamed
+with `pread` in bounded chunks; the files are written under temp names in a
+`.OUT.gguf.partial` folder next to OUT, fsynced, and renamed into place at the end. With
+`split_max_size`, the parts follow llama.cpp's naming, `OUT-00001-of-0000N.gguf`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from tqdm import tqdm
+
+from convert.gguf_arch import (
+    EXPERT_MATRICES, expert_tensor_name, gguf_arch_name, layer_of, permuted_heads, tensor_chunks, write_arch_metadata,
+)
+from convert.gguf_source import ByteReader, read_ahead
+from convert.pipeline import ConvertError, check_free_space
+from formats.layout import ModelLayout, fsync_dir
+
+# the llama.cpp file type named by the encoding that holds most of the weights
+FILE_TYPES = {
+    "F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16, "BF16": gguf.LlamaFileType.MOSTLY_BF16,
+    "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q5_0": gguf.LlamaFileType.MOSTLY_Q5_0, "Q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+    "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M, "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_M, "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
+}
+
+
+@dataclass(frozen=True)
+class ExportTensor:
+    """One GGUF tensor and where its bytes come from."""
+
+    name: str
+    shape: tuple[int, ...]  # row-major
+    encoding: str
+    nbytes: int
+    pieces: tuple[tuple[str, int, int], ...]  # (file, offset, nbytes), concatenated in order
+    heads: int = 0  # > 0: rows permuted into llama.cpp's Q/K order over this many heads
+
+    def chunks(self, reader: ByteReader):
+        for file, offset, nbytes in self.pieces:
+            yield from tensor_chunks(reader, file, offset, nbytes, self.shape[0], self.heads, to_gguf=True)
+
+
+def export_tensors(layout: ModelLayout) -> list[ExportTensor]:
+    """The GGUF's tensors in llama.cpp's order: embeddings, each layer (its experts last), output."""
+    c, path = layout.config, lambda file: str(layout.path(file))
+    by_layer: dict[int | None, list[ExportTensor]] = defaultdict(list)
+    for t in layout.tensors.values():
+        by_layer[layer_of(t.name)].append(
+            ExportTensor(t.name, t.shape, t.encoding, t.nbytes, ((path(t.file), t.offset, t.nbytes),), permuted_heads(c, t.name)))
+    for table in layout.expert_layers.values():
+        for m in EXPERT_MATRICES:
+            matrix = table.matrices[m]
+            pieces = tuple((path(table.file), table.expert_offset(e) + matrix.offset, matrix.nbytes) for e in range(table.count))
+            by_layer[table.layer].append(ExportTensor(expert_tensor_name(table.layer, m), (table.count, *matrix.shape),
+                                                      matrix.encoding, table.count * matrix.nbytes, pieces))
+    outside = by_layer.pop(None, [])
+    embeddings = [t for t in outside if t.name == "token_embd.weight"]
+    layers = [t for layer in sorted(by_layer) for t in by_layer[layer]]
+    return embeddings + layers + [t for t in outside if t.name != "token_embd.weight"]
+
+
+def file_type(tensors: list[ExportTensor]) -> gguf.LlamaFileType:
+    weight_bytes: dict[str, int] = {}
+    for t in tensors:
+        if len(t.shape) >= 2:
+            weight_bytes[t.encoding] = weight_bytes.get(t.encoding, 0) + t.nbytes
+    return FILE_TYPES[max(weight_bytes, key=weight_bytes.get)]
+
+
+def gguf_writer(model_dir: Path, layout: ModelLayout, tensors: list[ExportTensor], split_max_size: int) -> gguf.GGUFWriter:
+    """A GGUFWriter holding all metadata and tensor infos (nothing written yet)."""
+    from convert.gguf_tokenizer import GGUFTokenizerError, add_tokenizer_metadata
+
+    c = layout.config
+    writer = gguf.GGUFWriter(None, gguf_arch_name(c), split_max_size=split_max_size)
+    writer.add_name(model_dir.resolve().name)
+    write_arch_metadata(writer, c)
+    writer.add_file_type(file_type(tensors))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    try:
+        add_tokenizer_metadata(writer, model_dir)
+    except GGUFTokenizerError as e:
+        raise ConvertError(str(e)) from None
+    for t in tensors:
+        writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=gguf.GGMLQuantizationType[t.encoding])
+    return writer
+
+
+def export_gguf(model_dir, out, split_max_size: int = 0, progress: bool = True) -> dict:
+    """Write the colibri model in `model_dir` as GGUF `out` (split when `split_max_size`); returns a summary."""
+    started = time.monotonic()
+    model_dir, out = Path(model_dir), Path(out)
+    if out.suffix != ".gguf":
+        raise ConvertError(f"{out}: the output must be a .gguf file name")
+    if not out.parent.is_dir():
+        raise ConvertError(f"{out.parent}: no such folder")
+    layout = ModelLayout(model_dir)
+    for file in layout.manifest["files"]:
+        layout.check_size(file)
+    tensors = export_tensors(layout)
+    writer = gguf_writer(model_dir, layout, tensors, split_max_size)
+    names = [p.name for p in writer.format_shard_names(out)]
+    total = sum(t.nbytes for t in tensors)
+    check_free_space(out.parent, total)
+
+    staging = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    sources = {t.name: t for t in tensors}
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="exporting", disable=not progress, dynamic_ncols=True)
+    try:
+        writer.write_header_to_file(staging / out.name)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        with ByteReader() as reader:
+            for fout, infos in zip(writer.fout, writer.tensors):
+                writer.write_padding(fout, fout.tell())
+                for name, info in infos.items():
+                    for chunk in read_ahead(sources[name].chunks(reader)):
+                        fout.write(chunk)
+                        bar.update(len(chunk))
+                    writer.write_padding(fout, info.nbytes)
+                fout.flush()
+                os.fsync(fout.fileno())
+        writer.close()
+        for name in names:
+            os.replace(staging / name, out.with_name(name))
+        fsync_dir(out.parent)
+    finally:
+        bar.close()
+        writer.close()
+        shutil.rmtree(staging, ignore_errors=True)
+    files = {name: out.with_name(name).stat().st_size for name in names}
+    return {"model": str(model_dir), "files": files, "tensors": len(tensors), "architecture": gguf_arch_name(layout.config),
+            "file_type": file_type(tensors).name, "seconds": time.monotonic() - started}
+
+
+def format_export_summary(s: dict) -> str:
+    size = sum(s["files"].values())
+    lines = [f"exported {s['model']} as GGUF {s['architecture']} ({s['file_type']}, {s['tensors']} tensors, "
+             f"{size / 1e9:.3f} GB) in {s['seconds']:.1f} s"]
+    lines += [f"  {name}  {nbytes / 1e9:.3f} GB" for name, nbytes in s["files"].items()]
+    return "\n".join(lines)
+

@@ -1,0 +1,334 @@
+"""GGUF ↔ colibri: llama.cpp's architectures, metadata keys and tensor names.
+
+Our resident tensors already carry gguf's canonical names, so nearly every tensor is its
+own GGUF name. What differs, as llama.cpp's converter (`convert_hf_to_gguf.py`, each
+model's `set_gguf_parameters` / `modify_tensors`) writes it and its loader
+(`src/models/<arch>.cpp`) reads it:
+
+- `general.architecture` and the `{arch}.*` keys ↔ the normalized `ModelConfig`, both
+  ways, with llama.cpp's defaults where a key is optional or a behaviour is hard-coded
+  (Mixtral renormalises its top-k, Qwen2-MoE does not, ...), so a GGUF made by llama.cpp
+  and one made by `colibri export-gguf` both import;
+- routed experts stacked per layer, `blk.N.ffn_{gate,up,down}_exps.weight` with shape
+  [experts, rows, cols] (expert e is one contiguous slice);
+- for `llama` (Mixtral), Q and K rows permuted within each head (`LlamaModel.permute`):
+  llama.cpp's rope rotates pairs (2i, 2i+1), transformers' rotates the two halves;
+- DeepSeek's `attn_kv_b`, which recent converters store as `attn_k_b` (transposed per
+  head) and `attn_v_b`;
+- GLM-4.5's multi-token-prediction layers, counted in `block_count` (`nextn_predict_layers`).
+
+GGUF stores float metadata as float32; `f32_value` turns it back into the short decimal a
+config.json holds, so a round trip gives the same config.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+import gguf
+import numpy as np
+
+from convert.arch import ADAPTERS
+from convert.gguf_source import ByteReader, GGUFError
+from formats.model_config import ModelConfig
+
+K, A, R, T = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope, gguf.Keys.Tokenizer
+
+ARCHITECTURES = {
+    gguf.MODEL_ARCH_NAMES[a]: a
+    for a in (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.QWEN2MOE, gguf.MODEL_ARCH.QWEN3MOE, gguf.MODEL_ARCH.OLMOE,
+              gguf.MODEL_ARCH.DEEPSEEK2, gguf.MODEL_ARCH.GLM4_MOE)
+}
+MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "glm4moe": "glm4_moe"}
+# llama.cpp's top-k renormalisation where its graph hard-codes it (deepseek2/glm4moe read expert_weights_norm)
+NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "deepseek2": False, "glm4moe": False}
+FFN_IS_EXPERT = ("llama", "olmoe")  # feed_forward_length is the routed experts' width (no dense layers)
+LEADING_DENSE = ("deepseek2", "glm4moe")  # dense layers only before the MoE ones (leading_dense_block_count)
+EXPERT_MATRICES = ("gate", "up", "down")
+CHUNK_BYTES = 32 << 20
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+_LLAMA_QK = re.compile(r"^blk\.\d+\.attn_(q|k)\.(weight|bias)$")
+
+
+def f32_value(x: float) -> float:
+    """The shortest decimal that is the same float32 (GGUF keeps float metadata as float32)."""
+    return float(np.format_float_positional(np.float32(x), unique=True, trim="-"))
+
+
+def layer_of(name: str) -> int | None:
+    match = _LAYER.match(name)
+    return int(match.group(1)) if match else None
+
+
+def expert_tensor_name(layer: int, matrix: str) -> str:
+    return f"blk.{layer}.ffn_{matrix}_exps.weight"
+
+
+def gguf_arch_name(config: ModelConfig) -> str:
+    return gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[config.gguf_architecture]]
+
+
+# --- metadata → ModelConfig -----------------------------------------------------------
+
+
+class GGUFMetadata:
+    """The `{arch}.*` keys of a GGUF, read with the architecture filled in."""
+
+    def __init__(self, source):
+        self.source, self.file = source, source.name
+        self.arch = source.get(gguf.Keys.General.ARCHITECTURE)
+        if self.arch not in ARCHITECTURES:
+            raise GGUFError(f"{self.file}: unsupported architecture {self.arch!r} (supported: {', '.join(ARCHITECTURES)})")
+
+    def get(self, template: str, default=None):
+        value = self.source.get(template.format(arch=self.arch), default)
+        if isinstance(value, list):  # a per-layer array; colibri needs one value for all layers
+            if len(set(value)) != 1:
+                raise GGUFError(f"{self.file}: {template.format(arch=self.arch)} differs between layers ({value[:4]}...), not supported")
+            value = value[0]
+        return value
+
+    def require(self, template: str):
+        value = self.get(template)
+        if value is None:
+            raise GGUFError(f"{self.file}: lacks metadata key {template.format(arch=self.arch)}")
+        return value
+
+
+def config_from_gguf(meta: GGUFMetadata, shapes: dict[str, tuple]) -> ModelConfig:
+    """The normalized config of a GGUF model from its metadata and which tensors it has."""
+    a, file = meta.arch, meta.file
+    if "token_embd.weight" not in shapes:
+        raise GGUFError(f"{file}: lacks tensor token_embd.weight")
+    n_experts = meta.get(K.EXPERT_COUNT, 0)
+    if not n_experts:
+        raise GGUFError(f"{file}: {a} without experts ({a}.expert_count is {n_experts}) is a dense model; colibri runs Mixture-of-Experts models")
+    n_layers = meta.require(K.BLOCK_COUNT) - meta.get(K.NEXTN_PREDICT_LAYERS, 0)
+    hidden, heads = meta.require(K.EMBEDDING_LENGTH), meta.require(A.HEAD_COUNT)
+    ffn = meta.get(K.FEED_FORWARD_LENGTH, 0)
+    expert_ffn = meta.get(K.EXPERT_FEED_FORWARD_LENGTH) or (ffn if a in FFN_IS_EXPERT else None)
+    if not expert_ffn:
+        raise GGUFError(f"{file}: lacks metadata key {K.EXPERT_FEED_FORWARD_LENGTH.format(arch=a)}")
+    head_dim = meta.get(A.KEY_LENGTH, hidden // heads)
+    fields = {}
+    if a == "deepseek2":
+        rope = meta.require(R.DIMENSION_COUNT)
+        head_dim = meta.get(A.KEY_LENGTH_MLA) or meta.require(A.KEY_LENGTH)
+        fields = dict(
+            attention="mla", n_kv_heads=heads, head_dim=head_dim, v_head_dim=meta.get(A.VALUE_LENGTH_MLA) or meta.require(A.VALUE_LENGTH),
+            q_lora_rank=meta.get(A.Q_LORA_RANK) or None, kv_lora_rank=meta.require(A.KV_LORA_RANK),
+            qk_nope_head_dim=head_dim - rope, qk_rope_head_dim=rope,
+        )
+    gating = meta.get(K.EXPERT_GATING_FUNC)
+    if a == "glm4moe":
+        router = "softmax" if gating == gguf.ExpertGatingFuncType.SOFTMAX else "sigmoid"
+    else:
+        router = "sigmoid" if a == "deepseek2" and gating == gguf.ExpertGatingFuncType.SIGMOID else "softmax"
+    architecture = MODEL_TYPES.get(a) or ("deepseek_v3" if router == "sigmoid" else "deepseek_v2")
+    moe_layers = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in shapes]
+    if a == "qwen2moe":
+        first_moe = moe_layers[0] if moe_layers else 0
+        shared_ffn = meta.get(K.EXPERT_SHARED_FEED_FORWARD_LENGTH) or shapes.get(f"blk.{first_moe}.ffn_up_shexp.weight", (0,))[0]
+        n_shared = 1 if shared_ffn else 0
+    else:
+        n_shared = meta.get(K.EXPERT_SHARED_COUNT, 0)
+        shared_ffn = expert_ffn * n_shared
+    q_norm = shapes.get("blk.0.attn_q_norm.weight")
+    eos = [meta.source.get(key) for key in (T.EOS_ID, T.EOT_ID, T.EOM_ID)]
+    clip = meta.get(A.CLAMP_KQV)
+    return ModelConfig(**{
+        "architecture": architecture,
+        "gguf_architecture": ARCHITECTURES[a].name,
+        "vocab_size": shapes["token_embd.weight"][0],
+        "hidden_size": hidden,
+        "n_layers": n_layers,
+        "n_heads": heads,
+        "n_kv_heads": meta.get(A.HEAD_COUNT_KV, heads),
+        "head_dim": head_dim,
+        "v_head_dim": meta.get(A.VALUE_LENGTH, head_dim),
+        "norm_eps": f32_value(meta.require(A.LAYERNORM_RMS_EPS)),
+        "max_position_embeddings": meta.require(K.CONTEXT_LENGTH),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "attn_bias": "blk.0.attn_q.bias" in shapes,
+        "qk_norm": "none" if q_norm is None else "head" if q_norm[-1] == head_dim else "full",
+        "clip_qkv": None if clip is None else f32_value(clip),
+        "rope_theta": f32_value(meta.get(R.FREQ_BASE, 10000.0)),
+        "rope_dim": meta.get(R.DIMENSION_COUNT, head_dim),
+        "rope_interleaved": a == "deepseek2",  # llama.cpp's rope for deepseek2 rotates pairs; Q/K of llama are un-permuted
+        "rope_scaling": rope_scaling(meta),
+        "dense_ffn": 0 if a in FFN_IS_EXPERT else ffn,
+        "moe_layers": moe_layers,
+        "n_experts": n_experts,
+        "n_experts_used": meta.require(K.EXPERT_USED_COUNT),
+        "expert_ffn": expert_ffn,
+        "router": router,
+        "router_norm_topk": bool(meta.get(K.EXPERT_WEIGHTS_NORM, NORM_TOPK[a])),
+        "router_bias": any(n.endswith(".exp_probs_b.bias") for n in shapes),
+        "router_groups": meta.get(K.EXPERT_GROUP_COUNT) or 1,
+        "router_topk_groups": meta.get(K.EXPERT_GROUP_USED_COUNT) or 1,
+        "router_group_score": "max" if architecture == "deepseek_v2" else "top2_sum",  # transformers' DeepSeek-V2 scores a group by its best expert
+        "routed_scaling_factor": f32_value(meta.get(K.EXPERT_WEIGHTS_SCALE) or 1.0),
+        "n_shared_experts": n_shared,
+        "shared_expert_ffn": shared_ffn,
+        "shared_expert_gate": any(n.endswith(".ffn_gate_inp_shexp.weight") for n in shapes),
+        "mtp_layers_skipped": meta.get(K.NEXTN_PREDICT_LAYERS, 0),
+        "bos_token_id": meta.source.get(T.BOS_ID),
+        "eos_token_ids": list(dict.fromkeys(i for i in eos if i is not None)),
+        **fields,
+    })
+
+
+def rope_scaling(meta: GGUFMetadata) -> dict | None:
+    """The rope scaling dict (as a config.json has it) from the `rope.scaling.*` keys."""
+    kind = meta.get(R.SCALING_TYPE)
+    if kind in (None, "none"):
+        return None
+    if kind != "yarn":
+        raise GGUFError(f"{meta.file}: rope scaling {kind!r} is not supported (supported: none, yarn)")
+    scaling = {"type": "yarn", "factor": f32_value(meta.require(R.SCALING_FACTOR)),
+               "original_max_position_embeddings": meta.require(R.SCALING_ORIG_CTX_LEN)}
+    for name, key in (("beta_fast", R.SCALING_YARN_BETA_FAST), ("beta_slow", R.SCALING_YARN_BETA_SLOW), ("attention_factor", R.SCALING_YARN_ATTN_FACTOR)):
+        if (value := meta.get(key)) is not None:
+            scaling[name] = f32_value(value)
+    log_mul = meta.get(R.SCALING_YARN_LOG_MUL)
+    if meta.arch == "deepseek2" and log_mul is not None:  # llama.cpp's converter stores 0.1 × mscale_all_dim
+        mscale = float(f"{log_mul * 10:.6g}")
+        scaling.update(mscale=mscale, mscale_all_dim=mscale)
+    return scaling
+
+
+# --- ModelConfig → metadata ---------------------------------------------------------
+
+
+def write_arch_metadata(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
+    """Add the `{arch}.*` keys llama.cpp's loader reads for `c` (GGUFError when llama.cpp cannot run `c`)."""
+    a = gguf_arch_name(c)
+    check_expressible(c, a)
+    mla = c.attention == "mla"
+    writer.add_block_count(c.n_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_feed_forward_length(c.expert_ffn if a in FFN_IS_EXPERT else c.dense_ffn)
+    writer.add_head_count(c.n_heads)
+    writer.add_head_count_kv(c.n_heads if mla else c.n_kv_heads)
+    writer.add_key_length(c.head_dim)  # MLA: llama.cpp's legacy layout, attn_kv_b unsplit (no key_length_mla)
+    writer.add_value_length(c.v_head_dim)
+    writer.add_layer_norm_rms_eps(c.norm_eps)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_rope_dimension_count(c.rope_dim)
+    write_rope_scaling(writer, c)
+    if c.clip_qkv is not None:
+        writer.add_clamp_kqv(c.clip_qkv)
+    writer.add_expert_count(c.n_experts)
+    writer.add_expert_used_count(c.n_experts_used)
+    writer.add_expert_feed_forward_length(c.expert_ffn)
+    writer.add_expert_weights_norm(c.router_norm_topk)
+    if c.routed_scaling_factor != 1.0:
+        writer.add_expert_weights_scale(c.routed_scaling_factor)
+    if c.router_groups > 1:
+        writer.add_expert_group_count(c.router_groups)
+        writer.add_expert_group_used_count(c.router_topk_groups)
+    if a in LEADING_DENSE:
+        writer.add_leading_dense_block_count(c.moe_layers[0])
+        writer.add_expert_shared_count(c.n_shared_experts)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if c.router == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX)
+    if a == "qwen2moe" and c.n_shared_experts:
+        writer.add_expert_shared_feed_forward_length(c.shared_expert_ffn)
+    if a == "glm4moe":
+        writer.add_nextn_predict_layers(0)  # MTP layers were dropped on conversion
+    if mla:
+        writer.add_kv_lora_rank(c.kv_lora_rank)
+        writer.add_q_lora_rank(c.q_lora_rank or 0)  # 0: q projected directly (llama.cpp requires the key unless it guesses "Lite")
+
+
+def check_expressible(c: ModelConfig, a: str) -> None:
+    """Refuse a config llama.cpp's `a` cannot run as colibri does (one line)."""
+    problems = []
+    if a in LEADING_DENSE:
+        if c.moe_layers != list(range(c.moe_layers[0] if c.moe_layers else c.n_layers, c.n_layers)):
+            problems.append(f"MoE layers {c.moe_layers} are not all layers after the dense ones")
+    elif c.moe_layers != list(range(c.n_layers)):
+        problems.append(f"llama.cpp's {a} has routed experts in every layer, this model only in {c.moe_layers}")
+    if c.rope_interleaved != (a == "deepseek2"):
+        problems.append(f"its rope {'rotates pairs' if c.rope_interleaved else 'rotates halves'}, llama.cpp's {a} does not")
+    scaling = c.rope_scaling or {}
+    if scaling.get("mscale") and scaling.get("mscale_all_dim") and scaling["mscale"] != scaling["mscale_all_dim"]:
+        problems.append("YaRN mscale differs from mscale_all_dim (GGUF has one yarn_log_multiplier)")
+    if a == "llama" and c.rope_dim != c.head_dim:
+        problems.append(f"llama needs rope over the whole head ({c.rope_dim} of {c.head_dim} dims)")
+    if problems:
+        raise GGUFError(f"{c.architecture} cannot be exported as GGUF {a}: {'; '.join(problems)}")
+
+
+def write_rope_scaling(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
+    scaling = c.rope_scaling
+    if not scaling:
+        return
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "yarn":
+        raise GGUFError(f"{c.architecture}: rope scaling {kind!r} has no GGUF form here (supported: yarn)")
+    original = scaling["original_max_position_embeddings"]
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(scaling.get("factor") or c.max_position_embeddings / original)
+    writer.add_rope_scaling_orig_ctx_len(original)
+    for name, add in (("beta_fast", writer.add_rope_scaling_yarn_beta_fast), ("beta_slow", writer.add_rope_scaling_yarn_beta_slow),
+                      ("attention_factor", writer.add_rope_scaling_yarn_attn_factor)):
+        if scaling.get(name) is not None:
+            add(scaling[name])
+    if c.attention == "mla" and scaling.get("mscale_all_dim"):
+        writer.add_rope_scaling_yarn_log_mul(0.1 * scaling["mscale_all_dim"])
+
+
+# --- tensors ------------------------------------------------------------------------
+
+
+def resident_shapes(c: ModelConfig) -> dict[str, tuple]:
+    """Every resident tensor `c` implies, canonical name → row-major shape, in the converter's order."""
+    adapter = ADAPTERS[c.architecture]
+    source = dict(adapter.global_tensors(c))
+    for layer in range(c.n_layers):
+        source.update(adapter.layer_tensors(c, layer))
+    return {adapter.canonical_name(name, c.n_layers): tuple(shape) for name, shape in source.items()}
+
+
+def expert_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
+    return ADAPTERS[c.architecture].expert_shapes(c)
+
+
+def permuted_heads(c: ModelConfig, name: str) -> int:
+    """The heads over which llama.cpp's converter permuted the rows of `name` (0: not permuted)."""
+    match = _LLAMA_QK.match(name)
+    if c.gguf_architecture != "LLAMA" or not match:
+        return 0
+    return c.n_heads if match.group(1) == "q" else c.n_kv_heads
+
+
+def llama_row_order(head_dim: int) -> np.ndarray:
+    """`LlamaModel.permute` within one head: GGUF row i is transformers' row order[i]."""
+    return np.arange(head_dim).reshape(2, head_dim // 2).T.reshape(-1)
+
+
+def tensor_chunks(reader: ByteReader, file, offset: int, nbytes: int, rows: int, heads: int = 0, to_gguf: bool = True) -> Iterator[np.ndarray]:
+    """A tensor's bytes in bounded chunks; with `heads`, its rows permuted per head into
+    llama.cpp's Q/K order (`to_gguf`) or back. Rows move whole: blocks never straddle rows."""
+    if not heads:
+        for start in range(0, nbytes, CHUNK_BYTES):
+            yield reader.read(file, offset + start, min(CHUNK_BYTES, nbytes - start))
+        return
+    head_dim, head_bytes = rows // heads, nbytes // heads
+    order = llama_row_order(head_dim)
+    order = order if to_gguf else np.argsort(order)
+    step = max(1, CHUNK_BYTES // head_bytes)
+    for first in range(0, heads, step):
+        count = min(step, heads - first)
+        block = reader.read(file, offset + first * head_bytes, count * head_bytes).reshape(count, head_dim, -1)
+        yield np.ascontiguousarray(block[:, order]).reshape(-1)
+
+
+def kv_b_from_split(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
+    """DeepSeek's kv_b [heads·(nope + v), rank] from k_b [heads, rank, nope] (as llama.cpp
+    stores it, transposed) and v_b [heads, v, rank]."""
+    heads, rank, _ = k_b.shape
+    return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, rank)

@@ -1,0 +1,37 @@
+"""Checks shared by the GGUF tests: two colibri models hold the same bytes and compute the same logits."""
+
+import numpy as np
+
+from formats.layout import ModelLayout
+from runtime import open_model
+
+PROMPT = [1, 5, 9, 100, 200, 33, 7, 300, 17, 250]
+# The GGUF cannot say these; everything else in the config must come back unchanged.
+NOT_IN_GGUF = {
+    "architecture",  # kimi_k2 is deepseek2 with sigmoid routing, imported as deepseek_v3
+    "mtp_layers_skipped",  # counts the MTP layers dropped from *this* source; the export has none
+    "bos_token_id", "eos_token_ids",  # from the tokenizer's metadata, not config.json
+}
+
+
+def logits(path, ids=PROMPT):
+    return open_model(path, ctx=64, kv_quant="f32", ram_budget="2G").prefill(ids)
+
+
+def model_bytes(path):
+    """Every resident tensor's and expert record's bytes, by name."""
+    layout = ModelLayout(path)
+    blocks = {name: bytes(layout.tensor_data(name)) for name in layout.tensors}
+    for table in layout.expert_layers.values():
+        blocks.update({(table.layer, e): bytes(layout.expert_data(table.layer, e)) for e in range(table.count)})
+    return blocks
+
+
+def assert_same_model(a, b):
+    first, again = ModelLayout(a), ModelLayout(b)
+    assert first.manifest["tensors"] == again.manifest["tensors"]
+    assert first.manifest["expert_layers"] == again.manifest["expert_layers"]
+    assert model_bytes(a) == model_bytes(b)
+    config_a, config_b = first.manifest["config"], again.manifest["config"]
+    assert {k: v for k, v in config_a.items() if k not in NOT_IN_GGUF} == {k: v for k, v in config_b.items() if k not in NOT_IN_GGUF}
+    assert np.array_equal(logits(a), logits(b))

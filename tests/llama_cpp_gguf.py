@@ -1,0 +1,173 @@
+"""GGUF files written the way llama.cpp's converter writes them (test helper).
+
+``write_reference_gguf(src, out)`` reads a tiny Hugging Face checkpoint (F32 safetensors)
+and writes, with gguf-py's own ``GGUFWriter`` -- never colibri's exporter -- what
+``convert_hf_to_gguf.py --outtype f32`` writes (llama.cpp as vendored by
+llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm}.py``):
+
+* the metadata of ``TextModel.set_gguf_parameters`` and of each model class;
+* tensor names from gguf's ``TensorNameMap`` (``map_tensor_name``), with
+  ``e_score_correction_bias`` renamed to ``e_score_correction.bias`` first;
+* routed experts stacked per layer ([experts, rows, cols]);
+* ``llama``: Q and K rows permuted by ``LlamaModel.permute``;
+* DeepSeek: ``kv_b_proj`` split into ``attn_k_b`` (transposed per head) and ``attn_v_b``,
+  MTP layers dropped, ``head_count_kv`` 1 and the MLA key/value lengths;
+* GLM-4.5: the MTP layer kept, ``block_count`` counting it, ``nextn_predict_layers``;
+* optionally (``fuse_gate_up``, the converter's ``fuse_gate_up_exps``) each layer's gate and
+  up experts in one ``ffn_gate_up_exps`` tensor [experts, 2·ffn, hidden].
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+from convert.gguf_tokenizer import add_tokenizer_metadata
+
+ARCH = {
+    "mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
+    "olmoe": gguf.MODEL_ARCH.OLMOE, "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2, "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
+    "kimi_k2": gguf.MODEL_ARCH.DEEPSEEK2, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
+}
+EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute``."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_checkpoint(src: Path) -> dict[str, np.ndarray]:
+    tensors = {}
+    for file in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def add_metadata(w: gguf.GGUFWriter, hp: dict, model_type: str, block_count: int) -> None:
+    """TextModel.set_gguf_parameters, then the model class's own keys."""
+    deepseek = model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2")
+    rope = dict(hp.get("rope_scaling") or {})
+    w.add_block_count(block_count)
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_head_count(hp["num_attention_heads"])
+    w.add_head_count_kv(1 if deepseek else hp["num_key_value_heads"])
+    if rope.get("type", rope.get("rope_type")) == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    w.add_rope_freq_base(hp["rope_theta"])
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    w.add_expert_count(hp.get("num_local_experts") or hp.get("num_experts") or hp["n_routed_experts"])
+    w.add_expert_used_count(hp["num_experts_per_tok"])
+    if hp.get("n_group") is not None:
+        w.add_expert_group_count(hp["n_group"])
+    if hp.get("topk_group") is not None:
+        w.add_expert_group_used_count(hp["topk_group"])
+    if hp.get("scoring_func"):
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType[hp["scoring_func"].upper()])
+    if hp.get("head_dim") is not None:
+        w.add_key_length(hp["head_dim"])
+        w.add_value_length(hp["head_dim"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if model_type == "mixtral":
+        w.add_vocab_size(hp["vocab_size"])
+        w.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"])
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
+        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+        if hp.get("shared_expert_intermediate_size") is not None:
+            w.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
+    elif model_type == "olmoe":
+        w.add_layer_norm_rms_eps(1e-5)
+    elif deepseek:
+        rank, rope_dim = hp["kv_lora_rank"], hp["qk_rope_head_dim"]
+        w.add_leading_dense_block_count(hp["first_k_dense_replace"])
+        w.add_vocab_size(hp["vocab_size"])
+        if hp.get("q_lora_rank") is not None:
+            w.add_q_lora_rank(hp["q_lora_rank"])
+        w.add_kv_lora_rank(rank)
+        w.add_key_length(rank + rope_dim)
+        w.add_value_length(rank)
+        w.add_key_length_mla(hp["qk_nope_head_dim"] + rope_dim)
+        w.add_value_length_mla(hp["v_head_dim"])
+        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+        w.add_expert_count(hp["n_routed_experts"])
+        w.add_expert_shared_count(hp.get("n_shared_experts", 0))
+        w.add_expert_weights_scale(hp["routed_scaling_factor"])
+        if hp.get("norm_topk_prob"):
+            w.add_expert_weights_norm(True)
+        w.add_rope_dimension_count(rope_dim)
+        if rope.get("mscale_all_dim") is not None:
+            w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    elif model_type == "glm4_moe":
+        head_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
+        w.add_rope_dimension_count(int(head_dim * hp.get("partial_rotary_factor", 0.5)))
+        w.add_expert_count(hp["n_routed_experts"])
+        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+        w.add_expert_shared_count(hp["n_shared_experts"])
+        w.add_leading_dense_block_count(hp["first_k_dense_replace"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(hp["routed_scaling_factor"])
+        w.add_expert_weights_norm(hp["norm_topk_prob"])
+        w.add_nextn_predict_layers(hp["num_nextn_predict_layers"])
+
+
+def gguf_tensors(tensors: dict[str, np.ndarray], hp: dict, model_type: str, block_count: int, fuse_gate_up: bool = False):
+    """(gguf name, array) pairs in checkpoint order, as the converter's modify_tensors yields them."""
+    name_map = gguf.get_tensor_name_map(ARCH[model_type], block_count)
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    for name, data in tensors.items():
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        if model_type != "glm4_moe" and layer and int(layer.group(1)) >= hp["num_hidden_layers"]:
+            continue  # DeepSeek's converter skips MTP layers
+        if model_type == "mixtral" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = hp["num_attention_heads"] if "q_proj" in name else hp["num_key_value_heads"]
+            data = permute(data, heads)
+        if m := EXPERT.match(name):
+            experts.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = data
+            continue
+        if name.endswith("kv_b_proj.weight"):
+            heads, nope, v = hp["num_key_value_heads"], hp["qk_nope_head_dim"], hp["v_head_dim"]
+            kv_b = data.reshape(heads, nope + v, data.shape[-1])
+            yield name_map.get_name(name.replace("kv_b_proj.weight", "k_b_proj")) + ".weight", np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1))
+            yield name_map.get_name(name.replace("kv_b_proj.weight", "v_b_proj")) + ".weight", np.ascontiguousarray(kv_b[:, nope:])
+            continue
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        yield name_map.get_name(name, try_suffixes=(".weight", ".bias")), data
+    stacked = {}
+    for (layer, leaf), by_expert in experts.items():
+        # LlamaModel merges Mixtral's w1/w3/w2 under llama's own names; the others keep theirs
+        merged = f"layers.{layer}.feed_forward.experts.{leaf}" if model_type == "mixtral" else f"model.layers.{layer}.mlp.experts.{leaf}"
+        stacked[name_map.get_name(merged) + ".weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    for name, data in stacked.items():
+        if fuse_gate_up and "ffn_gate_exps" in name:
+            yield name.replace("ffn_gate_exps", "ffn_gate_up_exps"), np.concatenate([data, stacked[name.replace("gate", "up")]], axis=1)
+        elif not (fuse_gate_up and "ffn_up_exps" in name):
+            yield name, data
+
+
+def write_reference_gguf(src: Path, out: Path, split_max_size: int = 0, fuse_gate_up: bool = False) -> Path:
+    """Write `out` from the F32 checkpoint `src` as llama.cpp's converter would; returns `out`."""
+    src = Path(src)
+    hp = json.loads((src / "config.json").read_text())
+    model_type = hp["model_type"]
+    block_count = hp["num_hidden_layers"] + (hp.get("num_nextn_predict_layers") or 0) * (model_type == "glm4_moe")
+    writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[ARCH[model_type]], split_max_size=split_max_size)
+    add_metadata(writer, hp, model_type, block_count)
+    add_tokenizer_metadata(writer, src)
+    for name, data in gguf_tensors(read_checkpoint(src), hp, model_type, block_count, fuse_gate_up):
+        writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -1,0 +1,166 @@
+"""`colibri-convert MODEL.gguf OUT`: GGUFs written as llama.cpp writes them import exactly,
+and bad GGUFs are refused with one line naming the file, before anything is written.
+
+The reference GGUFs come from `llama_cpp_gguf.write_reference_gguf` (gguf-py's
+GGUFWriter fed as llama.cpp's converter feeds it, F32): importing one must give the very
+model `--quant F32` makes from the same safetensors — the same bytes for every tensor and
+expert, hence the same logits.
+"""
+
+import gguf
+import numpy as np
+import pytest
+from gguf_checks import logits, model_bytes
+from llama_cpp_gguf import write_reference_gguf
+
+from colibri.cli import convert_main
+from convert.hf_to_colibri import ConvertOptions, convert
+from convert.synthetic import ARCHITECTURES
+from formats.layout import ModelLayout
+
+
+@pytest.fixture
+def reference(checkpoint, tmp_path):
+    """`reference(arch, **kw)`: (F32 checkpoint folder, the GGUF llama.cpp's converter makes of it)."""
+
+    def make(arch, **options):
+        src = checkpoint(arch, dtype="f32")
+        return src, write_reference_gguf(src, tmp_path / f"{arch}.gguf", **options)
+
+    return make
+
+
+def run(argv, capsys):
+    code = convert_main([*argv, "--no-progress"])
+    return code, capsys.readouterr().err.strip()
+
+
+def refused(capsys, tmp_path, source, *words, options=()):
+    """Import `source` and check the refusal: exit 1, one line naming the file and the problem, no OUT."""
+    code, err = run([str(source), str(tmp_path / "out"), *options], capsys)
+    assert code == 1 and "\n" not in err, err
+    for word in (source.name, *words):
+        assert word in err, (word, err)
+    assert not (tmp_path / "out").exists()
+    return err
+
+
+def rewrite_gguf(src, dst, *, arch=None, drop=(), keys=None, tensor=None):
+    """Copy a GGUF through gguf-py, without the keys/tensors in `drop`, with `keys` changed
+    (same value type) and each tensor passed through `tensor(name, data, type) -> (data, type)`."""
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, arch or reader.get_field("general.architecture").contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or field.name in drop:
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, (keys or {}).get(field.name, field.contents()), field.types[0], sub_type)
+    for t in reader.tensors:
+        if t.name not in drop:
+            data, kind = tensor(t.name, np.asarray(t.data), t.tensor_type) if tensor else (np.asarray(t.data), t.tensor_type)
+            writer.add_tensor(t.name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_llama_cpp_gguf_equals_the_safetensors_conversion(reference, tmp_path, arch):
+    src, gguf_file = reference(arch)
+    convert(str(src), tmp_path / "st", ConvertOptions(quant="F32", progress=False))
+    summary = convert(str(gguf_file), tmp_path / "gguf", ConvertOptions(progress=False))
+    assert model_bytes(tmp_path / "st") == model_bytes(tmp_path / "gguf")
+    want, got = logits(tmp_path / "st"), logits(tmp_path / "gguf")
+    assert np.abs(got - want).max() <= 1e-6 * want.std()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    config = ModelLayout(tmp_path / "gguf").config
+    if arch.startswith(("deepseek", "kimi")):  # llama.cpp splits kv_b; rebuilt exactly, stored F32
+        assert "attn_kv_b of 3 layers rebuilt in F32" in summary["action"]
+        assert ModelLayout(tmp_path / "gguf").tensors["blk.0.attn_kv_b.weight"].encoding == "F32"
+        assert config.architecture == ("deepseek_v2" if arch == "deepseek_v2" else "deepseek_v3")
+    if arch == "glm4_moe":  # llama.cpp keeps GLM's MTP layer; the import drops it
+        assert config.mtp_layers_skipped == 1 and config.n_layers == 3
+        assert summary["skipped_tensors"] > 0 and all(n.startswith("blk.3.") for n in ModelLayout(tmp_path / "gguf").manifest["provenance"]["skipped_tensors"])
+
+
+def test_fused_gate_up_experts(reference, tmp_path):
+    src, fused = reference("deepseek_v3", fuse_gate_up=True)
+    assert "blk.1.ffn_gate_up_exps.weight" in {t.name for t in gguf.GGUFReader(fused).tensors}
+    convert(str(src), tmp_path / "st", ConvertOptions(quant="F32", progress=False))
+    convert(str(fused), tmp_path / "gguf", ConvertOptions(progress=False))
+    assert model_bytes(tmp_path / "st") == model_bytes(tmp_path / "gguf")
+
+
+def test_gguf_py_split_set_imports_like_one_file(reference, tmp_path, capsys):
+    _, whole = reference("mixtral")
+    src, _ = reference("mixtral", split_max_size=1_500_000)
+    parts = sorted(tmp_path.glob("mixtral-0000*-of-*.gguf"))
+    assert len(parts) >= 3
+    convert(str(whole), tmp_path / "one", ConvertOptions(progress=False))
+    convert(str(parts[-1]), tmp_path / "split", ConvertOptions(progress=False))  # any part names the set
+    assert model_bytes(tmp_path / "one") == model_bytes(tmp_path / "split")
+
+    # two of the parts renamed as a complete 2-part set: their split.count still says otherwise
+    for i, part in enumerate(parts[:2], 1):
+        (tmp_path / f"short-{i:05d}-of-00002.gguf").write_bytes(part.read_bytes())
+    refused(capsys, tmp_path, tmp_path / "short-00001-of-00002.gguf", f"split.count is {len(parts)}")
+
+
+def test_truncated_gguf(reference, tmp_path, capsys):
+    _, source = reference("qwen3_moe")
+    size = source.stat().st_size
+    with open(source, "r+b") as f:
+        f.truncate(size - 1000)
+    refused(capsys, tmp_path, source, "truncated", str(size - 1000), str(size))
+
+
+def test_not_a_gguf(tmp_path, capsys):
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGML" + bytes(1000))
+    refused(capsys, tmp_path, source, "not a GGUF file", "magic")
+
+
+def test_unsupported_architecture_lists_the_supported(reference, tmp_path, capsys):
+    _, source = reference("olmoe")
+    other = rewrite_gguf(source, tmp_path / "llama4.gguf", arch="llama4")
+    refused(capsys, tmp_path, other, "unsupported architecture 'llama4'", "qwen3moe", "deepseek2", "glm4moe")
+
+
+def test_llama_without_experts_is_refused(reference, tmp_path, capsys):
+    _, source = reference("mixtral")
+    dense = rewrite_gguf(source, tmp_path / "dense.gguf", drop=("llama.expert_count",))
+    refused(capsys, tmp_path, dense, "llama without experts", "dense model")
+
+
+def test_missing_tensor_and_missing_key(reference, tmp_path, capsys):
+    _, source = reference("qwen3_moe")
+    lacking = rewrite_gguf(source, tmp_path / "lacks-tensor.gguf", drop=("blk.1.attn_k_norm.weight",))
+    refused(capsys, tmp_path, lacking, "lacks tensor blk.1.attn_k_norm.weight")
+    lacking = rewrite_gguf(source, tmp_path / "lacks-key.gguf", drop=("qwen3moe.expert_used_count",))
+    refused(capsys, tmp_path, lacking, "lacks metadata key qwen3moe.expert_used_count")
+
+
+def test_tensor_contradicting_the_metadata(reference, tmp_path, capsys):
+    _, source = reference("deepseek_v3")
+    wrong = rewrite_gguf(source, tmp_path / "wrong.gguf", keys={"deepseek2.expert_feed_forward_length": 128})
+    refused(capsys, tmp_path, wrong, "blk.1.ffn_gate_shexp.weight has shape [256, 256], the metadata implies [128, 256] (and 11 more)")
+
+
+def test_types_the_kernels_cannot_compute_are_listed(reference, tmp_path, capsys):
+    _, source = reference("mixtral")
+
+    def to_q4_0(name, data, kind):
+        if data.ndim == 2 or "_exps" in name:
+            return gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_0), gguf.GGMLQuantizationType.Q4_0
+        return data, kind
+
+    q4_0 = rewrite_gguf(source, tmp_path / "q4_0.gguf", tensor=to_q4_0)
+    refused(capsys, tmp_path, q4_0, "18 tensors have types colibri cannot compute", "supported: F32, F16", "Q6_K",
+            "token_embd.weight (Q4_0)", "blk.0.attn_q.weight (Q4_0)", "... and 10 more")
+
+
+def test_quant_options_do_not_apply_to_a_gguf(reference, tmp_path, capsys):
+    _, source = reference("mixtral")
+    refused(capsys, tmp_path, source, "never re-quantized", options=("--quant", "Q8_0"))
