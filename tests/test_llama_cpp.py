@@ -1,0 +1,86 @@
+"""llama.cpp loads what `colibri export-gguf` writes and computes our logits (optional).
+
+Needs llama-cpp-python (`pip install -e '.[llama]'`, which builds llama.cpp from source);
+skipped without it. A tiny model of every architecture is converted, exported, evaluated
+by llama.cpp on the same tokens, and its logits compared with colibri's runtime on the
+colibri model:
+
+- F32, llama.cpp with an F32 KV cache: max |Δ| ≤ 1e-4 × the logits' standard deviation and
+  the same argmax on every row (measured: ≤ 2e-6; both compute in float32 throughout).
+  Kimi-K2 gets 1e-2 (6.4e-3 measured): its YaRN has beta_fast == beta_slow, where llama.cpp's
+  ramp differs from transformers' (which our runtime follows; a DeepSeek-V3 with other betas
+  matches to 2e-6).
+- Q4_K_M: llama.cpp quantizes the activations to 8 bits in its K-quant dot products, so
+  near-tied router choices flip: the median over tokens of max |Δ| / std ≤ 0.15 (measured
+  0.04–0.08; Q8_0 gives 0.03–0.06, so it is the activations, not our blocks) and the argmax
+  agrees on ≥ 80% of the tokens (measured ≥ 92%).
+"""
+
+import numpy as np
+import pytest
+
+from convert.colibri_to_gguf import export_gguf
+from convert.hf_to_colibri import ConvertOptions, convert
+from convert.synthetic import ARCHITECTURES, write_checkpoint
+from runtime import open_model
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+TOKENS = [int(t) for t in np.random.default_rng(7).integers(0, 512, 24)]
+F32_TOLERANCE = {"kimi_k2": 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def plain_cpu_buffers(monkeypatch):
+    """ggml's extra buffer types (AMX, repacked weights) die with SIGILL on the VMs this runs
+    on (the CPU advertises AMX); they only change the weights' memory layout for speed."""
+    default = llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    monkeypatch.setattr(llama_cpp.llama.llama_cpp, "llama_model_default_params", params)
+
+
+def llama_cpp_logits(path) -> np.ndarray:
+    model = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=64, n_threads=2, verbose=False,
+                            type_k=0, type_v=0)  # GGML_TYPE_F32 KV cache
+    model.eval(TOKENS)
+    logits = np.array(model.scores[: len(TOKENS)], dtype=np.float32)
+    model.close()
+    return logits
+
+
+def compare(tmp_path_factory, arch, quant):
+    root = tmp_path_factory.mktemp(f"llama-cpp-{arch}-{quant}")
+    src = write_checkpoint(root / "src", arch)
+    convert(str(src), root / "colibri", ConvertOptions(quant=quant, progress=False))
+    export_gguf(root / "colibri", root / "model.gguf", progress=False)
+    ours = open_model(root / "colibri", ctx=64, kv_quant="f32", ram_budget="2G").prefill(TOKENS)
+    theirs = llama_cpp_logits(root / "model.gguf")
+    return ours, theirs, np.abs(theirs - ours).max(-1) / ours.std()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_f32_logits_match_llama_cpp(tmp_path_factory, arch):
+    ours, theirs, deviation = compare(tmp_path_factory, arch, "F32")
+    assert deviation.max() <= F32_TOLERANCE.get(arch, 1e-4), deviation.max()
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_q4_k_m_logits_stay_close_to_llama_cpp(tmp_path_factory, arch):
+    ours, theirs, deviation = compare(tmp_path_factory, arch, "Q4_K_M")
+    assert np.median(deviation) <= 0.15, np.median(deviation)
+    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.8
+
+
+def test_split_export_loads_in_llama_cpp(tmp_path):
+    convert(str(write_checkpoint(tmp_path / "src", "qwen3_moe")), tmp_path / "colibri", ConvertOptions(progress=False))
+    export_gguf(tmp_path / "colibri", tmp_path / "one.gguf", progress=False)
+    export_gguf(tmp_path / "colibri", tmp_path / "split.gguf", split_max_size=600_000, progress=False)
+    parts = sorted(tmp_path.glob("split-*-of-*.gguf"))
+    assert len(parts) >= 3
+    assert np.array_equal(llama_cpp_logits(parts[0]), llama_cpp_logits(tmp_path / "one.gguf"))
