@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from runtime.text import one_line, read_json_object
+
 __all__ = ["GGUFTokenizerError", "add_tokenizer_metadata", "tokenizer_files_from_gguf"]
 
 _KEY = gguf.Keys.Tokenizer
@@ -162,10 +164,6 @@ _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _SPIECE_SPACE = "\u2581"
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
 # --------------------------------------------------------------------------------------
 # export: tokenizer files -> GGUF metadata
 # --------------------------------------------------------------------------------------
@@ -187,7 +185,7 @@ def add_tokenizer_metadata(writer: gguf.GGUFWriter, model_dir: pathlib.Path) -> 
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as e:  # the tokenizers library raises plain Exception on bad files
-        raise GGUFTokenizerError(f"{path}: not a valid tokenizer.json ({_one_line(e)})") from None
+        raise GGUFTokenizerError(f"{path}: not a valid tokenizer.json ({one_line(e)})") from None
     model = spec.get("model") or {}
     sentencepiece = model.get("type") == "BPE" and bool(model.get("byte_fallback"))
     byte_level = model.get("type") == "BPE" and any(
@@ -202,7 +200,7 @@ def add_tokenizer_metadata(writer: gguf.GGUFWriter, model_dir: pathlib.Path) -> 
     try:
         special = gguf.SpecialVocab(model_dir, load_merges=byte_level, n_vocab=len(tokens))
     except (OSError, ValueError) as e:
-        raise GGUFTokenizerError(f"{model_dir}: cannot read the tokenizer files ({_one_line(e)})") from None
+        raise GGUFTokenizerError(f"{model_dir}: cannot read the tokenizer files ({one_line(e)})") from None
     add_bos, add_eos = _added_by_post_processor(tokenizer, special.special_token_ids, path)
     special.add_special_token = {"bos": add_bos, "eos": add_eos}
     jinja = model_dir / "chat_template.jinja"
@@ -210,7 +208,7 @@ def add_tokenizer_metadata(writer: gguf.GGUFWriter, model_dir: pathlib.Path) -> 
         try:
             special.chat_template = jinja.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise GGUFTokenizerError(f"{jinja}: cannot read ({_one_line(e)})") from None
+            raise GGUFTokenizerError(f"{jinja}: cannot read ({one_line(e)})") from None
     _add_stop_tokens(special, model_dir, tokens)
 
     if sentencepiece:
@@ -229,15 +227,7 @@ def add_tokenizer_metadata(writer: gguf.GGUFWriter, model_dir: pathlib.Path) -> 
 
 
 def _read_json(path: pathlib.Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise GGUFTokenizerError(f"{path}: cannot read JSON ({_one_line(e)})") from None
-    if not isinstance(data, dict):
-        raise GGUFTokenizerError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path, GGUFTokenizerError)
 
 
 def _id_list(value) -> list[int]:
@@ -454,7 +444,7 @@ def _value(reader: gguf.GGUFReader, key: str, default=None):
     try:
         return field.contents()
     except (UnicodeDecodeError, ValueError, IndexError) as e:
-        raise GGUFTokenizerError(f"GGUF {key}: unreadable ({_one_line(e)})") from None
+        raise GGUFTokenizerError(f"GGUF {key}: unreadable ({one_line(e)})") from None
 
 
 def _token_id(reader: gguf.GGUFReader, key: str, tokens: list[str]) -> int | None:
@@ -472,7 +462,7 @@ def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], **options) -> mod
     try:
         return models.BPE(vocab, merges, **options)
     except Exception as e:  # the tokenizers library raises plain Exception on bad merges
-        raise GGUFTokenizerError(f"GGUF tokenizer: cannot build its BPE model ({_one_line(e)})") from None
+        raise GGUFTokenizerError(f"GGUF tokenizer: cannot build its BPE model ({one_line(e)})") from None
 
 
 def _byte_level_pre(reader: gguf.GGUFReader) -> _ByteLevelPre:

@@ -42,19 +42,21 @@ class ChatTemplateError(TokenizerError):
     """A chat template that is missing, failed or was refused; the message names the template."""
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (or its type's name when it has none)."""
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def _read_json(path: pathlib.Path) -> dict:
+def read_json_object(path: pathlib.Path, error: type[Exception] = TokenizerError) -> dict:
+    """The JSON object in `path` ({} when there is no such file); `error` names the file otherwise."""
     if not path.is_file():
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{path}: cannot read JSON ({_one_line(e)})") from None
+        raise error(f"{path}: cannot read JSON ({one_line(e)})") from None
     if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: expected a JSON object")
+        raise error(f"{path}: expected a JSON object")
     return data
 
 
@@ -107,18 +109,18 @@ class Tokenizer:
         try:
             tok = _HFTokenizer.from_file(str(path))
         except Exception as e:  # the tokenizers library raises plain Exception on bad files
-            raise TokenizerError(f"{path}: not a valid tokenizer.json ({_one_line(e)})") from None
-        config = _read_json(d / "tokenizer_config.json")
-        config = {**_read_json(d / "special_tokens_map.json"), **config}
+            raise TokenizerError(f"{path}: not a valid tokenizer.json ({one_line(e)})") from None
+        config = read_json_object(d / "tokenizer_config.json")
+        config = {**read_json_object(d / "special_tokens_map.json"), **config}
         jinja_path = d / "chat_template.jinja"
         if jinja_path.is_file():
             try:
                 template, source = jinja_path.read_text(encoding="utf-8"), str(jinja_path)
             except (OSError, UnicodeDecodeError) as e:
-                raise TokenizerError(f"{jinja_path}: cannot read ({_one_line(e)})") from None
+                raise TokenizerError(f"{jinja_path}: cannot read ({one_line(e)})") from None
         else:
             template, source = config.get("chat_template"), f"{d / 'tokenizer_config.json'} (chat_template)"
-        return cls(tok, config, _read_json(d / "generation_config.json"), _read_json(d / "config.json"),
+        return cls(tok, config, read_json_object(d / "generation_config.json"), read_json_object(d / "config.json"),
                    template, source)
 
     # ----------------------------------------------------------------------------- tokens
@@ -162,12 +164,12 @@ class Tokenizer:
             return template.render(messages=_chat_messages(messages), add_generation_prompt=add_generation_prompt,
                                    **variables)
         except SecurityError as e:
-            raise ChatTemplateError(f"chat template {self._template_source} refused: {_one_line(e)}") from None
+            raise ChatTemplateError(f"chat template {self._template_source} refused: {one_line(e)}") from None
         except ChatTemplateError:
             raise
         except Exception as e:  # the template is foreign code: any failure is the template's
             raise ChatTemplateError(
-                f"chat template {self._template_source} failed: {type(e).__name__}: {_one_line(e)}"
+                f"chat template {self._template_source} failed: {type(e).__name__}: {one_line(e)}"
             ) from None
 
     def _compile(self) -> jinja2.Template:
@@ -188,7 +190,7 @@ class Tokenizer:
             try:
                 self._compiled = _environment(self._template_source).from_string(template)
             except jinja2.TemplateError as e:
-                raise ChatTemplateError(f"chat template {self._template_source} is invalid: {_one_line(e)}") from None
+                raise ChatTemplateError(f"chat template {self._template_source} is invalid: {one_line(e)}") from None
         return self._compiled
 
 
