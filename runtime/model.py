@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 
+import gguf
 import numpy as np
 
-from convert.quantize_q4k import quantize
 from formats.encodings import FLOAT_DTYPES
 from formats.layout import ModelLayout
 from formats.model_config import ModelConfig
@@ -175,7 +175,8 @@ def absorbed_keys(kv_b: kernels.Matrix, c: ModelConfig) -> kernels.Matrix:
     keys = kv_b.rows_f32(0, kv_b.rows).reshape(heads, nope + c.v_head_dim, rank)[:, :nope]
     transposed = np.ascontiguousarray(keys.transpose(0, 2, 1)).reshape(heads * rank, nope)
     encoding = "F32" if kv_b.encoding in FLOAT_DTYPES or nope % 32 else "Q8_0"
-    return kernels.Matrix(quantize(transposed, encoding).reshape(-1), encoding, heads * rank, nope)
+    stored = gguf.quants.quantize(transposed, gguf.GGMLQuantizationType[encoding])
+    return kernels.Matrix(stored.reshape(-1).view(np.uint8), encoding, heads * rank, nope)
 
 
 def causal_mask(positions: np.ndarray, end: int) -> np.ndarray:
