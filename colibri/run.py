@@ -41,8 +41,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="expert cache eviction: least recently used, or frequency with ageing (default: %(default)s)")
     p.add_argument("--prefetch", default="auto", choices=("auto", "on", "off"),
                    help="read the experts the next layer will likely use while this one computes; auto = when the "
-                        "expert cache cannot hold every expert, stopping by itself if fewer than half of its first "
-                        "512 guesses are used (default: %(default)s)")
+                        "expert cache cannot hold every expert (default: %(default)s)")
     p.add_argument("--direct-io", action="store_true",
                    help="read experts with O_DIRECT, bypassing the page cache (leaves its RAM to other programs; "
                         "fastest on NVMe when the expert cache is large)")
@@ -76,10 +75,10 @@ def format_stats(stats: dict) -> str:
 
 
 def _prefetch_stats(stats: dict) -> str:
-    if stats["prefetch_accuracy"] is None:
+    if not stats["prefetch"] or stats["prefetch_accuracy"] is None:
         return ""
     hidden = stats["read_hidden_share"]
-    return (f", prefetch accuracy {stats['prefetch_accuracy']:.0%}" + (" (stopped)" if stats["prefetch_stopped"] else "")
+    return (f", prefetch accuracy {stats['prefetch_accuracy']:.0%}"
             + (f", {hidden:.0%} of read time hidden" if hidden is not None else ""))
 
 
@@ -143,7 +142,7 @@ def run_command(args: argparse.Namespace) -> int:
 
     model = open_model(args.model, threads=args.threads, ctx=args.ctx, ram_budget=args.ram_budget,
                        expert_cache=args.expert_cache, kv_quant=args.kv_quant, cache_policy=args.cache_policy,
-                       prefetch={"auto": "auto", "on": True, "off": False}[args.prefetch], direct_io=args.direct_io)
+                       prefetch={"auto": None, "on": True, "off": False}[args.prefetch], direct_io=args.direct_io)
     trace = open(args.trace_routing, "w") if args.trace_routing else None
     if trace:
         model.trace_routing(trace)

@@ -30,10 +30,6 @@ from formats.layout import EXPERT_ALIGN, ModelLayout, align_up
 Key = tuple[int, int]  # (layer, expert)
 READ_THREADS = 4  # a layer's misses in flight at once: an NVMe needs a queue to reach its bandwidth
 PREFETCH_THREADS = 2  # read-ahead has its own threads, so a miss never queues behind a guess
-# prefetch="auto" judges its guesses after this many and stops when fewer than this share
-# were used: a wrong guess costs a read and evicts a cached expert
-AUTO_PREFETCH_PROBE = 512
-AUTO_PREFETCH_MIN_ACCURACY = 0.5
 
 
 class LRUPolicy:
@@ -156,9 +152,8 @@ def cache_bytes_for_all(layout: ModelLayout) -> int:
 
 class ExpertStore:
     def __init__(self, layout: ModelLayout, cache_bytes: int, max_batch_experts: int, policy: str = "lru",
-                 prefetch: bool | str = "auto", direct_io: bool = False):
-        """`prefetch`: read ahead in the background: True, False, or "auto" (when not every
-        expert fits, until its guesses prove mostly wrong)."""
+                 prefetch: bool | None = None, direct_io: bool = False):
+        """`prefetch`: read ahead in the background (default: when not every expert fits)."""
         self.layout = layout
         self.tables = layout.expert_layers
         self.record_bytes = max((t.expert_bytes for t in self.tables.values()), default=0)
@@ -174,10 +169,8 @@ class ExpertStore:
         self.fds = {t.file: _open_expert_file(layout, t.file, direct_io) for t in self.tables.values()}
         self.lock = threading.Lock()  # guards the index, `pending` and the counters
         self.pending: dict[Key, Future] = {}  # experts being read ahead, not yet landed
-        self.auto_prefetch = prefetch == "auto"
-        if self.auto_prefetch:
+        if prefetch is None:
             prefetch = capacity < self.expert_count
-        self.prefetch_stopped = False
         self.readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="colibri-read")
         self.prefetcher = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="colibri-prefetch") if prefetch and capacity else None
         self.counters = dict(bytes_read=0, read_seconds=0.0, waited_seconds=0.0, prefetched=0, prefetch_used=0)
@@ -193,7 +186,7 @@ class ExpertStore:
 
     @property
     def prefetching(self) -> bool:
-        return self.prefetcher is not None and not self.prefetch_stopped
+        return self.prefetcher is not None
 
     def close(self) -> None:
         for pool in (self.readers, self.prefetcher):
@@ -216,9 +209,9 @@ class ExpertStore:
         with self.lock:
             placed = self.index.place(keys, protected=set(self.pending))
             for key, _, hit in placed:
-                if key in self.unused_prefetches:  # a guess read ahead, then used (or evicted unused)
+                if hit and key in self.unused_prefetches:
                     self.unused_prefetches.discard(key)
-                    self.counters["prefetch_used"] += hit
+                    self.counters["prefetch_used"] += 1
         misses = []
         for key, slot, hit in placed:
             slots[key] = next(scratch) if slot is None else slot
@@ -245,11 +238,6 @@ class ExpertStore:
         if not self.prefetching:
             return
         with self.lock:
-            c = self.counters  # every earlier guess has met its layer's fetch by now
-            if self.auto_prefetch and c["prefetched"] >= AUTO_PREFETCH_PROBE:
-                if c["prefetch_used"] < AUTO_PREFETCH_MIN_ACCURACY * c["prefetched"]:
-                    self.prefetch_stopped = True
-                    return
             protected = set(in_use) | set(self.pending)
             for key in sorted({(layer, int(e)) for e in experts}):
                 if key in self.index.slot_of:
@@ -316,7 +304,6 @@ class ExpertStore:
             "cache_policy": index.policy.name,
             "direct_io": self.direct_io,
             "prefetch": self.prefetching,
-            "prefetch_stopped": self.prefetch_stopped,
             "prefetched_experts": c["prefetched"],
             "prefetch_accuracy": c["prefetch_used"] / c["prefetched"] if c["prefetched"] else None,
             "read_seconds": c["read_seconds"],

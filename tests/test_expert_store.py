@@ -137,21 +137,3 @@ def test_prefill_of_the_last_position_only_gives_its_row(model):
     m.reset()
     last = m.prefill(ids, all_logits=False)
     assert last.shape == (1, every.shape[1]) and np.array_equal(last[0], every[-1])
-
-
-@pytest.mark.parametrize("guesses_used", [True, False])
-def test_auto_prefetch_stops_when_most_guesses_are_wrong(model, monkeypatch, guesses_used):
-    from runtime import expert_store
-    from runtime import open_model
-
-    from formats.layout import ModelLayout
-
-    monkeypatch.setattr(expert_store, "AUTO_PREFETCH_PROBE", 4)
-    all_experts = sum(t.stride * t.count for t in ModelLayout(model).expert_layers.values())
-    store = open_model(model, ctx=64, ram_budget="2G", expert_cache=all_experts // 2).store
-    layer, next_layer = sorted(store.tables)[:2]
-    assert store.prefetching
-    store.prefetch(layer, [0, 1, 2, 3], in_use=set())
-    store.fetch(layer, [0, 1, 2, 3] if guesses_used else [5])
-    store.prefetch(next_layer, [0], in_use=set())
-    assert store.prefetching == guesses_used and store.stats()["prefetch_stopped"] != guesses_used
