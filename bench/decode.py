@@ -4,7 +4,7 @@
     memory_bw / bytes_touched_per_token.
 (b) streaming: expert files dropped from the page cache first (POSIX_FADV_DONTNEED, no
     root needed), expert cache a share of the experts (--stream-share), prefetch off, on,
-    and on with O_DIRECT; the ceiling is disk_bw / (expert_bytes_per_token × (1 − hit_rate)),
+    O_DIRECT without and with prefetch; the ceiling is disk_bw / (expert_bytes_per_token × (1 − hit_rate)),
     with disk_bw measured cold. Buffered misses after the first touch may be served by the
     page cache, as on a real machine (O_DIRECT always reads the disk); the effective read
     bandwidth is reported next to the cold disk bandwidth, with prefetch accuracy and the
@@ -82,6 +82,10 @@ def run(model, prompt_tokens: int, tokens: int) -> dict:
             "tokens": generated}
 
 
+def optional(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=BENCH / "out" / "mixtral-ref-q4km")
@@ -99,7 +103,7 @@ def main() -> None:
     mem_bw = read_bandwidth(args.threads)
 
     in_ram = open_model(layout.directory, threads=args.threads, ctx=1024, expert_cache=all_experts)
-    run(in_ram, 8, 4)  # warm: kernels compiled, experts cached
+    run(in_ram, args.prompt_tokens, args.tokens)  # warm: kernels compiled, the run's experts cached
     results = {"in RAM": run(in_ram, args.prompt_tokens, args.tokens)}
     results["in RAM"]["ceiling"] = mem_bw / (resident + expert_per_token)
     in_ram.close()
@@ -107,27 +111,33 @@ def main() -> None:
 
     evict(layout)
     disk_bw = measure_disk_bandwidth(layout)
-    for name, prefetch, direct_io in (("stream", False, False), ("stream+prefetch", True, False),
-                                      ("stream+prefetch+direct", True, True)):
+    for name, prefetch, direct_io in (("stream, prefetch off", False, False), ("stream, prefetch on", True, False),
+                                      ("stream, O_DIRECT", False, True),
+                                      ("stream, on, O_DIRECT", True, True)):
         evict(layout)
         model = open_model(layout.directory, threads=args.threads, ctx=1024, expert_cache=int(all_experts * args.stream_share),
                            prefetch=prefetch, direct_io=direct_io)
         r = results[name] = run(model, args.prompt_tokens, args.tokens)
         r["ceiling"] = disk_bw / max(expert_per_token * (1 - r["hit_rate"]), 1)
+        r["read_ceiling"] = disk_bw / max(r["read_bytes_per_token"], 1)  # counts wrong guesses too
         model.close()
     same = all(r["tokens"] == results["in RAM"]["tokens"] for r in results.values())
 
     print(f"\ndecode on {layout.directory.name}: resident {resident / 1e9:.2f} GB, experts {all_experts / 1e9:.2f} GB, "
           f"{expert_per_token / 1e6:.0f} MB of experts per token; read bw {mem_bw / 1e9:.1f} GB/s, cold disk {disk_bw / 1e9:.2f} GB/s; "
           f"streaming cache {args.stream_share:.0%} of the experts")
-    print(f"{'mode':<24}{'prompt tok/s':>13}{'decode tok/s':>13}{'ceiling':>9}{'of ceiling':>11}{'vs llama tg':>12}"
-          f"{'hit rate':>9}{'MB read/tok':>12}{'eff. read GB/s':>15}{'prefetch acc.':>14}{'read hidden':>12}")
+    print("ceiling: memory_bw / bytes per token in RAM, disk_bw / (expert bytes per token × (1 − hit rate)) streaming;"
+          " read ceiling: disk_bw / bytes actually read per token (wrong guesses included)")
+    print(f"{'mode':<24}{'prompt tok/s':>13}{'decode tok/s':>13}{'vs llama tg':>12}{'hit rate':>9}{'MB read/tok':>12}"
+          f"{'ceiling':>9}{'of it':>7}{'read ceil.':>11}{'of it':>7}{'eff. read GB/s':>15}{'prefetch acc.':>14}{'read hidden':>12}")
     for name, r in results.items():
-        accuracy, hidden = r["prefetch_accuracy"], r["read_hidden_share"]
-        print(f"{name:<24}{r['prompt_tok_per_s']:>13.1f}{r['decode_tok_per_s']:>13.2f}{r['ceiling']:>9.1f}"
-              f"{r['decode_tok_per_s'] / r['ceiling']:>10.0%}{r['decode_tok_per_s'] / LLAMA_CPP['tg128']:>11.2f}x"
-              f"{r['hit_rate']:>9.1%}{r['read_bytes_per_token'] / 1e6:>12.1f}{r['effective_read_bw'] / 1e9:>15.2f}"
-              f"{'-' if accuracy is None else f'{accuracy:.0%}':>14}{'-' if hidden is None else f'{hidden:.0%}':>12}")
+        speed, read_ceiling = r["decode_tok_per_s"], r.get("read_ceiling")
+        cells = [f"{r['prompt_tok_per_s']:>13.1f}", f"{speed:>13.2f}", f"{speed / LLAMA_CPP['tg128']:>11.2f}x",
+                 f"{r['hit_rate']:>9.1%}", f"{r['read_bytes_per_token'] / 1e6:>12.1f}", f"{r['ceiling']:>9.1f}",
+                 f"{speed / r['ceiling']:>7.0%}", f"{optional(read_ceiling, '.1f'):>11}",
+                 f"{optional(read_ceiling and speed / read_ceiling, '.0%'):>7}", f"{r['effective_read_bw'] / 1e9:>15.2f}",
+                 f"{optional(r['prefetch_accuracy'], '.0%'):>14}", f"{optional(r['read_hidden_share'], '.0%'):>12}"]
+        print(f"{name:<24}" + "".join(cells))
     print(f"same tokens in every mode: {'yes' if same else 'NO'}; prompt tok/s vs llama.cpp pp512: "
           f"{results['in RAM']['prompt_tok_per_s'] / LLAMA_CPP['pp512']:.2f}x")
     (BENCH / "out").mkdir(exist_ok=True)

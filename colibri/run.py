@@ -39,9 +39,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-quant", default="f16", choices=("f16", "q8_0", "f32"), help="KV cache storage (default: %(default)s)")
     p.add_argument("--cache-policy", default="lru", choices=("lru", "lfru"),
                    help="expert cache eviction: least recently used, or frequency with ageing (default: %(default)s)")
-    p.add_argument("--prefetch", default="auto", choices=("auto", "on", "off"),
-                   help="read the experts the next layer will likely use while this one computes; auto = when the "
-                        "expert cache cannot hold every expert (default: %(default)s)")
+    p.add_argument("--prefetch", default="off", choices=("on", "off"),
+                   help="read the experts the next layer's router picks for the current hidden state while this "
+                        "layer computes; pays when its accuracy (printed) is high and the disk is not the bottleneck "
+                        "(default: %(default)s)")
     p.add_argument("--direct-io", action="store_true",
                    help="read experts with O_DIRECT, bypassing the page cache (leaves its RAM to other programs; "
                         "fastest on NVMe when the expert cache is large)")
@@ -142,7 +143,7 @@ def run_command(args: argparse.Namespace) -> int:
 
     model = open_model(args.model, threads=args.threads, ctx=args.ctx, ram_budget=args.ram_budget,
                        expert_cache=args.expert_cache, kv_quant=args.kv_quant, cache_policy=args.cache_policy,
-                       prefetch={"auto": None, "on": True, "off": False}[args.prefetch], direct_io=args.direct_io)
+                       prefetch=args.prefetch == "on", direct_io=args.direct_io)
     trace = open(args.trace_routing, "w") if args.trace_routing else None
     if trace:
         model.trace_routing(trace)

@@ -74,7 +74,7 @@ def plan_budget(layout: ModelLayout, ctx: int, kv_quant: str, widths: dict, ram_
 
 class Model:
     def __init__(self, path, threads: int | None = None, ctx: int = 4096, ram_budget=None, expert_cache=None,
-                 kv_quant: str = "f16", cache_policy: str = "lru", prefetch: bool | None = None,
+                 kv_quant: str = "f16", cache_policy: str = "lru", prefetch: bool = False,
                  direct_io: bool = False):
         if cache_policy not in POLICIES:
             raise ValueError(f"cache policy {cache_policy!r} unknown (known: {', '.join(POLICIES)})")
@@ -194,9 +194,9 @@ class Model:
 
 
 def open_model(path, threads: int | None = None, ctx: int = 4096, ram_budget=None, expert_cache=None,
-               kv_quant: str = "f16", cache_policy: str = "lru", prefetch: bool | None = None,
+               kv_quant: str = "f16", cache_policy: str = "lru", prefetch: bool = False,
                direct_io: bool = False) -> Model:
     """Open a converted model; refuses a RAM budget that cannot hold it (see `plan_budget`).
-    `prefetch` reads the next layer's predicted experts in the background (default: when
-    the expert cache cannot hold every expert); `direct_io` reads experts with O_DIRECT."""
+    `prefetch` reads the next layer's predicted experts in the background; `direct_io`
+    reads experts with O_DIRECT."""
     return Model(path, threads, ctx, ram_budget, expert_cache, kv_quant, cache_policy, prefetch, direct_io)

@@ -152,8 +152,10 @@ def cache_bytes_for_all(layout: ModelLayout) -> int:
 
 class ExpertStore:
     def __init__(self, layout: ModelLayout, cache_bytes: int, max_batch_experts: int, policy: str = "lru",
-                 prefetch: bool | None = None, direct_io: bool = False):
-        """`prefetch`: read ahead in the background (default: when not every expert fits)."""
+                 prefetch: bool = False, direct_io: bool = False):
+        """`prefetch`: read the next layer's predicted experts in the background (off by
+        default: on the bench model its guesses cost more reads than they hide, see
+        bench/RESULTS.md)."""
         self.layout = layout
         self.tables = layout.expert_layers
         self.record_bytes = max((t.expert_bytes for t in self.tables.values()), default=0)
@@ -169,8 +171,6 @@ class ExpertStore:
         self.fds = {t.file: _open_expert_file(layout, t.file, direct_io) for t in self.tables.values()}
         self.lock = threading.Lock()  # guards the index, `pending` and the counters
         self.pending: dict[Key, Future] = {}  # experts being read ahead, not yet landed
-        if prefetch is None:
-            prefetch = capacity < self.expert_count
         self.readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="colibri-read")
         self.prefetcher = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="colibri-prefetch") if prefetch and capacity else None
         self.counters = dict(bytes_read=0, read_seconds=0.0, waited_seconds=0.0, prefetched=0, prefetch_used=0)
@@ -209,9 +209,9 @@ class ExpertStore:
         with self.lock:
             placed = self.index.place(keys, protected=set(self.pending))
             for key, _, hit in placed:
-                if hit and key in self.unused_prefetches:
+                if key in self.unused_prefetches:  # a guess read ahead, then used (or evicted unused)
                     self.unused_prefetches.discard(key)
-                    self.counters["prefetch_used"] += 1
+                    self.counters["prefetch_used"] += hit
         misses = []
         for key, slot, hit in placed:
             slots[key] = next(scratch) if slot is None else slot

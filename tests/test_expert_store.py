@@ -92,16 +92,6 @@ def test_placement_policy_prefetch_and_direct_io_never_change_logits(model):
     assert runs["direct"][1]["direct_io"] and runs["direct"][1]["expert_bytes_read"] > 0
 
 
-def test_default_prefetch_only_when_experts_must_stream(model):
-    from runtime import open_model
-
-    from formats.layout import ModelLayout
-
-    all_experts = sum(t.stride * t.count for t in ModelLayout(model).expert_layers.values())
-    assert not open_model(model, ctx=64, ram_budget="2G").stats()["prefetch"]
-    assert open_model(model, ctx=64, ram_budget="2G", expert_cache=all_experts // 3).stats()["prefetch"]
-
-
 def test_a_failed_read_ahead_is_reported_by_the_fetch_that_needs_it(model):
     from runtime import open_model
 
