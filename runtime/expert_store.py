@@ -1,10 +1,10 @@
 """ExpertStore: the one way the runtime reaches routed experts.
 
 It owns a byte-budgeted cache of whole expert records (one slab of equal, page-aligned
-slots, so a cached expert costs no allocation), the miss path (one `pread` of the expert's
-contiguous record straight into its slot), an optional prefetcher (a background thread
-reading the experts the next layer is predicted to use while this one computes), and the
-statistics the user sees. Which expert to evict is decided by a small pluggable policy
+slots, so a cached expert costs no allocation), the miss path (one `pread` of each missing
+expert's contiguous record straight into its slot, a layer's misses in flight together), an
+optional prefetcher (background threads reading the experts the next layer is predicted to
+use while this one computes), and the statistics the user sees. Which expert to evict is decided by a small pluggable policy
 object. Placement never changes the bytes: an expert read from the cache, the page cache,
 the disk or ahead of time is the same record.
 
