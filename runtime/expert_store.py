@@ -307,7 +307,8 @@ class ExpertStore:
             "prefetched_experts": c["prefetched"],
             "prefetch_accuracy": c["prefetch_used"] / c["prefetched"] if c["prefetched"] else None,
             "read_seconds": c["read_seconds"],
-            "read_hidden_share": 1 - c["waited_seconds"] / c["read_seconds"] if c["read_seconds"] else None,
+            # waiting for a read-ahead still queued can outlast its read: nothing was hidden then
+            "read_hidden_share": max(0.0, 1 - c["waited_seconds"] / c["read_seconds"]) if c["read_seconds"] else None,
         }
 
 
