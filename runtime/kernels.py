@@ -1044,6 +1044,19 @@ class ExpertKernel:
                     weights, out, numba.get_num_threads())
         return out
 
+    def batch(self, record: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """One expert (its record, contiguous uint8 [>= record_bytes]) applied to each row of x
+        float32 [n, hidden] -> float32 [n, hidden], without a routing weight (prefill)."""
+        n = x.shape[0]
+        quantized = _quantize_activations(x) if self.fast[0] or self.fast[1] else None
+        gate, up = (self._project(record, m, self.ffn, self.hidden, quantized if self.fast[m] else x, n) for m in (0, 1))
+        return self._project(record, 2, self.hidden, self.ffn, _activation(_silu_times(gate, up), self.fast[2]), n)
+
+    def _project(self, record: np.ndarray, m: int, rows: int, cols: int, act, n: int) -> np.ndarray:
+        out = np.empty((n, rows), np.float32)
+        _matmul_kernel(self.tags[m], record[self.offsets[m]:], rows, cols, self.sizes[m], act, out, numba.get_num_threads())
+        return out
+
 
 def moe_experts(records: np.ndarray, encodings: tuple[str, str, str], offsets: tuple[int, int, int], ffn: int,
                 hidden: int, x: np.ndarray, weights: np.ndarray, exact: bool = False,
@@ -1064,24 +1077,12 @@ def moe_experts(records: np.ndarray, encodings: tuple[str, str, str], offsets: t
 
 def moe_experts_batch(record: np.ndarray, encodings: tuple[str, str, str], offsets: tuple[int, int, int],
                       ffn: int, hidden: int, x: np.ndarray, exact: bool = False) -> np.ndarray:
-    """One expert applied to each row of x float32 [n, hidden] -> float32 [n, hidden], without
-    a routing weight (prefill). `record` is the expert's bytes, as a row of moe_experts'."""
-    record = np.ascontiguousarray(record).reshape(1, -1)
+    """`ExpertKernel.batch` with checks of every argument: one expert (`record`, its bytes as a
+    row of moe_experts') applied to each row of x float32 [n, hidden] -> float32 [n, hidden]."""
+    record = np.ascontiguousarray(record).reshape(-1)
     if record.dtype != np.uint8:
         raise ValueError(f"record must be uint8 bytes, got {record.dtype}")
-    x = _float_rows(x, hidden)
-    ExpertKernel(record.shape[1], encodings, offsets, ffn, hidden, exact)  # checks the record
-    gate_enc, up_enc, down_enc = encodings
-    quantized = _quantize_activations(x) if _fast(gate_enc, exact) or _fast(up_enc, exact) else None
-
-    def project(m, rows, cols, act):
-        nbytes = rows * row_bytes(encodings[m], cols)
-        return Matrix(record[0, offsets[m]:offsets[m] + nbytes], encodings[m], rows, cols, exact).times(act, x.shape[0])
-
-    gate = project(0, ffn, hidden, quantized if _fast(gate_enc, exact) else x)
-    up = project(1, ffn, hidden, quantized if _fast(up_enc, exact) else x)
-    h = _silu_times(gate, up)
-    return project(2, hidden, ffn, _activation(h, _fast(down_enc, exact)))
+    return ExpertKernel(record.size, encodings, offsets, ffn, hidden, exact).batch(record, _float_rows(x, hidden))
 
 
 @_parallel

@@ -226,12 +226,11 @@ class Router:
 
 class MoE:
     def __init__(self, c: ModelConfig, w: Weights, layer: int, store: ExpertStore):
-        self.c, self.layer, self.store = c, layer, store
+        self.layer, self.store = layer, store
         self.router = Router(c, w, layer)
-        table = store.tables[layer]
-        self.encodings = tuple(table.matrices[m].encoding for m in ("gate", "up", "down"))
-        self.offsets = tuple(table.matrices[m].offset for m in ("gate", "up", "down"))
-        self.experts = kernels.ExpertKernel(store.slab.shape[1], self.encodings, self.offsets, c.expert_ffn, c.hidden_size)
+        matrices = [store.tables[layer].matrices[m] for m in ("gate", "up", "down")]
+        self.experts = kernels.ExpertKernel(store.slab.shape[1], tuple(m.encoding for m in matrices),
+                                            tuple(m.offset for m in matrices), c.expert_ffn, c.hidden_size)
         self.shared = SharedExpert(w, layer, c.shared_expert_gate) if c.n_shared_experts else None
         self.last_route: tuple[np.ndarray, np.ndarray] | None = None
         # (next MoE layer, its FFN norm weight / ours): h times the ratio is what the next
@@ -239,7 +238,6 @@ class MoE:
         self.lookahead: tuple[MoE, np.ndarray] | None = None
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
-        c = self.c
         ids, weights = self.router(h)
         self.last_route = ids, weights
         slab = self.store.slab
@@ -252,7 +250,7 @@ class MoE:
             for expert in np.unique(ids):  # batch-union: each needed expert read once, in file order
                 tokens, choice = np.nonzero(ids == expert)
                 (slot,) = self.store.fetch(self.layer, [expert])
-                y = kernels.moe_experts_batch(slab[slot], self.encodings, self.offsets, c.expert_ffn, c.hidden_size, h[tokens])
+                y = self.experts.batch(slab[slot], h[tokens])
                 out[tokens] += y * weights[tokens, choice][:, None]
         if self.shared is not None:
             out = out + self.shared(h)
