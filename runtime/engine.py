@@ -27,6 +27,12 @@ from runtime.model import Decoder
 SCRATCH_BYTES = 64 << 20  # activations and attention scores of one step, generously
 
 
+def scratch_bytes(layout: ModelLayout) -> int:
+    """Activations of one step, plus scratch slots for one token's experts when the cache is too small."""
+    record = max((t.expert_bytes for t in layout.expert_layers.values()), default=0)
+    return SCRATCH_BYTES + record * layout.config.n_experts_used
+
+
 class BudgetError(Exception):
     """A RAM budget that cannot hold what the model needs; the message gives the numbers."""
 
@@ -50,8 +56,7 @@ def plan_budget(layout: ModelLayout, ctx: int, kv_quant: str, widths: dict, ram_
     ram = parse_size(ram_budget) if ram_budget is not None else int(total_ram() * 0.8)
     resident = Decoder.resident_bytes(layout)
     kv = kv_bytes(c.n_layers, ctx, widths, kv_quant)
-    record = max((t.expert_bytes for t in layout.expert_layers.values()), default=0)
-    scratch = SCRATCH_BYTES + record * c.n_experts_used
+    scratch = scratch_bytes(layout)
     budget = Budget(ram, current_rss(), resident, kv, scratch, 0)
     if budget.fixed > ram:
         raise BudgetError(

@@ -14,7 +14,7 @@ import time
 
 
 from formats.layout import ModelLayout
-from runtime.engine import SCRATCH_BYTES
+from runtime.engine import scratch_bytes
 from runtime.expert_store import cache_bytes_for_all
 from runtime.kernels import measure_read_bandwidth
 from runtime.kv_cache import kv_bytes
@@ -54,8 +54,7 @@ def plan(layout: ModelLayout, ram: int, ctx: int | None = None, kv_quant: str = 
     widths = Decoder.cache_widths_for(c)
     resident = Decoder.resident_bytes(layout)
     all_experts = sum(t.stride * t.count for t in layout.expert_layers.values())
-    record = max((t.expert_bytes for t in layout.expert_layers.values()), default=0)
-    scratch = SCRATCH_BYTES + record * c.n_experts_used
+    scratch = scratch_bytes(layout)
     reserve = int(ram * OS_RESERVE)
     free_for_model = ram - reserve - RUNTIME_BYTES - resident - scratch
     per_position = kv_bytes(c.n_layers, 1, widths, kv_quant)
@@ -64,10 +63,11 @@ def plan(layout: ModelLayout, ram: int, ctx: int | None = None, kv_quant: str = 
         ctx = 1 << max(int(limit).bit_length() - 1, 9)
         ctx = min(ctx, c.max_position_embeddings)
     kv = per_position * ctx
-    expert_cache = int(min(max(free_for_model - kv, 0), cache_bytes_for_all(layout)))
+    cache_for_all = cache_bytes_for_all(layout)
+    expert_cache = int(min(max(free_for_model - kv, 0), cache_for_all))
     expert_bytes_per_token = sum(t.expert_bytes * c.n_experts_used for t in layout.expert_layers.values())
     if hit_rate is None:  # uniform routing: the cache holds this share of the experts
-        hit_rate = min(expert_cache / cache_bytes_for_all(layout), 1.0) if all_experts else 1.0
+        hit_rate = min(expert_cache / cache_for_all, 1.0) if cache_for_all else 1.0
     streamed = expert_bytes_per_token * (1 - hit_rate)
     mem_bw = mem_bw or measure_read_bandwidth()
     ceilings = {"memory": mem_bw / (resident + expert_bytes_per_token)}
