@@ -33,6 +33,7 @@ from convert.quantize_q4k import dequantize
 from convert.resident_layout import ResidentTensorData, write_resident_file
 from formats.encodings import ENCODINGS, row_bytes, tensor_bytes
 from formats.layout import EXPERT_ALIGN, TENSOR_ALIGN, align_up
+from formats.messages import some
 from formats.model_config import ModelConfig
 
 MAX_LISTED = 8  # offending tensors named in one error line
@@ -144,11 +145,6 @@ def unit_output_bytes(unit) -> int:
 # --- planning -----------------------------------------------------------------------
 
 
-def some(names: list[str]) -> str:
-    more = f" ... and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else ""
-    return ", ".join(names[:MAX_LISTED]) + more
-
-
 def same_shape(a: tuple, b: tuple) -> bool:
     """Equal up to leading 1s (a [1, n] gate may be stored as [n])."""
     strip = lambda s: tuple(s[next((i for i, d in enumerate(s) if d != 1), len(s)) :])  # noqa: E731
@@ -220,17 +216,16 @@ class ImportPlan:
     def _refuse_inconsistent(self) -> None:
         file, c = self.source.name, self.config
         if self.missing:
-            raise GGUFError(f"{file}: lacks tensor {some(self.missing)}, which its metadata implies for {c.architecture}")
+            raise GGUFError(f"{file}: lacks tensor {some(self.missing, MAX_LISTED)}, which its metadata implies for {c.architecture}")
         if self.misshapen:
-            more = f" (and {len(self.misshapen) - 1} more)" if len(self.misshapen) > 1 else ""
-            raise GGUFError(f"{file}: tensor {self.misshapen[0]}{more}")
+            raise GGUFError(f"{file}: tensor {some(self.misshapen, 1)}")
         unexpected = sorted(set(self.present) - self.used)
         if unexpected:
-            raise GGUFError(f"{file}: unexpected tensor {some(unexpected)} for {c.architecture} as its metadata describes it")
+            raise GGUFError(f"{file}: unexpected tensor {some(unexpected, MAX_LISTED)} for {c.architecture} as its metadata describes it")
         unsupported = [f"{n} ({self.present[n].type})" for n in self.present if self.present[n].type not in ENCODINGS]
         if unsupported:
             raise GGUFError(f"{file}: {len(unsupported)} tensors have types colibri cannot compute "
-                            f"(supported: {', '.join(ENCODINGS)}): {some(unsupported)}")
+                            f"(supported: {', '.join(ENCODINGS)}): {some(unsupported, MAX_LISTED)}")
 
 
 def tokenizer_files(source: GGUFSource) -> dict[str, bytes]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from convert.arch import Adapter, adapter_for
 from convert.arch.base import EXPERT_MATRICES, ExpertNames
 from formats.checkpoint import FLOAT_DTYPES, Checkpoint, CheckpointError
+from formats.messages import some
 from formats.model_config import ModelConfig
 
 IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -105,13 +106,11 @@ def _layer_of(name: str) -> int | None:
 def _compare(present: dict, expected: dict[str, tuple], architecture: str) -> None:
     missing = [n for n in expected if n not in present]
     if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"checkpoint lacks tensor {missing[0]}{more}, which config.json implies")
+        raise CheckpointError(f"checkpoint lacks tensor {some(missing, 1)}, which config.json implies")
     unexpected = [n for n in present if n not in expected]
     if unexpected:
-        entry = present[unexpected[0]]
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise CheckpointError(f"{entry.file.name}: unexpected tensor {entry.name}{more} for {architecture} as config.json describes it")
+        file = present[unexpected[0]].file.name
+        raise CheckpointError(f"{file}: unexpected tensor {some(unexpected, 1)} for {architecture} as config.json describes it")
     for name, shape in expected.items():
         entry = present[name]
         if entry.shape != tuple(shape):

@@ -23,8 +23,9 @@ import numpy as np
 from convert.arch import ADAPTERS
 from formats.encodings import SCALE_OFFSETS, block_size
 from formats.layout import EXPERT_MATRICES, MANIFEST_NAME, FormatError, ModelLayout, expert_file_name
+from formats.messages import some
 from formats.recipe import Recipe
-from verify.sha_check import CHUNK_BYTES, ERROR, Finding, Report, human, read_chunks, run_parallel, some, split_message
+from verify.sha_check import CHUNK_BYTES, ERROR, Finding, Report, human, read_chunks, run_parallel, split_message
 
 PAD = "padding"
 # Float encodings: the unsigned view and the exponent mask that marks NaN/Inf.

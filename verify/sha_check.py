@@ -25,6 +25,7 @@ from convert.arch import ConfigError
 from convert.plan import make_plan
 from formats.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, CheckpointError, cache_blob_sha256, read_header, shard_names
 from formats.layout import write_atomic
+from formats.messages import some
 
 ERROR, WARNING = "error", "warning"
 CHUNK_BYTES = 8 << 20
@@ -78,13 +79,6 @@ class Report:
 
 def human(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
-
-
-def some(names, shown: int = 3) -> str:
-    """'a, b, c (and 4 more)'."""
-    names = list(names)
-    more = f" (and {len(names) - shown} more)" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
 
 
 _buffers = threading.local()
