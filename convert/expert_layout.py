@@ -29,6 +29,12 @@ def expert_matrix_table(encodings: dict[str, str], shapes: dict[str, tuple[int, 
     return table, offset
 
 
+def expert_file_bytes(encodings: dict[str, str], shapes: dict[str, tuple[int, int]], count: int) -> int:
+    """Bytes of a layer's expert file: `count` records, each padded to the 4096-byte stride."""
+    _, expert_bytes = expert_matrix_table(encodings, shapes)
+    return align_up(expert_bytes, EXPERT_ALIGN) * count
+
+
 def write_expert_layer(
     out_dir: Path,
     layer: int,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.expert_layout import expert_matrix_table, write_expert_layer
+from convert.expert_layout import expert_file_bytes, write_expert_layer
 from convert.gguf_arch import (
     EXPERT_MATRICES, GGUFMetadata, config_from_gguf, expert_shapes, expert_tensor_name, kv_b_from_split, layer_of,
     permuted_heads, resident_shapes, tensor_chunks,
@@ -30,9 +30,8 @@ from convert.gguf_arch import (
 from convert.gguf_source import ByteReader, GGUFError, GGUFSource, GGUFTensor, read_ahead
 from convert.pipeline import ConvertOptions, Job
 from convert.quantize_q4k import dequantize
-from convert.resident_layout import ResidentTensorData, write_resident_file
-from formats.encodings import ENCODINGS, row_bytes, tensor_bytes
-from formats.layout import EXPERT_ALIGN, TENSOR_ALIGN, align_up
+from convert.resident_layout import ResidentTensorData, resident_file_bytes, write_resident_file
+from formats.encodings import ENCODINGS, row_bytes
 from formats.messages import some
 from formats.model_config import ModelConfig
 
@@ -137,9 +136,8 @@ def unit_source_bytes(unit) -> int:
 
 def unit_output_bytes(unit) -> int:
     if isinstance(unit, ResidentImport):
-        return sum(align_up(tensor_bytes(t.encoding, t.shape), TENSOR_ALIGN) for t in unit.tensors)
-    _, expert_bytes = expert_matrix_table(dict(unit.encodings), dict(unit.shapes))
-    return align_up(expert_bytes, EXPERT_ALIGN) * unit.count
+        return resident_file_bytes((t.encoding, t.shape) for t in unit.tensors)
+    return expert_file_bytes(dict(unit.encodings), dict(unit.shapes), unit.count)
 
 
 # --- planning -----------------------------------------------------------------------

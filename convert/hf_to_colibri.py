@@ -17,14 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.expert_layout import expert_matrix_table, write_expert_layer
+from convert.expert_layout import expert_file_bytes, write_expert_layer
 from convert.pipeline import TOKENIZER_FILES, ConvertError, ConvertOptions, Job, format_summary, run_job
 from convert.plan import ConversionPlan, ExpertLayerSource, ResidentTensor, make_plan
 from convert.quantize_q4k import quantize
-from convert.resident_layout import ResidentTensorData, write_resident_file
+from convert.resident_layout import ResidentTensorData, resident_file_bytes, write_resident_file
 from formats.checkpoint import Checkpoint, cache_blob_sha256
-from formats.encodings import tensor_bytes
-from formats.layout import EXPERT_ALIGN, EXPERT_MATRICES, TENSOR_ALIGN, align_up
+from formats.layout import EXPERT_MATRICES
 from formats.recipe import Recipe
 
 __all__ = ["ConvertError", "ConvertOptions", "convert", "format_summary"]
@@ -143,9 +142,8 @@ def unit_source_bytes(checkpoint: Checkpoint, unit) -> int:
 
 def unit_output_bytes(unit) -> int:
     if isinstance(unit, ResidentUnit):
-        return sum(align_up(tensor_bytes(enc, t.shape), TENSOR_ALIGN) for t, enc in unit.tensors)
-    _, expert_bytes = expert_matrix_table(dict(unit.encodings), unit.source.shapes)
-    return align_up(expert_bytes, EXPERT_ALIGN) * unit.source.count
+        return resident_file_bytes((enc, t.shape) for t, enc in unit.tensors)
+    return expert_file_bytes(dict(unit.encodings), unit.source.shapes, unit.source.count)
 
 
 def run_unit(source_dir: Path, out_dir: Path, unit, advance) -> dict:

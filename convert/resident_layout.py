@@ -12,7 +12,8 @@ import hashlib
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
-from formats.layout import RESIDENT_FILE, TENSOR_ALIGN, AlignedFileWriter
+from formats.encodings import tensor_bytes
+from formats.layout import RESIDENT_FILE, TENSOR_ALIGN, AlignedFileWriter, align_up
 
 
 class ResidentTensorData(NamedTuple):
@@ -21,6 +22,12 @@ class ResidentTensorData(NamedTuple):
     shape: tuple[int, ...]
     chunks: Iterable  # the encoded bytes in order (bytes-like or uint8 arrays)
     source_bytes: int  # reported to `advance` once the tensor is written
+
+
+def resident_file_bytes(tensors: Iterable[tuple[str, tuple[int, ...]]]) -> int:
+    """Bytes the resident file takes for (encoding, shape) tensors, each at a 64-byte boundary
+    (at most: the file does not pad after its last tensor)."""
+    return sum(align_up(tensor_bytes(encoding, shape), TENSOR_ALIGN) for encoding, shape in tensors)
 
 
 def write_resident_file(out_dir: Path, tensors: Iterable[ResidentTensorData], advance: Callable[[int], None]) -> dict:
