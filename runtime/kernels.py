@@ -5,12 +5,14 @@ A weight matrix is a flat uint8 array of `rows * row_bytes` bytes in one of the 
 chosen per call with `exact`:
 
 - **fast** (`exact=False`, the default; Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q5_1): the activation
-  is quantized to int8 in blocks of 32 values (a float32 scale per 32, like ggml's Q8_0
-  activations, plus the scaled sum of each 16 values for the blocks' offsets and minimums),
-  and each weight block is multiplied with integer dot products. The dot of a whole row is
-  one `@intrinsic` that emits LLVM IR: `vpdpbusd` with AVX-VNNI, `vpmaddubsw` + `vpmaddwd`
-  with AVX2, and portable vector IR on other CPUs. `matmul` unpacks each weight block once
-  for GROUP rows of x. Error: see `FAST_PATH_TOLERANCE`.
+  is quantized to int8 as ggml does (`DOT_TYPES`): in Q8_K blocks of 256 values for the
+  K-quants, whose sub-block products then stay integer to the end of a block, and in Q8_0
+  blocks of 32 for the others; both keep the scaled sum of each 16 values for the blocks'
+  offsets and minimums. The dot of a whole row is one `@intrinsic` that emits LLVM IR:
+  `vpmaddubsw` + `vpdpwssd` on 64 bytes at a time with AVX-512 (K-quants), `vpdpbusd` with
+  AVX-VNNI, `vpmaddubsw` + `vpmaddwd` with AVX2, and portable vector IR on other CPUs.
+  `matmul` unpacks each weight block once for GROUP rows of x, and passes each group over a
+  tile of ROW_TILE rows. Error: see `FAST_PATH_TOLERANCE`.
 - **exact** (`exact=True`, and always for F32, F16 and BF16): each weight is dequantized to
   the float32 that `gguf.quants.dequantize` gives (bit for bit) and multiplied with the
   float32 activation. `matmul` dequantizes each chunk of 256 weights once for all rows of x.
@@ -20,10 +22,10 @@ the int8 dot product, the exact dot product and the dequantizer are built from i
 
 An encoding reaches compiled code as a compile-time tag, the numpy dtype of one of its
 blocks (`BLOCK_TAGS`), so numba compiles one specialization per encoding, and only for the
-encodings a program uses. An activation is either a float32 array (exact path) or a tuple
-`(q int8, d float32 per 32, sums float32 per 16)` (fast path); the kernels are generic over
-both, and one quantized activation serves every matrix that multiplies it (gate and up, all
-the experts of a layer).
+encodings a program uses. An activation is either a float32 array (exact path) or a
+`Q8_0Activation` / `Q8_KActivation` named tuple (fast path; numba tells them apart by type);
+the kernels are generic over all three, and one quantized activation serves every matrix of
+its dot type that multiplies it (q, k and v; gate and up; all the experts of a layer).
 
 Threads: each parallel kernel gives thread `t` one contiguous range of rows (one memory
 stream per thread) and prefetches `PREFETCH_BYTES` ahead of the block it multiplies. Numba's
@@ -33,7 +35,9 @@ stream per thread) and prefetches `PREFETCH_BYTES` ahead of the block it multipl
 from __future__ import annotations
 
 import warnings
+from collections import namedtuple
 
+import llvmlite.binding
 import numba
 import numpy as np
 from llvmlite import ir
@@ -45,18 +49,33 @@ from formats.encodings import ENCODINGS, block_size, row_bytes
 
 F32 = np.float32
 CHUNK = 256  # weights dequantized at a time by the exact path (a multiple of every block size)
-ACT_BLOCK = 32  # activation values per int8 scale
+# The int8 activation format each block type is multiplied with, as in ggml: K-quants take
+# Q8_K (one float32 scale per 256 values), so that a block's sub-block products stay integer
+# to the end of the block; the 32-weight block types take Q8_0 (a float32 scale per 32).
+# Both also hold the scaled sum of each 16 values, for the blocks' offsets and biases:
+# q int8 [n, cols], d float32 [n, cols / block], sums float32 [n, cols / 16].
+DOT_TYPES = {"Q8_0": "Q8_0", "Q5_0": "Q8_0", "Q5_1": "Q8_0", "Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K"}
+ACT_BLOCKS = {"Q8_0": 32, "Q8_K": 256}  # activation values per int8 scale
+WIDEST_ACT_BLOCK = 256
+Q8_0Activation = namedtuple("Q8_0Activation", "q d sums")
+Q8_KActivation = namedtuple("Q8_KActivation", "q d sums")
+ACTIVATIONS = {"Q8_0": Q8_0Activation, "Q8_K": Q8_KActivation}
 GROUP = 8  # activations multiplied together by the int8 matmul (each weight block unpacked once);
 # a remainder of at least GROUP // 2 rows is done as one half group
+ROW_TILE = 32  # weight rows the int8 matmul passes each group of activations over (kept in L2)
 PREFETCH_BYTES = 4096  # how far ahead of the current block the weight stream is prefetched
 CACHE_LINE = 64
 
 # Error of the fast path relative to the output's max-abs, against float64 products of the
-# same weights. Measured on random weights and gaussian activations: median 8e-3, worst
-# 1.0e-2 in 40 cases per encoding (heavy-tailed activations with outliers: worst 2e-2).
-# ggml's int8 activations cost the same.
+# same weights (rows of 2048, 40 cases per encoding). Gaussian activations: median 5e-3,
+# worst 1.0e-2 with Q8_0 activations; median 7e-3, worst 1.3e-2 with Q8_K. Heavy-tailed
+# (Student t, 3 degrees of freedom): worst 1.4e-2 with Q8_0, 3.7e-2 with Q8_K, whose one
+# scale per 256 an outlier coarsens for more values. ggml's activations cost the same.
 FAST_PATH_TOLERANCE = 1.5e-2
-FAST_ENCODINGS = ("Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+FAST_ENCODINGS = tuple(DOT_TYPES)
+
+# `_Emitter.add_pair_products` emits vpdpwssd as inline assembly, which LLVM parses
+llvmlite.binding.initialize_native_asmparser()
 
 _njit = njit(cache=True, nogil=True)
 _parallel = njit(cache=True, nogil=True, parallel=True)
@@ -91,8 +110,8 @@ def _vec(element, n):
 
 
 class _Emitter:
-    """LLVM IR building blocks for the CPU numba compiles for: AVX-VNNI or AVX2 dot products
-    and F16C conversions where the target has them, portable IR otherwise."""
+    """LLVM IR building blocks for the CPU numba compiles for: AVX-512, AVX-VNNI or AVX2 dot
+    products and F16C conversions where the target has them, portable IR otherwise."""
 
     def __init__(self, context, builder):
         triple, _, features = context.codegen().magic_tuple()
@@ -101,7 +120,10 @@ class _Emitter:
         self.context, self.b = context, builder
         self.avx2 = x86 and "avx2" in enabled
         self.vnni = self.avx2 and ("avxvnni" in enabled or {"avx512vnni", "avx512vl"} <= enabled)
+        self.avx512 = x86 and "avx512bw" in enabled  # 64-byte integer multiplies
+        self.vnni512 = self.avx512 and "avx512vnni" in enabled
         self.native_half = not x86 or "f16c" in enabled
+        self.multiply_bytes = 64 if self.avx512 else 32  # bytes per vector of `pair_products`
 
     # memory
     def pointer(self, arraytype, array, byte_offset=None):
@@ -202,10 +224,41 @@ class _Emitter:
             return self.call("llvm.x86.avx512.vpdpbusd.256", as_i32, self.const(_I32, 8, 0),
                              b.bitcast(unsigned, as_i32), b.bitcast(signed, as_i32))
         if self.avx2:
-            pairs = self.call("llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), unsigned, signed)
-            return self.call("llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), pairs, self.const(_I16, 16, 1))
+            return self.add_pair_products(self.const(_I32, 8, 0), self.pair_products(unsigned, signed),
+                                          self.const(_I16, 16, 1))
         wide = _vec(_I32, 32)
         return self._sum_quads(b.mul(b.zext(unsigned, wide), b.sext(signed, wide)))
+
+    def pair_products(self, unsigned, signed):
+        """<n/2 x i16>, lane m = unsigned[2m] * signed[2m] + unsigned[2m + 1] * signed[2m + 1]
+        (n = 32 bytes, or 64 with AVX-512). Callers keep every pair sum within int16
+        (vpmaddubsw saturates)."""
+        n = unsigned.type.count
+        if self.avx2 and n == 32 or self.avx512 and n == 64:
+            name = "llvm.x86.avx2.pmadd.ub.sw" if n == 32 else "llvm.x86.avx512.pmaddubs.w.512"
+            return self.call(name, _vec(_I16, n // 2), unsigned, signed)
+        b, wide = self.b, _vec(_I16, n)
+        products = b.mul(b.zext(unsigned, wide), b.sext(signed, wide))
+        return b.add(self.pick(products, range(0, n, 2)), self.pick(products, range(1, n, 2)))
+
+    def add_pair_products(self, acc, left, right):
+        """acc <n/2 x i32> plus, in lane m, left[2m] * right[2m] + left[2m + 1] * right[2m + 1]
+        (<n x i16> each, n = 16 or 32): one vpdpwssd with VNNI, vpmaddwd + vpaddd otherwise.
+        With AVX-512 VNNI the vpdpwssd is inline assembly: from LLVM's intrinsic, its machine
+        combiner splits chains of them into vpmaddwd + vpaddd to shorten their latency, which
+        costs a throughput-bound loop like ours 10-15%."""
+        b, n = self.b, left.type.count
+        as_i32 = _vec(_I32, n // 2)
+        operands = [acc, b.bitcast(left, as_i32), b.bitcast(right, as_i32)]
+        if self.vnni512 and n in (16, 32):
+            return b.asm(ir.FunctionType(as_i32, [as_i32] * 3), "vpdpwssd $3, $2, $0", "=v,0,v,v", operands, False)
+        if n == 16 and self.vnni:
+            return self.call("llvm.x86.avx512.vpdpwssd.256", as_i32, *operands)
+        if n == 16 and self.avx2 or n == 32 and self.avx512:
+            name = "llvm.x86.avx2.pmadd.wd" if n == 16 else "llvm.x86.avx512.pmaddw.d.512"
+            return b.add(acc, self.call(name, as_i32, left, right))
+        products = b.mul(b.sext(left, _vec(_I32, n)), b.sext(right, _vec(_I32, n)))
+        return b.add(acc, b.add(self.pick(products, range(0, n, 2)), self.pick(products, range(1, n, 2))))
 
     def dot_s8s8(self, left, right):
         """As dot_u8s8 for two signed vectors (|left| <= 128, |right| <= 127): |left| times
@@ -288,17 +341,24 @@ class _Block:
     """One block unpacked to IR values. Weight i of sub-block j (32 weights each) is
     `scale * (level - bias) + offset`: `levels[j]` a <32 x i8> (`signed` or not), `scales`
     one float per sub-block (or per 16 weights when `per16`), `offsets` one float per
-    sub-block or None. The order of the float operations is ggml's (and gguf's)."""
+    sub-block or None. The order of the float operations is ggml's (and gguf's).
 
-    def __init__(self, levels, scales, signed=False, bias=0, offsets=None, per16=False):
+    K-quant blocks also carry their integer form, for the dot with Q8_K activations
+    (`_k_int8_dot`): `d * sum_m int_scales[m // pairs_per_scale] * (level_2m x_2m + level_2m+1
+    x_2m+1)` over the 128 pairs of weights, plus `offsets16 . (the sum of x over each 16)`;
+    `int_scales` is a <16 x i16>, `offsets16` a <16 x float>."""
+
+    def __init__(self, levels, scales, signed=False, bias=0, offsets=None, per16=False,
+                 d=None, int_scales=None, pairs_per_scale=None, offsets16=None):
         self.levels, self.scales, self.signed, self.bias = levels, scales, signed, bias
         self.offsets, self.per16 = offsets, per16
+        self.d, self.int_scales, self.pairs_per_scale, self.offsets16 = d, int_scales, pairs_per_scale, offsets16
 
 
 def _k_scales(e, block, offset):
-    """IR: (scales, mins) of a Q4_K / Q5_K block as two <8 x float>, unpacked as ggml does
-    from the 12 bytes at `offset` (6 bits each: sub-blocks 0-3 in the low bits of bytes
-    0-7, sub-blocks 4-7 in bytes 8-11 and the top bits of bytes 0-7)."""
+    """IR: the 6-bit scales (lanes 0-7) and mins (lanes 8-15) of a Q4_K / Q5_K block as a
+    <16 x i8>, unpacked as ggml does from the 12 bytes at `offset` (sub-blocks 0-3 in the low
+    bits of bytes 0-7, sub-blocks 4-7 in bytes 8-11 and the top bits of bytes 0-7)."""
     b = e.b
     u0, u1, u2 = (e.load(block, offset + 4 * i, _I32) for i in range(3))
     low6, low4, top2 = (ir.Constant(_I32, m) for m in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
@@ -311,32 +371,39 @@ def _k_scales(e, block, offset):
     packed = ir.Constant(_vec(_I32, 4), None)
     for i, word in enumerate(words):
         packed = b.insert_element(packed, word, ir.Constant(_I32, i))
-    values = b.uitofp(b.bitcast(packed, _vec(_I8, 16)), _vec(_F32, 16))
-    return e.pick(values, range(8)), e.pick(values, range(8, 16))
+    return b.bitcast(packed, _vec(_I8, 16))
+
+
+def _k_block(e, block, levels):
+    """A Q4_K / Q5_K block from its `levels`: d, dmin (f16) at bytes 0 and 2, the packed
+    scales and mins at byte 4."""
+    b = e.b
+    packed = _k_scales(e, block, 4)
+    values = b.uitofp(packed, _vec(_F32, 16))
+    d, dmin = e.half(block, 0), e.half(block, 2)
+    offsets = b.fneg(b.fmul(e.splat(dmin), e.pick(values, range(8, 16))))
+    return _Block(levels, b.fmul(e.splat(d), e.pick(values, range(8))), offsets=offsets,
+                  d=d, int_scales=b.zext(packed, _vec(_I16, 16)), pairs_per_scale=16,
+                  offsets16=e.pick(offsets, [j // 2 for j in range(16)]))
 
 
 def _unpack_q4_k(e, block):
     """Q4_K (144 bytes): d, dmin (f16); 12 bytes of 6-bit scales and mins; 128 bytes of
     nibbles, low nibbles of bytes 32g.. for sub-block 2g, high nibbles for 2g + 1."""
-    scales, mins = _k_scales(e, block, 4)
-    levels = [q for g in range(4) for q in e.nibbles(e.load(block, 16 + 32 * g, _I8, 32))]
-    return _Block(levels, e.b.fmul(e.splat(e.half(block, 0)), scales),
-                  offsets=e.b.fneg(e.b.fmul(e.splat(e.half(block, 2)), mins)))
+    return _k_block(e, block, [q for g in range(4) for q in e.nibbles(e.load(block, 16 + 32 * g, _I8, 32))])
 
 
 def _unpack_q5_k(e, block):
     """Q5_K (176 bytes): as Q4_K with 32 bytes of fifth bits (bit j for sub-block j)
     between the scales and the nibbles."""
     b = e.b
-    scales, mins = _k_scales(e, block, 4)
     high_bits = e.load(block, 16, _I8, 32)
     levels = []
     for g in range(4):
         for j, q in zip((2 * g, 2 * g + 1), e.nibbles(e.load(block, 48 + 32 * g, _I8, 32))):
             fifth = b.and_(b.lshr(high_bits, e.const(_I8, 32, j)), e.const(_I8, 32, 1))
             levels.append(b.or_(q, b.shl(fifth, e.const(_I8, 32, 4))))
-    return _Block(levels, b.fmul(e.splat(e.half(block, 0)), scales),
-                  offsets=b.fneg(b.fmul(e.splat(e.half(block, 2)), mins)))
+    return _k_block(e, block, levels)
 
 
 def _unpack_q6_k(e, block):
@@ -351,8 +418,11 @@ def _unpack_q6_k(e, block):
         for low, shift in ((a_lo, 0), (b_lo, 2), (a_hi, 4), (b_hi, 6)):
             two_bits = b.and_(b.lshr(high, e.const(_I8, 32, shift)), e.const(_I8, 32, 3))
             levels.append(b.or_(low, b.shl(two_bits, e.const(_I8, 32, 4))))
-    scales = b.fmul(e.splat(e.half(block, 208), 16), b.sitofp(e.load(block, 192, _I8, 16), _vec(_F32, 16)))
-    return _Block(levels, scales, bias=32, per16=True)
+    d, packed = e.half(block, 208), e.load(block, 192, _I8, 16)
+    scales = b.fmul(e.splat(d, 16), b.sitofp(packed, _vec(_F32, 16)))
+    return _Block(levels, scales, bias=32, per16=True,
+                  d=d, int_scales=b.sext(packed, _vec(_I16, 16)), pairs_per_scale=8,
+                  offsets16=b.fmul(scales, e.splat(ir.Constant(_F32, -32.0), 16)))
 
 
 def _unpack_q8_0(e, block):
@@ -391,9 +461,9 @@ def _pair_sums(e, sums):
     return e.b.fadd(e.pick(sums, range(0, n, 2)), e.pick(sums, range(1, n, 2)))
 
 
-def _int8_dot(e, block, xq, xd, xs):
-    """IR: <8 x float> whose lanes sum to the dot of an unpacked block with the int8
-    activation at xq (levels), xd (scales per 32) and xs (scaled sums per 16)."""
+def _int8_dot(e, block, xq, xd, xs, total):
+    """IR: `total` (<8 x float>) plus lanes that sum to the dot of an unpacked block with
+    the Q8_0 activation at xq (levels), xd (scales per 32) and xs (scaled sums per 16)."""
     b = e.b
     act_scales = e.load(xd, 0, _F32, len(block.levels))
     if not block.per16:
@@ -407,7 +477,7 @@ def _int8_dot(e, block, xq, xd, xs):
         else:
             lanes = e.pick(scales, [j] * 8)
         terms.append((products, lanes))
-    total = e.weighted_sum(terms)
+    total = b.fadd(total, e.weighted_sum(terms))
     sums16 = e.load(xs, 0, _F32, 2 * len(block.levels))
     sums = sums16 if block.per16 else _pair_sums(e, sums16)
     if block.bias:  # the levels were used without their bias: take bias * scale * sum off
@@ -416,6 +486,31 @@ def _int8_dot(e, block, xq, xd, xs):
     if block.offsets is not None:
         total = b.fadd(total, e.fold8(b.fmul(block.offsets, sums)))
     return total
+
+
+def _k_int8_dot(e, block, xq, xd, xs, total):
+    """IR: `total` (<8 x float>, <16 x float> with AVX-512) plus lanes that sum to the dot of
+    an unpacked K-quant block with a Q8_K activation block: 256 int8 levels at xq, one
+    float32 scale at xd, the scaled sums of each 16 levels at xs. Sub-block products stay
+    integer to the end of the block; with AVX-512 two sub-blocks are multiplied at a time."""
+    b, width = e.b, e.multiply_bytes
+    per, lanes = width // 32, width // 4  # sub-blocks per multiply, int32 lanes of the sum
+    acc = e.const(_I32, lanes, 0)
+    for c in range(len(block.levels) // per):
+        levels = block.levels[per * c]
+        if per == 2:
+            levels = e.shuffle(levels, block.levels[per * c + 1], range(64))
+        scales = e.pick(block.int_scales, [(c * width // 2 + m) // block.pairs_per_scale for m in range(width // 2)])
+        acc = e.add_pair_products(acc, e.pair_products(levels, e.load(xq, width * c, _I8, width)), scales)
+    sums = e.load(xs, 0, _F32, 16)
+    if lanes == 8:
+        total = e.fma(e.pick(block.offsets16, range(8)), e.pick(sums, range(8)), total)
+        total = e.fma(e.pick(block.offsets16, range(8, 16)), e.pick(sums, range(8, 16)), total)
+    else:
+        total = e.fma(block.offsets16, sums, total)
+    # (acc * d) * xd rather than acc * (d * xd): a vector multiply by the block's d, which
+    # all activations share, and xd broadcast from memory into the FMA
+    return e.fma(b.fmul(e.to_float(acc), e.splat(block.d, lanes), flags=_FAST), e.splat(e.load(xd, 0, _F32), lanes), total)
 
 
 def _dequantized(e, block, j):
@@ -449,25 +544,28 @@ def _int8_rows_codegen(encoding, count):
     """codegen of the int8 dot of a row of blocks with `count` activations at once: each
     block is unpacked once for all of them (one loop of vector IR, vector accumulators)."""
     weights = block_size(encoding)[0]
-    # bytes per block of an activation's int8 values, scales (per 32) and sums (per 16)
-    strides = (weights, weights // ACT_BLOCK * 4, weights // 16 * 4)
+    k_quant = DOT_TYPES[encoding] == "Q8_K"
+    # bytes per block of an activation's int8 values, scales and sums (per 16)
+    strides = (weights, weights // ACT_BLOCKS[DOT_TYPES[encoding]] * 4, weights // 16 * 4)
+    dot = _k_int8_dot if k_quant else _int8_dot
 
     def codegen(context, builder, sig, args):
         e = _Emitter(context, builder)
         start, nblocks = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3))
         bases = [e.pointer(sig.args[i], args[i]) for i in (4, 5, 6)]
         row_bytes = [builder.mul(nblocks, ir.Constant(_I64, stride)) for stride in strides]
-        totals = [cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 8), [0.0] * 8)) for _ in range(count)]
+        lanes = e.multiply_bytes // 4 if k_quant else 8  # of the vector a block's dot returns
+        totals = [cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, lanes), [0.0] * lanes)) for _ in range(count)]
 
         def body(index, block):
             for k, total in enumerate(totals):
                 q, d, s = (e.at(base, builder.add(builder.mul(ir.Constant(_I64, k), size),
                                                   builder.mul(index, ir.Constant(_I64, stride))))
                            for base, size, stride in zip(bases, row_bytes, strides))
-                builder.store(builder.fadd(builder.load(total), _int8_dot(e, block, q, d, s)), total)
+                builder.store(dot(e, block, q, d, s, builder.load(total)), total)
 
         _block_loop(e, encoding, e.pointer(sig.args[1], args[1], start), nblocks, body)
-        dots = [e.hsum(builder.load(total)) for total in totals]
+        dots = [e.hsum(e.fold8(builder.load(total))) for total in totals]
         return dots[0] if count == 1 else context.make_tuple(builder, sig.return_type, dots)
 
     return codegen
@@ -608,8 +706,10 @@ def _row_dot_overload(tag, w, offset, cols, act):
         return None
     if encoding in _UNPACK:
         weights = block_size(encoding)[0]
-        if isinstance(act, types.BaseTuple):
-            return lambda tag, w, offset, cols, act: _row_dot_int8(tag, w, offset, cols // weights, *act)
+        if _act_dot_type(act) is not None:
+            if _act_dot_type(act) != DOT_TYPES[encoding]:
+                return None
+            return lambda tag, w, offset, cols, act: _row_dot_int8(tag, w, offset, cols // weights, act.q, act.d, act.sums)
         return lambda tag, w, offset, cols, act: _row_dot_float(tag, w, offset, cols // weights, act)
     dtype, convert = _FLOAT_ELEMENTS[encoding]
     itemsize = np.dtype(dtype).itemsize
@@ -626,56 +726,69 @@ def _row_dot_overload(tag, w, offset, cols, act):
     return float_weights
 
 
-def _row_times(tag, w, offset, cols, act, out, r, buf):
-    """out[:, r] = the row at byte `offset` of `w` times each of the n activations `act`
-    (float32 [n, cols], or an int8 tuple of [n, ...] arrays)."""
+def _rows_times(tag, w, first, stop, row_nbytes, cols, act, out, buf):
+    """out[:, first:stop] = rows first..stop-1 of `w` times each of the n activations `act`
+    (float32 [n, cols], or an int8 activation of [n, ...] arrays)."""
 
 
-@overload(_row_times)
-def _row_times_overload(tag, w, offset, cols, act, out, r, buf):
+@overload(_rows_times)
+def _rows_times_overload(tag, w, first, stop, row_nbytes, cols, act, out, buf):
     encoding = _encoding_of(tag)
     if encoding is None:
         return None
     weights, nbytes = block_size(encoding)
-    if isinstance(act, types.BaseTuple):
-        def int8_impl(tag, w, offset, cols, act, out, r, buf):
+    if _act_dot_type(act) is not None:
+        if _act_dot_type(act) != DOT_TYPES[encoding]:
+            return None
+
+        def int8_impl(tag, w, first, stop, row_nbytes, cols, act, out, buf):
             q, d, s = act
             n, nblocks = out.shape[0], cols // weights
             grouped = n - n % GROUP
-            for i in range(0, grouped, GROUP):  # each block unpacked once for GROUP activations
-                dots = _row_dots_int8(tag, w, offset, nblocks, q[i:], d[i:], s[i:])
-                for k in range(GROUP):
-                    out[i + k, r] = dots[k]
-            if n - grouped >= GROUP // 2:
-                dots = _row_dots_int8_half(tag, w, offset, nblocks, q[grouped:], d[grouped:], s[grouped:])
-                for k in range(GROUP // 2):
-                    out[grouped + k, r] = dots[k]
-                grouped += GROUP // 2
-            for i in range(grouped, n):
-                out[i, r] = _row_dot_int8(tag, w, offset, nblocks, q[i], d[i], s[i])
+            half = n - grouped >= GROUP // 2
+            # A tile of rows stays in L2 while each group of activations, in L1, passes over it.
+            for tile in range(first, stop, ROW_TILE):
+                end = min(tile + ROW_TILE, stop)
+                for i in range(0, grouped, GROUP):  # each block unpacked once for GROUP activations
+                    for r in range(tile, end):
+                        dots = _row_dots_int8(tag, w, r * row_nbytes, nblocks, q[i:], d[i:], s[i:])
+                        for k in range(GROUP):
+                            out[i + k, r] = dots[k]
+                if half:
+                    for r in range(tile, end):
+                        dots = _row_dots_int8_half(tag, w, r * row_nbytes, nblocks, q[grouped:], d[grouped:],
+                                                   s[grouped:])
+                        for k in range(GROUP // 2):
+                            out[grouped + k, r] = dots[k]
+                for i in range(grouped + half * (GROUP // 2), n):
+                    for r in range(tile, end):
+                        out[i, r] = _row_dot_int8(tag, w, r * row_nbytes, nblocks, q[i], d[i], s[i])
         return int8_impl
 
-    def float_impl(tag, w, offset, cols, act, out, r, buf):
-        if out.shape[0] == 1:
-            out[0, r] = _row_dot(tag, w, offset, cols, act[0])
-            return
-        out[:, r] = 0.0
-        for first in range(0, cols, CHUNK):  # each chunk is dequantized once for all n
-            count = min(CHUNK, cols - first)
-            _dequantize_into(tag, w, offset + first // weights * nbytes, count, buf)
-            for i in range(out.shape[0]):
-                out[i, r] += _dot(buf, act[i, first:], count)
+    def float_impl(tag, w, first, stop, row_nbytes, cols, act, out, buf):
+        for r in range(first, stop):
+            offset = r * row_nbytes
+            if out.shape[0] == 1:
+                out[0, r] = _row_dot(tag, w, offset, cols, act[0])
+                continue
+            out[:, r] = 0.0
+            for start in range(0, cols, CHUNK):  # each chunk is dequantized once for all n
+                count = min(CHUNK, cols - start)
+                _dequantize_into(tag, w, offset + start // weights * nbytes, count, buf)
+                for i in range(out.shape[0]):
+                    out[i, r] += _dot(buf, act[i, start:], count)
     return float_impl
 
 
 def _act_row(act, i):
-    """Activation i of a batch (a row of a float32 matrix, or of each int8 tuple array)."""
+    """Activation i of a batch (a row of a float32 matrix, or of each int8 activation array)."""
 
 
 @overload(_act_row)
 def _act_row_overload(act, i):
-    if isinstance(act, types.BaseTuple):
-        return lambda act, i: (act[0][i], act[1][i], act[2][i])
+    if _act_dot_type(act) is not None:
+        activation = act.instance_class
+        return lambda act, i: activation(act.q[i], act.d[i], act.sums[i])
     return lambda act, i: act[i]
 
 
@@ -684,12 +797,12 @@ def _act_row_overload(act, i):
 
 @njit(cache=True, nogil=True, fastmath=True)
 def _quantize_range(values, q, d, sums, start, stop):
-    """Quantize values[start:stop] (whole blocks of 32) to int8: levels q, scales d (one per
-    32) and sums (d times the sum of the levels of each 16)."""
-    for b in range(start // ACT_BLOCK, stop // ACT_BLOCK):
-        block, levels = values[b * ACT_BLOCK:(b + 1) * ACT_BLOCK], q[b * ACT_BLOCK:(b + 1) * ACT_BLOCK]
+    """Quantize values[start:stop] (whole blocks of 32) to int8 in Q8_0-style blocks: levels q,
+    scales d (one per 32) and sums (d times the sum of the levels of each 16)."""
+    for b in range(start // 32, stop // 32):
+        block, levels = values[b * 32:(b + 1) * 32], q[b * 32:(b + 1) * 32]
         amax = F32(0.0)
-        for i in range(ACT_BLOCK):
+        for i in range(32):
             amax = max(amax, abs(block[i]))
         scale = amax / F32(127.0)
         inverse = F32(127.0) / amax if amax > 0 else F32(0.0)
@@ -703,16 +816,39 @@ def _quantize_range(values, q, d, sums, start, stop):
             sums[2 * b + half] = scale * F32(total)
 
 
-@_njit
-def _quantize_activations(x):
-    """float32 [n, cols] -> (q int8 [n, cols], d float32 [n, cols/32], sums float32 [n, cols/16])."""
-    n, cols = x.shape
-    q = np.empty((n, cols), np.int8)
-    d = np.empty((n, cols // ACT_BLOCK), np.float32)
-    sums = np.empty((n, cols // 16), np.float32)
-    for i in range(n):
-        _quantize_range(x[i], q[i], d[i], sums[i], 0, cols)
-    return q, d, sums
+@njit(cache=True, nogil=True, fastmath=True)
+def _quantize_range_k(values, q, d, sums, start, stop):
+    """Quantize values[start:stop] (whole blocks of 256) to int8 in Q8_K blocks: levels q,
+    scales d (one per 256) and sums (d times the sum of the levels of each 16)."""
+    for b in range(start // 256, stop // 256):
+        block, levels = values[b * 256:(b + 1) * 256], q[b * 256:(b + 1) * 256]
+        amax = F32(0.0)
+        for i in range(256):
+            amax = max(amax, abs(block[i]))
+        d[b] = amax / F32(127.0)
+        inverse = F32(127.0) / amax if amax > 0 else F32(0.0)
+        for group in range(16):
+            total = np.int32(0)
+            for i in range(16 * group, 16 * group + 16):
+                level = np.int32(np.rint(block[i] * inverse))
+                levels[i] = level
+                total += level
+            sums[16 * b + group] = d[b] * F32(total)
+
+
+def _empty_activation(n, cols, dot_type):
+    """Uninitialized int8 activations of n rows of `cols` values in `dot_type`."""
+    return ACTIVATIONS[dot_type](np.empty((n, cols), np.int8), np.empty((n, cols // ACT_BLOCKS[dot_type]), np.float32),
+                                 np.empty((n, cols // 16), np.float32))
+
+
+def _act_dot_type(act) -> str | None:
+    """The dot type of a numba activation type ("Q8_0", "Q8_K"), None for float32 arrays."""
+    if isinstance(act, types.BaseNamedTuple):
+        for dot_type, activation in ACTIVATIONS.items():
+            if act.instance_class is activation:
+                return dot_type
+    return None
 
 
 def _finish_activation(act, values, start, stop):
@@ -722,12 +858,20 @@ def _finish_activation(act, values, start, stop):
 
 @overload(_finish_activation)
 def _finish_activation_overload(act, values, start, stop):
-    if isinstance(act, types.BaseTuple):
+    if _act_dot_type(act) is not None:
+        quantize_range = _quantize_range_k if _act_dot_type(act) == "Q8_K" else _quantize_range
+
         def quantize(act, values, start, stop):
             q, d, sums = act
-            _quantize_range(values.reshape(-1), q.reshape(-1), d.reshape(-1), sums.reshape(-1), start, stop)
+            quantize_range(values.reshape(-1), q.reshape(-1), d.reshape(-1), sums.reshape(-1), start, stop)
         return quantize
     return lambda act, values, start, stop: None
+
+
+@_njit
+def _quantize_all(act, values):
+    _finish_activation(act, values, 0, values.size)
+    return act
 
 
 # ------------------------------------------------------------------ parallel kernels
@@ -750,9 +894,7 @@ def _silu(v):
 def _matmul_kernel(tag, w, rows, cols, row_nbytes, act, out, nthreads):
     for t in prange(nthreads):
         first, stop = _share(rows, nthreads, t, 1)
-        buf = np.empty(CHUNK, np.float32)
-        for r in range(first, stop):
-            _row_times(tag, w, r * row_nbytes, cols, act, out, r, buf)
+        _rows_times(tag, w, first, stop, row_nbytes, cols, act, out, np.empty(CHUNK, np.float32))
 
 
 @_parallel
@@ -779,9 +921,9 @@ def _moe_kernel(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes,
                 gate_act, up_act, h, h_act, weights, out, nthreads):
     k = slots.shape[0]
     # 1. h[j, i] = silu(gate_j[i] . x) * (up_j[i] . x), over all k * ffn rows at once; each
-    #    thread then quantizes its own (32-aligned) part of h for the down projection.
+    #    thread then quantizes its own (256-aligned) part of h for the down projection.
     for t in prange(nthreads):
-        first, stop = _share(k * ffn, nthreads, t, ACT_BLOCK)
+        first, stop = _share(k * ffn, nthreads, t, WIDEST_ACT_BLOCK)
         for index in range(first, stop):
             j, i = index // ffn, index % ffn
             record = records[slots[j]]
@@ -885,9 +1027,10 @@ def set_threads(n: int) -> None:
                       "or tbb.", RuntimeWarning, stacklevel=2)
 
 
-def _fast(encoding: str, exact: bool) -> bool:
-    """Whether a product with `encoding` weights takes the int8 (fast) path."""
-    return not exact and encoding in FAST_ENCODINGS
+def _dot_type(encoding: str, exact: bool) -> str | None:
+    """The int8 activation format `encoding` weights are multiplied with, or None for float32
+    activations (the exact path, and float weights)."""
+    return None if exact else DOT_TYPES.get(encoding)
 
 
 def _weights(w: np.ndarray, encoding: str, rows: int, cols: int) -> tuple[np.ndarray, int]:
@@ -908,9 +1051,14 @@ def _float_rows(x: np.ndarray, cols: int) -> np.ndarray:
     return x
 
 
-def _activation(x: np.ndarray, fast: bool):
-    """float32 [n, cols] as the kernels take it: quantized to int8 for the fast path."""
-    return _quantize_activations(x) if fast else x
+def _activation(x: np.ndarray, dot_type: str | None):
+    """float32 [n, cols] as the kernels take it: quantized to int8 `dot_type` activations, or
+    x itself (None)."""
+    return x if dot_type is None else _quantize_all(_empty_activation(*x.shape, dot_type), x)
+
+
+def _first_row(act):
+    return act[0] if isinstance(act, np.ndarray) else type(act)(*(a[0] for a in act))
 
 
 class Matrix:
@@ -921,12 +1069,12 @@ class Matrix:
         self.data, self.row_nbytes = _weights(w, encoding, rows, cols)
         self.encoding, self.rows, self.cols = encoding, rows, cols
         self.tag = BLOCK_TAGS[encoding]
-        self.fast = _fast(encoding, exact)
+        self.dot_type = _dot_type(encoding, exact)
 
     def activation(self, x: np.ndarray):
         """x float32 [n, cols] as this matrix's kernel takes it; share it between matrices of
-        the same `fast` that multiply the same x."""
-        return _activation(_float_rows(x, self.cols), self.fast)
+        the same `dot_type` that multiply the same x."""
+        return _activation(_float_rows(x, self.cols), self.dot_type)
 
     def times(self, act, n: int) -> np.ndarray:
         """The product with an activation from `activation` of n rows -> float32 [n, rows]."""
@@ -1025,20 +1173,21 @@ class ExpertKernel:
         self.record_bytes, self.ffn, self.hidden = record_bytes, ffn, hidden
         self.tags = tuple(BLOCK_TAGS[encoding] for encoding in encodings)
         self.offsets = tuple(int(o) for o in offsets)
-        self.fast = tuple(_fast(encoding, exact) for encoding in encodings)
+        self.dot_types = tuple(_dot_type(encoding, exact) for encoding in encodings)
+
+    def _gate_up_activations(self, x: np.ndarray):
+        """x float32 [n, hidden] as the gate and the up kernels take it, quantized once when
+        they share a format."""
+        acts = {dot_type: _activation(x, dot_type) for dot_type in set(self.dot_types[:2])}
+        return acts[self.dot_types[0]], acts[self.dot_types[1]]
 
     def __call__(self, records: np.ndarray, slots: np.ndarray, x: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """records uint8 [m, >= record_bytes] (C-contiguous, e.g. a cache slab used in place),
         slots int64 [k] (the experts' rows), x float32 [hidden], weights float32 [k] -> float32 [hidden]."""
         k, ffn = slots.shape[0], self.ffn
-        x = x.reshape(1, self.hidden)
-        quantized = _quantize_activations(x) if self.fast[0] or self.fast[1] else None
-        gate_act, up_act = ((tuple(a[0] for a in quantized) if fast else x[0]) for fast in self.fast[:2])
+        gate_act, up_act = (_first_row(act) for act in self._gate_up_activations(x.reshape(1, self.hidden)))
         h = np.empty((k, ffn), np.float32)
-        h_act = h
-        if self.fast[2]:
-            h_act = (np.empty((k, ffn), np.int8), np.empty((k, ffn // ACT_BLOCK), np.float32),
-                     np.empty((k, ffn // 16), np.float32))
+        h_act = h if self.dot_types[2] is None else _empty_activation(k, ffn, self.dot_types[2])
         out = np.empty(self.hidden, np.float32)
         _moe_kernel(*self.tags, records, slots, self.offsets, self.sizes, ffn, self.hidden, gate_act, up_act, h, h_act,
                     weights, out, numba.get_num_threads())
@@ -1048,9 +1197,9 @@ class ExpertKernel:
         """One expert (its record, contiguous uint8 [>= record_bytes]) applied to each row of x
         float32 [n, hidden] -> float32 [n, hidden], without a routing weight (prefill)."""
         n = x.shape[0]
-        quantized = _quantize_activations(x) if self.fast[0] or self.fast[1] else None
-        gate, up = (self._project(record, m, self.ffn, self.hidden, quantized if self.fast[m] else x, n) for m in (0, 1))
-        return self._project(record, 2, self.hidden, self.ffn, _activation(_silu_times(gate, up), self.fast[2]), n)
+        gate, up = (self._project(record, m, self.ffn, self.hidden, act, n)
+                    for m, act in enumerate(self._gate_up_activations(x)))
+        return self._project(record, 2, self.hidden, self.ffn, _activation(_silu_times(gate, up), self.dot_types[2]), n)
 
     def _project(self, record: np.ndarray, m: int, rows: int, cols: int, act, n: int) -> np.ndarray:
         out = np.empty((n, rows), np.float32)

@@ -114,9 +114,9 @@ class Attention:
         """q, k, v of h; the activation is quantized once for the matrices that share a path."""
         matrices, acts = (self.q, self.k, self.v), {}
         for m in matrices:
-            if m.fast not in acts:
-                acts[m.fast] = m.activation(h)
-        return tuple(m.times(acts[m.fast], h.shape[0]) for m in matrices)
+            if m.dot_type not in acts:
+                acts[m.dot_type] = m.activation(h)
+        return tuple(m.times(acts[m.dot_type], h.shape[0]) for m in matrices)
 
 
 class LatentAttention:

@@ -167,30 +167,33 @@ def test_set_threads_warns_once_about_workqueue(monkeypatch):
         kernels.set_threads(numba.get_num_threads())
 
 
-PORTABLE_PRODUCTS = """
+PRODUCTS_FOR_CPU = """
 import numpy as np
 from runtime import kernels
 x = np.load("x.npy")
-for encoding in ("Q4_K", "Q8_0"):
+for encoding in ("Q4_K", "Q6_K", "Q8_0"):
     w = np.load(f"{encoding}.npy")
-    np.save(f"{encoding}-product.npy", kernels.matvec(w, encoding, w.shape[0], x.size, x))
+    np.save(f"{encoding}-product.npy", kernels.matmul(w, encoding, w.shape[0], x.shape[1], x))
 """
 
 
 @pytest.mark.slow
-def test_portable_ir_matches_the_native_kernels(tmp_path):
-    """The int8 kernels built for a CPU without AVX2 or F16C (portable vector IR) give the
-    same products as the native ones."""
-    x = np.random.default_rng(1).standard_normal(512).astype(np.float32)
+@pytest.mark.parametrize("cpu", ["generic", "haswell", "alderlake"])
+def test_kernels_built_for_other_cpus_match_the_native_ones(tmp_path, cpu):
+    """The int8 kernels built for a CPU without AVX2 or F16C (portable vector IR), with AVX2
+    only, and with AVX-VNNI but no AVX-512 give the same products as the native ones: the
+    unsigned x signed, signed x signed and K-quant integer dot products, for whole groups,
+    a half group and single activations."""
+    x = np.random.default_rng(1).standard_normal((13, 512)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
-    weights = {encoding: random_weights(encoding, 37, 512)[0] for encoding in ("Q4_K", "Q8_0")}
-    for encoding, w in weights.items():  # unsigned x signed and signed x signed dot products
+    weights = {encoding: random_weights(encoding, 37, 512)[0] for encoding in ("Q4_K", "Q6_K", "Q8_0")}
+    for encoding, w in weights.items():
         np.save(tmp_path / f"{encoding}.npy", w)
     root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, NUMBA_CPU_NAME="generic", PYTHONPATH=str(root))
-    subprocess.run([sys.executable, "-c", PORTABLE_PRODUCTS], cwd=tmp_path, env=env, check=True)
+    env = dict(os.environ, NUMBA_CPU_NAME=cpu, PYTHONPATH=str(root))
+    subprocess.run([sys.executable, "-c", PRODUCTS_FOR_CPU], cwd=tmp_path, env=env, check=True)
     for encoding, w in weights.items():
-        native = kernels.matvec(w, encoding, 37, 512, x)
+        native = kernels.matmul(w, encoding, 37, 512, x)
         assert relative_error(np.load(tmp_path / f"{encoding}-product.npy"), native) <= EXACT_TOLERANCE
 
 
