@@ -304,6 +304,18 @@ def _bf16_to_float(typingctx, bits):
 
 
 @intrinsic
+def _int_bits_to_float(typingctx, bits):
+    """The float32 whose bits are the low 32 of an integer."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.trunc(args[0], _I32) if bits.bitwidth > 32 else args[0], _F32)
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
 def _prefetch(typingctx, array, byte_offset):
     """Prefetch the cache line of `array`'s byte `byte_offset` into all cache levels."""
     if not isinstance(array, types.Array) or not isinstance(byte_offset, types.Integer):
@@ -795,45 +807,33 @@ def _act_row_overload(act, i):
 # ------------------------------------------------------------------ int8 activations
 
 
-@njit(cache=True, nogil=True, fastmath=True)
-def _quantize_range(values, q, d, sums, start, stop):
-    """Quantize values[start:stop] (whole blocks of 32) to int8 in Q8_0-style blocks: levels q,
-    scales d (one per 32) and sums (d times the sum of the levels of each 16)."""
-    for b in range(start // 32, stop // 32):
-        block, levels = values[b * 32:(b + 1) * 32], q[b * 32:(b + 1) * 32]
-        amax = F32(0.0)
-        for i in range(32):
-            amax = max(amax, abs(block[i]))
-        scale = amax / F32(127.0)
-        inverse = F32(127.0) / amax if amax > 0 else F32(0.0)
-        d[b] = scale
-        for half in range(2):
-            total = np.int32(0)
-            for i in range(16 * half, 16 * half + 16):
-                level = np.int32(np.rint(block[i] * inverse))
-                levels[i] = level
-                total += level
-            sums[2 * b + half] = scale * F32(total)
+@_njit
+def _abs_max(values):
+    """max |values| (contiguous float32): an integer max over the bits without the sign, which
+    orders as the floats do, and which LLVM vectorizes (a float max it does not)."""
+    bits = values.view(np.int32)
+    top = np.int32(0)
+    for i in range(bits.size):  # indices from 0: no negative-index checks, vectorized
+        top = max(top, bits[i] & np.int32(0x7FFFFFFF))
+    return _int_bits_to_float(top)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _quantize_range_k(values, q, d, sums, start, stop):
-    """Quantize values[start:stop] (whole blocks of 256) to int8 in Q8_K blocks: levels q,
-    scales d (one per 256) and sums (d times the sum of the levels of each 16)."""
-    for b in range(start // 256, stop // 256):
-        block, levels = values[b * 256:(b + 1) * 256], q[b * 256:(b + 1) * 256]
-        amax = F32(0.0)
-        for i in range(256):
-            amax = max(amax, abs(block[i]))
+def _quantize_blocks(values, q, d, sums, start, stop, block):
+    """Quantize values[start:stop] (whole blocks of `block`) to int8: levels q, one scale d per
+    block, and the sum of the levels of each 16 times its block's scale (`sums`)."""
+    for b in range(start // block, stop // block):
+        x, levels = values[b * block:(b + 1) * block], q[b * block:(b + 1) * block]
+        amax = _abs_max(x)
         d[b] = amax / F32(127.0)
         inverse = F32(127.0) / amax if amax > 0 else F32(0.0)
-        for group in range(16):
+        for i in range(block):
+            levels[i] = np.int8(np.rint(x[i] * inverse))
+        for group in range(block // 16):
             total = np.int32(0)
-            for i in range(16 * group, 16 * group + 16):
-                level = np.int32(np.rint(block[i] * inverse))
-                levels[i] = level
-                total += level
-            sums[16 * b + group] = d[b] * F32(total)
+            for i in range(16):
+                total += levels[16 * group + i]
+            sums[b * block // 16 + group] = d[b] * F32(total)
 
 
 def _empty_activation(n, cols, dot_type):
@@ -859,11 +859,11 @@ def _finish_activation(act, values, start, stop):
 @overload(_finish_activation)
 def _finish_activation_overload(act, values, start, stop):
     if _act_dot_type(act) is not None:
-        quantize_range = _quantize_range_k if _act_dot_type(act) == "Q8_K" else _quantize_range
+        block = ACT_BLOCKS[_act_dot_type(act)]
 
         def quantize(act, values, start, stop):
             q, d, sums = act
-            quantize_range(values.reshape(-1), q.reshape(-1), d.reshape(-1), sums.reshape(-1), start, stop)
+            _quantize_blocks(values.reshape(-1), q.reshape(-1), d.reshape(-1), sums.reshape(-1), start, stop, block)
         return quantize
     return lambda act, values, start, stop: None
 
@@ -885,9 +885,25 @@ def _share(count, parts, part, align):
     return min(count, units * part // parts * align), min(count, units * (part + 1) // parts * align)
 
 
-@_njit
+@njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _exp_nonpositive(x):
+    """exp(x) for x <= 0 to 4e-6 relative (x clamped at -87), without a libm call, so that a
+    loop of them vectorizes: 2**(x log2 e) as 2**floor times a degree-8 Taylor polynomial of
+    the fraction."""
+    t = max(x, F32(-87.0)) * F32(1.4426950408889634)
+    whole = np.floor(t)
+    f = (t - whole) * F32(0.6931471805599453)
+    p = F32(1.0 / 40320.0)
+    for c in (1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
+        p = p * f + F32(c)
+    return p * _int_bits_to_float((np.int32(whole) + np.int32(127)) << np.int32(23))
+
+
+@njit(cache=True, nogil=True, fastmath=True, inline="always")
 def _silu(v):
-    return v / (F32(1.0) + np.exp(-v))
+    """v * sigmoid(v), from exp(-|v|): no overflow, and a loop of them vectorizes."""
+    e = _exp_nonpositive(-abs(v))
+    return v * (F32(1.0) if v >= 0 else e) / (F32(1.0) + e)
 
 
 @_parallel
@@ -942,12 +958,15 @@ def _moe_kernel(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes,
                 out[r] += weights[j] * _row_dot(down_tag, record, offsets[2] + r * row_nbytes[2], ffn, act)
 
 
-@_njit
-def _silu_times(gate, up):
-    """gate <- silu(gate) * up, elementwise."""
-    flat_gate, flat_up = gate.reshape(-1), up.reshape(-1)
-    for i in range(flat_gate.size):
-        flat_gate[i] = _silu(flat_gate[i]) * flat_up[i]
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _silu_times(gate, up, nthreads):
+    """gate <- silu(gate) * up, elementwise ([n, ffn] each)."""
+    for t in prange(nthreads):
+        first, stop = _share(gate.shape[0], nthreads, t, 1)
+        for i in range(first, stop):
+            g, u = gate[i], up[i]
+            for j in range(g.size):
+                g[j] = _silu(g[j]) * u[j]
     return gate
 
 
@@ -997,6 +1016,63 @@ def _attention_loops(q, keys, values, start, scale, out, nthreads):
 _attention_serial = njit(cache=True, nogil=True, fastmath=True)(_attention_loops)
 _attention_parallel = njit(cache=True, nogil=True, parallel=True, fastmath=True)(_attention_loops)
 PARALLEL_ATTENTION_WORK = 1 << 20  # multiply-adds from which attention runs on all threads
+PROMPT_ATTENTION_QUERIES = 32  # queries from which attention converts the cache once (a prompt)
+QUERY_BLOCK = 16  # queries of one head whose scores a thread computes together
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _prompt_attention(q, keys, values, start, scale, out, nthreads):
+    """`attention` for many queries. The cache is converted to float32 once (keys transposed,
+    [kv head, width, position]); then each thread takes blocks of QUERY_BLOCK queries of one
+    head, accumulates their scores one key dimension at a time (a vector of positions per
+    multiply, no horizontal sums) and their outputs one position at a time."""
+    n, heads, width = q.shape
+    kv_heads, v_width, end = keys.shape[1], values.shape[2], start + n
+    group = heads // kv_heads
+    keys_t = np.empty((kv_heads, width, end), np.float32)
+    values_f = np.empty((kv_heads, end, v_width), np.float32)
+    for t in prange(nthreads):
+        lo, hi = _share(end, nthreads, t, 1)
+        for pos in range(lo, hi):
+            for kv in range(kv_heads):
+                for d in range(width):
+                    keys_t[kv, d, pos] = _as_f32(keys[pos, kv, d])
+                for d in range(v_width):
+                    values_f[kv, pos, d] = _as_f32(values[pos, kv, d])
+    blocks = (n + QUERY_BLOCK - 1) // QUERY_BLOCK
+    for t in prange(nthreads):
+        lo, hi = _share(blocks * heads, nthreads, t, 1)
+        scores = np.empty((QUERY_BLOCK, end), np.float32)
+        sums = np.empty((QUERY_BLOCK, v_width), np.float32)
+        for work in range(lo, hi):
+            first, h = work // heads * QUERY_BLOCK, work % heads
+            kv, count = h // group, min(QUERY_BLOCK, n - first)
+            seen = start + first  # positions every query of the block sees; query i sees seen + i + 1
+            for i in range(count):
+                scores[i, :seen + i + 1] = 0.0
+            for d in range(width):
+                column = keys_t[kv, d]
+                for i in range(count):
+                    row, weight = scores[i], q[first + i, h, d] * scale
+                    for pos in range(seen + i + 1):
+                        row[pos] += weight * column[pos]
+            for i in range(count):
+                row = scores[i, :seen + i + 1]
+                best = row.max()
+                total = F32(0.0)
+                for pos in range(row.size):
+                    row[pos] = _exp_nonpositive(row[pos] - best)
+                    total += row[pos]
+                row *= F32(1.0) / total
+            sums[:count] = 0.0
+            for pos in range(seen + count):
+                value = values_f[kv, pos]
+                for i in range(max(0, pos - seen), count):
+                    weight, result = scores[i, pos], sums[i]
+                    for d in range(v_width):
+                        result[d] += weight * value[d]
+            for i in range(count):
+                out[first + i, h, :] = sums[i]
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -1128,7 +1204,9 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
         raise ValueError(f"keys {keys.shape} / values {values.shape} do not fit queries {q.shape} at position {start}")
     out = np.empty((n, heads, values.shape[2]), np.float32)
     work = n * heads * (start + n) * (width + values.shape[2])
-    if work >= PARALLEL_ATTENTION_WORK:
+    if n >= PROMPT_ATTENTION_QUERIES:
+        _prompt_attention(q, keys, values, start, F32(scale), out, numba.get_num_threads())
+    elif work >= PARALLEL_ATTENTION_WORK:
         _attention_parallel(q, keys, values, start, F32(scale), out, numba.get_num_threads())
     else:
         _attention_serial(q, keys, values, start, F32(scale), out, 1)
@@ -1199,7 +1277,8 @@ class ExpertKernel:
         n = x.shape[0]
         gate, up = (self._project(record, m, self.ffn, self.hidden, act, n)
                     for m, act in enumerate(self._gate_up_activations(x)))
-        return self._project(record, 2, self.hidden, self.ffn, _activation(_silu_times(gate, up), self.dot_types[2]), n)
+        h = _silu_times(gate, up, numba.get_num_threads())
+        return self._project(record, 2, self.hidden, self.ffn, _activation(h, self.dot_types[2]), n)
 
     def _project(self, record: np.ndarray, m: int, rows: int, cols: int, act, n: int) -> np.ndarray:
         out = np.empty((n, rows), np.float32)
