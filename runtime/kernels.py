@@ -1253,17 +1253,23 @@ class ExpertKernel:
         self.offsets = tuple(int(o) for o in offsets)
         self.dot_types = tuple(_dot_type(encoding, exact) for encoding in encodings)
 
-    def _gate_up_activations(self, x: np.ndarray):
-        """x float32 [n, hidden] as the gate and the up kernels take it, quantized once when
-        they share a format."""
-        acts = {dot_type: _activation(x, dot_type) for dot_type in set(self.dot_types[:2])}
-        return acts[self.dot_types[0]], acts[self.dot_types[1]]
+    def activations(self, x: np.ndarray) -> dict:
+        """x float32 [n, hidden] as the gate and the up kernels take it (by dot type: quantized
+        once when they share one), for `batch`; quantize a layer's tokens once for all its experts."""
+        return {dot_type: _activation(x, dot_type) for dot_type in set(self.dot_types[:2])}
+
+    @staticmethod
+    def rows_of(acts: dict, rows: np.ndarray) -> dict:
+        """The activations of tokens `rows` (an index array) of `activations`' result."""
+        return {dot_type: act[rows] if isinstance(act, np.ndarray) else type(act)(*(a[rows] for a in act))
+                for dot_type, act in acts.items()}
 
     def __call__(self, records: np.ndarray, slots: np.ndarray, x: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """records uint8 [m, >= record_bytes] (C-contiguous, e.g. a cache slab used in place),
         slots int64 [k] (the experts' rows), x float32 [hidden], weights float32 [k] -> float32 [hidden]."""
         k, ffn = slots.shape[0], self.ffn
-        gate_act, up_act = (_first_row(act) for act in self._gate_up_activations(x.reshape(1, self.hidden)))
+        acts = self.activations(x.reshape(1, self.hidden))
+        gate_act, up_act = (_first_row(acts[dot_type]) for dot_type in self.dot_types[:2])
         h = np.empty((k, ffn), np.float32)
         h_act = h if self.dot_types[2] is None else _empty_activation(k, ffn, self.dot_types[2])
         out = np.empty(self.hidden, np.float32)
@@ -1271,12 +1277,12 @@ class ExpertKernel:
                     weights, out, numba.get_num_threads())
         return out
 
-    def batch(self, record: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """One expert (its record, contiguous uint8 [>= record_bytes]) applied to each row of x
-        float32 [n, hidden] -> float32 [n, hidden], without a routing weight (prefill)."""
-        n = x.shape[0]
-        gate, up = (self._project(record, m, self.ffn, self.hidden, act, n)
-                    for m, act in enumerate(self._gate_up_activations(x)))
+    def batch(self, record: np.ndarray, acts: dict, n: int) -> np.ndarray:
+        """One expert (its record, contiguous uint8 [>= record_bytes]) applied to each of n
+        tokens, given as `activations` of them -> float32 [n, hidden], without a routing
+        weight (prefill)."""
+        gate, up = (self._project(record, m, self.ffn, self.hidden, acts[dot_type], n)
+                    for m, dot_type in enumerate(self.dot_types[:2]))
         h = _silu_times(gate, up, numba.get_num_threads())
         return self._project(record, 2, self.hidden, self.ffn, _activation(h, self.dot_types[2]), n)
 
@@ -1310,7 +1316,18 @@ def moe_experts_batch(record: np.ndarray, encodings: tuple[str, str, str], offse
     record = np.ascontiguousarray(record).reshape(-1)
     if record.dtype != np.uint8:
         raise ValueError(f"record must be uint8 bytes, got {record.dtype}")
-    return ExpertKernel(record.size, encodings, offsets, ffn, hidden, exact).batch(record, _float_rows(x, hidden))
+    kernel = ExpertKernel(record.size, encodings, offsets, ffn, hidden, exact)
+    return kernel.batch(record, kernel.activations(_float_rows(x, hidden)), x.shape[0])
+
+
+@_njit
+def add_weighted_rows(out: np.ndarray, rows: np.ndarray, y: np.ndarray, weights: np.ndarray) -> None:
+    """out[rows[i]] += weights[i] * y[i] for each i (rows distinct): an expert's outputs
+    added to its tokens' sums."""
+    for i in range(rows.size):
+        target, source, weight = out[rows[i]], y[i], weights[i]
+        for j in range(source.size):
+            target[j] += weight * source[j]
 
 
 @_parallel

@@ -247,11 +247,12 @@ class MoE:
             out = self.experts(slab, slots, h[0], weights[0])[None, :]
         else:
             out = np.zeros_like(h)
+            acts = self.experts.activations(h)  # quantized once for all the experts
             for expert in np.unique(ids):  # batch-union: each needed expert read once, in file order
                 tokens, choice = np.nonzero(ids == expert)
                 (slot,) = self.store.fetch(self.layer, [expert])
-                y = self.experts.batch(slab[slot], h[tokens])
-                out[tokens] += y * weights[tokens, choice][:, None]
+                y = self.experts.batch(slab[slot], self.experts.rows_of(acts, tokens), tokens.size)
+                kernels.add_weighted_rows(out, tokens, y, weights[tokens, choice])
         if self.shared is not None:
             out = out + self.shared(h)
         return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import njit
 
 from formats.model_config import ModelConfig
 
@@ -67,17 +68,23 @@ class Rope:
 
     def apply(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Rotate the first `dim` features of x [n, heads, width] at `positions` [n]; rest unchanged."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        rot = x[..., : self.dim]
-        if self.interleaved:
-            a, b = rot[..., 0::2], rot[..., 1::2]
-        else:
-            a, b = rot[..., : self.dim // 2], rot[..., self.dim // 2 :]
-        out = x.copy()
-        new_a, new_b = a * cos - b * sin, b * cos + a * sin
-        if self.interleaved:
-            out[..., 0 : self.dim : 2], out[..., 1 : self.dim : 2] = new_a, new_b
-        else:
-            out[..., : self.dim // 2], out[..., self.dim // 2 : self.dim] = new_a, new_b
+        out = np.empty(x.shape, np.float32)
+        _rotate(x, self.cos, self.sin, np.asarray(positions, dtype=np.int64), self.dim, self.interleaved, out)
         return out
+
+
+@njit(cache=True, nogil=True)
+def _rotate(x, cos, sin, positions, dim, interleaved, out):
+    """out = x with the pairs of its first `dim` features rotated by each position's angles:
+    features (2j, 2j + 1) when interleaved, else (j, j + dim / 2)."""
+    half = dim // 2
+    for i in range(x.shape[0]):
+        c, s = cos[positions[i]], sin[positions[i]]
+        for h in range(x.shape[1]):
+            source, target = x[i, h], out[i, h]
+            target[:] = source
+            for j in range(half):
+                first, second = (2 * j, 2 * j + 1) if interleaved else (j, j + half)
+                a, b = source[first], source[second]
+                target[first] = a * c[j] - b * s[j]
+                target[second] = b * c[j] + a * s[j]
