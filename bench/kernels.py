@@ -5,7 +5,8 @@ a numba read-only reduction with 1 and with all threads, the ceiling a streaming
 reach), then `matvec` for each encoding with 1 and all threads, fast (int8 activations) and
 exact (float32) paths, and `matmul` with n=64, on matrices larger than the last-level cache.
 Prints a table with each result as a fraction of the read bandwidth at the same thread count
-and writes bench/out/kernels.json. Every number is the median of --repeat runs.
+(what bounds a matvec) and in multiply-adds per second (what bounds a matmul), and writes
+bench/out/kernels.json. Every number is the median of --repeat runs.
 
     python bench/kernels.py [--mb 1024] [--repeat 7] [--encodings Q4_K Q6_K Q8_0 BF16]
 """
@@ -86,7 +87,7 @@ def main() -> None:
           ", ".join(f"{bandwidth[f'read_{n}t_gbs']:.1f} GB/s ({n} thread{'s' * (n > 1)})" for n in thread_counts))
 
     results = []
-    print(f"\n{'op':<10}{'encoding':<9}{'path':<7}{'threads':>8}{'GB/s':>8}{'of read bw':>12}")
+    print(f"\n{'op':<10}{'encoding':<9}{'path':<7}{'threads':>8}{'GB/s':>8}{'of read bw':>12}{'GMAC/s':>9}")
     for encoding in args.encodings:
         paths = ("fast", "exact") if encoding in kernels.FAST_ENCODINGS else ("exact",)
         for op, mb in (("matvec", args.mb), (f"matmul{MATMUL_N}", max(16, args.mb // 16))):
@@ -105,10 +106,11 @@ def main() -> None:
                     seconds = median_seconds(run, args.repeat if op == "matvec" else max(3, args.repeat // 2))
                     gbs = w.nbytes / seconds / 1e9
                     fraction = gbs / bandwidth[f"read_{n}t_gbs"]
+                    gmacs = rows * COLS * x.shape[0] / seconds / 1e9  # multiply-adds: what bounds a matmul
                     results.append({"op": op, "encoding": encoding, "path": path, "threads": n, "rows": rows,
                                     "cols": COLS, "matrix_mb": w.nbytes / 2**20, "seconds": seconds,
-                                    "gbs": gbs, "fraction_of_read_bw": fraction})
-                    print(f"{op:<10}{encoding:<9}{path:<7}{n:>8}{gbs:>8.2f}{fraction:>11.0%}", flush=True)
+                                    "gbs": gbs, "fraction_of_read_bw": fraction, "gmac_per_s": gmacs})
+                    print(f"{op:<10}{encoding:<9}{path:<7}{n:>8}{gbs:>8.2f}{fraction:>11.0%}{gmacs:>9.1f}", flush=True)
             del w
 
     out = {
