@@ -25,6 +25,7 @@ from runtime.memory import current_rss, format_size, parse_size, peak_rss, total
 from runtime.model import Decoder
 
 SCRATCH_BYTES = 64 << 20  # activations and attention scores of one step, generously
+PREFILL_CHUNK = 512  # prompt tokens per forward pass (llama.cpp's ubatch): bounds a prompt's activations
 
 
 def scratch_bytes(layout: ModelLayout) -> int:
@@ -103,9 +104,12 @@ class Model:
     def prefill(self, token_ids, all_logits: bool = True) -> np.ndarray:
         """Logits [len(token_ids), vocab], or [1, vocab] for the last position only (the output
         matrix is the largest one: generating needs just that row); the tokens are appended to
-        the KV cache."""
+        the KV cache, PREFILL_CHUNK at a time."""
         started = time.perf_counter()
-        logits = self.decoder.forward(list(token_ids), self.cache, all_logits)
+        ids = list(token_ids)
+        chunks = [self.decoder.forward(ids[i:i + PREFILL_CHUNK], self.cache, all_logits)
+                  for i in range(0, len(ids), PREFILL_CHUNK)]
+        logits = np.concatenate(chunks) if all_logits else chunks[-1]
         self.timings["prompt_tokens"] += len(token_ids)
         self.timings["prompt_seconds"] += time.perf_counter() - started
         return logits

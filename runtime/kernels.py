@@ -1016,7 +1016,8 @@ def _attention_loops(q, keys, values, start, scale, out, nthreads):
 _attention_serial = njit(cache=True, nogil=True, fastmath=True)(_attention_loops)
 _attention_parallel = njit(cache=True, nogil=True, parallel=True, fastmath=True)(_attention_loops)
 PARALLEL_ATTENTION_WORK = 1 << 20  # multiply-adds from which attention runs on all threads
-PROMPT_ATTENTION_QUERIES = 32  # queries from which attention converts the cache once (a prompt)
+PROMPT_ATTENTION_QUERIES = 32  # queries from which attention converts the cache once (a prompt) ...
+PROMPT_ATTENTION_BYTES = 32 << 20  # ... when the float32 copy of the cache takes at most this
 QUERY_BLOCK = 16  # queries of one head whose scores a thread computes together
 
 
@@ -1204,7 +1205,8 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
         raise ValueError(f"keys {keys.shape} / values {values.shape} do not fit queries {q.shape} at position {start}")
     out = np.empty((n, heads, values.shape[2]), np.float32)
     work = n * heads * (start + n) * (width + values.shape[2])
-    if n >= PROMPT_ATTENTION_QUERIES:
+    copy_bytes = 4 * (start + n) * (keys.shape[1] * width + values.shape[1] * values.shape[2])
+    if n >= PROMPT_ATTENTION_QUERIES and copy_bytes <= PROMPT_ATTENTION_BYTES:
         _prompt_attention(q, keys, values, start, F32(scale), out, numba.get_num_threads())
     elif work >= PARALLEL_ATTENTION_WORK:
         _attention_parallel(q, keys, values, start, F32(scale), out, numba.get_num_threads())

@@ -127,3 +127,19 @@ def test_prefill_of_the_last_position_only_gives_its_row(model):
     m.reset()
     last = m.prefill(ids, all_logits=False)
     assert last.shape == (1, every.shape[1]) and np.array_equal(last[0], every[-1])
+
+
+def test_a_prompt_longer_than_a_chunk_gives_the_logits_of_one_pass(model, monkeypatch):
+    from runtime import engine, open_model
+
+    m = open_model(model, ctx=64, ram_budget="2G")
+    ids = list(range(3, 40))
+    whole = m.prefill(ids)
+    monkeypatch.setattr(engine, "PREFILL_CHUNK", 8)  # 4 chunks of 8 and one of 5
+    m.reset()
+    chunked = m.prefill(ids)
+    m.reset()
+    last = m.prefill(ids, all_logits=False)
+    assert chunked.shape == whole.shape and m.cache.length == len(ids)
+    assert np.abs(chunked - whole).max() <= 1e-4 * whole.std()
+    assert np.array_equal(last[0], chunked[-1])

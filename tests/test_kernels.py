@@ -212,9 +212,12 @@ def reference_attention(q, keys, values, start):
 
 
 @pytest.mark.parametrize("stored", [np.float32, np.float16])
-# (300, 8) runs threaded; (0, 40) and (7, 300) are matrix products, the last in two query chunks
+# (300, 8) runs threaded; (0, 40) and (7, 300) take the prompt attention unless its copy of the cache is too large
 @pytest.mark.parametrize("start, n", [(0, 1), (0, 7), (9, 1), (5, 4), (300, 8), (0, 40), (7, 300)])
-def test_attention_matches_float64_with_grouped_heads_and_a_causal_mask(stored, start, n):
+@pytest.mark.parametrize("prompt_copy", ["fits", "too large"])
+def test_attention_matches_float64_with_grouped_heads_and_a_causal_mask(stored, start, n, prompt_copy, monkeypatch):
+    if prompt_copy == "too large":  # a prompt whose float32 copy of the cache would not fit: attention in place
+        monkeypatch.setattr(kernels, "PROMPT_ATTENTION_BYTES", 0)
     rng = np.random.default_rng(start * 10 + n)
     heads, kv_heads, width, v_width = 8, 2, 64, 48
     q = rng.standard_normal((n, heads, width)).astype(np.float32)
