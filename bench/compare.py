@@ -1,0 +1,104 @@
+"""Benchmark: in-RAM prompt and decode tok/s of two or more checkouts, interleaved.
+
+On a shared machine the speed of the same code moves by 20-40% within an hour, so a change is
+measured against its parent in alternation: each round runs every checkout once (a fresh
+process, warm-up pass, then `--passes` timed passes over the same prompt), and the table
+gives each checkout's medians and their ratio to the first, and whether the greedy tokens
+agree with the first's (they need not when a change alters the arithmetic on purpose).
+
+    git worktree add /tmp/before HEAD~3
+    python bench/compare.py /tmp/before . [--model DIR] [--prompt-tokens 512] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.decode import reference_model  # noqa: E402
+
+# Runs inside a checkout (its own `runtime`): prints one JSON line.
+MEASURE = """
+import json, sys, time
+import numpy as np
+from formats.layout import ModelLayout
+from runtime import open_model
+from runtime.plan import cache_bytes_for_all
+model, prompt_tokens, tokens, passes, threads = sys.argv[1], *map(int, sys.argv[2:6])
+m = open_model(model, threads=threads, ctx=prompt_tokens + tokens + 1,
+               expert_cache=cache_bytes_for_all(ModelLayout(model)))
+ids = [int(t) for t in np.random.default_rng(0).integers(100, 30000, prompt_tokens)]
+
+def one_pass():
+    m.reset()
+    started = time.perf_counter()
+    logits = m.prefill(ids, all_logits=False)[-1]
+    prompt = prompt_tokens / (time.perf_counter() - started)
+    generated = [int(np.argmax(logits))]
+    started = time.perf_counter()
+    for _ in range(tokens):
+        generated.append(int(np.argmax(m.decode(generated[-1]))))
+    return prompt, tokens / (time.perf_counter() - started), generated
+
+one_pass()  # compile, and read every expert the passes use
+runs = [one_pass() for _ in range(passes)]
+print(json.dumps({"prompt": [r[0] for r in runs], "decode": [r[1] for r in runs], "tokens": runs[0][2]}))
+"""
+
+
+def measure(checkout: Path, args) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    command = [sys.executable, "-c", MEASURE, str(args.model), str(args.prompt_tokens), str(args.tokens),
+               str(args.passes), str(args.threads)]
+    done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"{checkout}: the measurement failed:\n{done.stderr.strip()}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkouts", nargs="+", type=Path, help="source trees to compare; the first is the baseline")
+    parser.add_argument("--model", type=Path, default=ROOT / "bench" / "out" / "mixtral-ref-q4km")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=48, help="decoded tokens per pass")
+    parser.add_argument("--passes", type=int, default=2, help="timed passes per process")
+    parser.add_argument("--rounds", type=int, default=3, help="processes per checkout, interleaved")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+    args.model = reference_model(args.model)
+
+    results = {checkout: {"prompt": [], "decode": [], "tokens": None} for checkout in args.checkouts}
+    for round_ in range(args.rounds):
+        for checkout in args.checkouts:
+            run = measure(checkout.resolve(), args)
+            r = results[checkout]
+            r["prompt"] += run["prompt"]
+            r["decode"] += run["decode"]
+            r["tokens"] = r["tokens"] or run["tokens"]
+            print(f"round {round_ + 1}: {checkout}: prompt {', '.join(f'{v:.1f}' for v in run['prompt'])}, "
+                  f"decode {', '.join(f'{v:.1f}' for v in run['decode'])} tok/s", flush=True)
+
+    base = results[args.checkouts[0]]
+    print(f"\n{args.prompt_tokens}-token prompt, {args.tokens} decoded, in RAM, {args.threads} threads; medians of "
+          f"{args.rounds} x {args.passes} passes")
+    print(f"{'checkout':<40}{'prompt tok/s':>14}{'ratio':>8}{'decode tok/s':>14}{'ratio':>8}  same tokens")
+    for checkout, r in results.items():
+        prompt, decode = statistics.median(r["prompt"]), statistics.median(r["decode"])
+        print(f"{str(checkout):<40}{prompt:>14.1f}{prompt / statistics.median(base['prompt']):>7.2f}x"
+              f"{decode:>14.1f}{decode / statistics.median(base['decode']):>7.2f}x  {r['tokens'] == base['tokens']}")
+    out = ROOT / "bench" / "out" / "compare.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({str(k): v for k, v in results.items()}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
