@@ -1044,7 +1044,7 @@ def _prompt_attention(q, keys, values, start, scale, out, nthreads):
     for t in prange(nthreads):
         lo, hi = _share(blocks * heads, nthreads, t, 1)
         scores = np.empty((QUERY_BLOCK, end), np.float32)
-        sums = np.empty((QUERY_BLOCK, v_width), np.float32)
+        outputs = np.empty((QUERY_BLOCK, v_width), np.float32)
         for work in range(lo, hi):
             first, h = work // heads * QUERY_BLOCK, work % heads
             kv, count = h // group, min(QUERY_BLOCK, n - first)
@@ -1065,15 +1065,15 @@ def _prompt_attention(q, keys, values, start, scale, out, nthreads):
                     row[pos] = _exp_nonpositive(row[pos] - best)
                     total += row[pos]
                 row *= F32(1.0) / total
-            sums[:count] = 0.0
+            outputs[:count] = 0.0
             for pos in range(seen + count):
                 value = values_f[kv, pos]
                 for i in range(max(0, pos - seen), count):
-                    weight, result = scores[i, pos], sums[i]
+                    weight, result = scores[i, pos], outputs[i]
                     for d in range(v_width):
                         result[d] += weight * value[d]
             for i in range(count):
-                out[first + i, h, :] = sums[i]
+                out[first + i, h, :] = outputs[i]
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -1135,6 +1135,7 @@ def _activation(x: np.ndarray, dot_type: str | None):
 
 
 def _first_row(act):
+    """Activation 0 of a batch, as a single activation (a vector, or vectors)."""
     return act[0] if isinstance(act, np.ndarray) else type(act)(*(a[0] for a in act))
 
 
