@@ -1134,9 +1134,9 @@ def _activation(x: np.ndarray, dot_type: str | None):
     return x if dot_type is None else _quantize_all(_empty_activation(*x.shape, dot_type), x)
 
 
-def _first_row(act):
-    """Activation 0 of a batch, as a single activation (a vector, or vectors)."""
-    return act[0] if isinstance(act, np.ndarray) else type(act)(*(a[0] for a in act))
+def _take(act, index):
+    """Rows `index` of a batch of activations (an int: one activation, its vector or vectors)."""
+    return act[index] if isinstance(act, np.ndarray) else type(act)(*(a[index] for a in act))
 
 
 class Matrix:
@@ -1264,15 +1264,14 @@ class ExpertKernel:
     @staticmethod
     def rows_of(acts: dict, rows: np.ndarray) -> dict:
         """The activations of tokens `rows` (an index array) of `activations`' result."""
-        return {dot_type: act[rows] if isinstance(act, np.ndarray) else type(act)(*(a[rows] for a in act))
-                for dot_type, act in acts.items()}
+        return {dot_type: _take(act, rows) for dot_type, act in acts.items()}
 
     def __call__(self, records: np.ndarray, slots: np.ndarray, x: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """records uint8 [m, >= record_bytes] (C-contiguous, e.g. a cache slab used in place),
         slots int64 [k] (the experts' rows), x float32 [hidden], weights float32 [k] -> float32 [hidden]."""
         k, ffn = slots.shape[0], self.ffn
         acts = self.activations(x.reshape(1, self.hidden))
-        gate_act, up_act = (_first_row(acts[dot_type]) for dot_type in self.dot_types[:2])
+        gate_act, up_act = (_take(acts[dot_type], 0) for dot_type in self.dot_types[:2])
         h = np.empty((k, ffn), np.float32)
         h_act = h if self.dot_types[2] is None else _empty_activation(k, ffn, self.dot_types[2])
         out = np.empty(self.hidden, np.float32)
