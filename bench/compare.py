@@ -4,7 +4,8 @@ On a shared machine the speed of the same code moves by 20-40% within an hour, s
 measured against its parent in alternation: each round runs every checkout once (a fresh
 process, warm-up pass, then `--passes` timed passes over the same prompt), and the table
 gives each checkout's medians and their ratio to the first, and whether the greedy tokens
-agree with the first's (they need not when a change alters the arithmetic on purpose).
+agree with the first's (they need not when a change alters the arithmetic on purpose). The
+passes are this tree's `bench/decode.py` `run`, so a checkout needs the runtime API it uses.
 
     git worktree add /tmp/before HEAD~3
     python bench/compare.py /tmp/before . [--model DIR] [--prompt-tokens 512] [--rounds 3]
@@ -25,39 +26,30 @@ sys.path.insert(0, str(ROOT))
 
 from bench.decode import reference_model  # noqa: E402
 
-# Runs inside a checkout (its own `runtime`): prints one JSON line.
+# Runs inside a checkout (its own `runtime`, on PYTHONPATH), timing with this tree's
+# bench/decode.py `run`, and prints one JSON line.
 MEASURE = """
-import json, sys, time
-import numpy as np
+import importlib.util, json, sys
 from formats.layout import ModelLayout
 from runtime import open_model
-from runtime.plan import cache_bytes_for_all
-model, prompt_tokens, tokens, passes, threads = sys.argv[1], *map(int, sys.argv[2:6])
+from runtime.expert_store import cache_bytes_for_all
+decode_bench, model, prompt_tokens, tokens, passes, threads = *sys.argv[1:3], *map(int, sys.argv[3:7])
+spec = importlib.util.spec_from_file_location("decode_bench", decode_bench)
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
 m = open_model(model, threads=threads, ctx=prompt_tokens + tokens + 1,
                expert_cache=cache_bytes_for_all(ModelLayout(model)))
-ids = [int(t) for t in np.random.default_rng(0).integers(100, 30000, prompt_tokens)]
-
-def one_pass():
-    m.reset()
-    started = time.perf_counter()
-    logits = m.prefill(ids, all_logits=False)[-1]
-    prompt = prompt_tokens / (time.perf_counter() - started)
-    generated = [int(np.argmax(logits))]
-    started = time.perf_counter()
-    for _ in range(tokens):
-        generated.append(int(np.argmax(m.decode(generated[-1]))))
-    return prompt, tokens / (time.perf_counter() - started), generated
-
-one_pass()  # compile, and read every expert the passes use
-runs = [one_pass() for _ in range(passes)]
-print(json.dumps({"prompt": [r[0] for r in runs], "decode": [r[1] for r in runs], "tokens": runs[0][2]}))
+bench.run(m, prompt_tokens, tokens)  # compile, and read every expert the passes use
+runs = [bench.run(m, prompt_tokens, tokens) for _ in range(passes)]
+print(json.dumps({"prompt": [r["prompt_tok_per_s"] for r in runs], "decode": [r["decode_tok_per_s"] for r in runs],
+                  "tokens": runs[0]["tokens"]}))
 """
 
 
 def measure(checkout: Path, args) -> dict:
     env = dict(os.environ, PYTHONPATH=str(checkout))
-    command = [sys.executable, "-c", MEASURE, str(args.model), str(args.prompt_tokens), str(args.tokens),
-               str(args.passes), str(args.threads)]
+    command = [sys.executable, "-c", MEASURE, str(ROOT / "bench" / "decode.py"), str(args.model),
+               str(args.prompt_tokens), str(args.tokens), str(args.passes), str(args.threads)]
     done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"{checkout}: the measurement failed:\n{done.stderr.strip()}")
