@@ -16,7 +16,6 @@ lengths). Nothing is ever dropped from the page cache: a page we evict may be ne
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 import time
@@ -26,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from formats.layout import EXPERT_ALIGN, ModelLayout, align_up
+from runtime.memory import huge_page_buffer
 
 Key = tuple[int, int]  # (layer, expert)
 READ_THREADS = 4  # a layer's misses in flight at once: an NVMe needs a queue to reach its bandwidth
@@ -314,10 +314,7 @@ class ExpertStore:
 
 def _page_aligned(shape: tuple[int, int]) -> np.ndarray:
     """A zero-filled uint8 array on fresh pages (O_DIRECT needs aligned buffers)."""
-    nbytes = shape[0] * shape[1]
-    if not nbytes:
-        return np.empty(shape, dtype=np.uint8)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8).reshape(shape)
+    return huge_page_buffer(shape[0] * shape[1]).reshape(shape)
 
 
 def _open_expert_file(layout: ModelLayout, file: str, direct_io: bool) -> int:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import resource
+
+import numpy as np
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -38,3 +41,13 @@ def peak_rss() -> int:
 
 def total_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def huge_page_buffer(nbytes: int) -> np.ndarray:
+    """A zero-filled uint8 [nbytes] on fresh private pages, page-aligned (O_DIRECT reads into
+    it), for which the kernel is asked to use 2 MB pages: weights streamed through 4 KB pages
+    cost a TLB miss per page (measured: 11 -> 14 GB/s for 2.4 MB matrices read cold)."""
+    memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(memory, np.uint8, nbytes)

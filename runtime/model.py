@@ -15,15 +15,17 @@ import gguf
 import numpy as np
 
 from formats.encodings import FLOAT_DTYPES
-from formats.layout import ModelLayout
+from formats.layout import ModelLayout, align_up
 from formats.model_config import ModelConfig
 from runtime import kernels
 from runtime.expert_store import ExpertStore
 from runtime.kv_cache import KVCache
+from runtime.memory import huge_page_buffer
 from runtime.rope import Rope, _yarn_mscale
 
 
 rms_norm = kernels.rms_norm
+CACHE_LINE = 64  # resident tensors start on a cache line
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -36,17 +38,20 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 class Weights:
-    """Resident tensors read from the layout into RAM (`pread`, not mmap: the RSS is ours)."""
+    """Resident tensors read from the layout into RAM (`pread`, not mmap: the RSS is ours),
+    back to back in one buffer on huge pages."""
 
     def __init__(self, layout: ModelLayout):
         self.layout = layout
         self.raw: dict[str, np.ndarray] = {}
+        starts = np.cumsum([0] + [align_up(info.nbytes, CACHE_LINE) for info in layout.tensors.values()])
+        memory = huge_page_buffer(int(starts[-1]))
         fds: dict[str, int] = {}
         try:
-            for name, info in layout.tensors.items():
+            for (name, info), start in zip(layout.tensors.items(), starts):
                 if info.file not in fds:
                     fds[info.file] = os.open(layout.check_size(info.file), os.O_RDONLY)
-                buffer = np.empty(info.nbytes, dtype=np.uint8)
+                buffer = memory[start:start + info.nbytes]
                 if os.preadv(fds[info.file], [buffer], info.offset) != info.nbytes:
                     raise OSError(f"{layout.path(info.file)}: short read of {name}")
                 self.raw[name] = buffer
