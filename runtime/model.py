@@ -209,24 +209,9 @@ class Router:
     def __call__(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(expert ids [n, k], weights [n, k])."""
         c = self.c
-        logits = self.gate(h)
-        scores = softmax(logits) if c.router == "softmax" else np.float32(1) / (np.float32(1) + np.exp(-logits))
-        choice = scores + self.bias if self.bias is not None else scores
-        if c.router_groups > 1:
-            grouped = choice.reshape(h.shape[0], c.router_groups, -1)
-            if c.router_group_score == "top2_sum":
-                group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
-            else:
-                group_scores = grouped.max(-1)
-            keep = np.argsort(-group_scores, axis=-1, kind="stable")[:, : c.router_topk_groups]
-            mask = np.full(group_scores.shape, True)
-            np.put_along_axis(mask, keep, False, axis=-1)
-            choice = np.where(np.repeat(mask, grouped.shape[-1], axis=-1), -np.inf, choice)
-        ids = np.argsort(-choice, axis=-1, kind="stable")[:, : c.n_experts_used]
-        weights = np.take_along_axis(scores, ids, axis=-1)
-        if c.router_norm_topk:
-            weights = weights / (weights.sum(-1, keepdims=True) + (np.float32(1e-20) if c.router == "sigmoid" else 0))
-        return ids, (weights * np.float32(c.routed_scaling_factor)).astype(np.float32)
+        return kernels.route(self.gate(h), self.bias, c.n_experts_used, c.router == "sigmoid", c.router_groups,
+                             c.router_topk_groups, c.router_group_score == "top2_sum", c.router_norm_topk,
+                             c.routed_scaling_factor)
 
 
 class MoE:

@@ -250,3 +250,44 @@ def test_per_head_products_use_each_heads_rows(exact):
     want = np.stack([reference[first + (g % heads) * stride:][:rows] @ x[g] for g in range(2 * heads)])
     assert got.shape == (2 * heads, rows)
     assert relative_error(got, want) <= (EXACT_TOLERANCE if exact else kernels.FAST_PATH_TOLERANCE)
+
+
+def reference_route(logits, bias, k, sigmoid, groups, topk_groups, top2_sum, norm, scale):
+    """Routing written with numpy sorts (transformers' formulation)."""
+    scores = 1 / (1 + np.exp(-logits)) if sigmoid else np.exp(logits - logits.max(-1, keepdims=True))
+    scores = scores if sigmoid else scores / scores.sum(-1, keepdims=True)
+    choice = scores + (bias if bias is not None else 0)
+    if groups > 1:
+        grouped = choice.reshape(len(logits), groups, -1)
+        group_scores = np.sort(grouped, -1)[..., -2:].sum(-1) if top2_sum else grouped.max(-1)
+        keep = np.argsort(-group_scores, -1, kind="stable")[:, :topk_groups]
+        dropped = np.ones(group_scores.shape, bool)
+        np.put_along_axis(dropped, keep, False, -1)
+        choice = np.where(np.repeat(dropped, grouped.shape[-1], -1), -np.inf, choice)
+    ids = np.argsort(-choice, -1, kind="stable")[:, :k]
+    weights = np.take_along_axis(scores, ids, -1)
+    if norm:
+        weights = weights / (weights.sum(-1, keepdims=True) + (1e-20 if sigmoid else 0))
+    return ids, weights * scale
+
+
+# (k, sigmoid, bias, groups, topk_groups, top2_sum, norm, scale): Mixtral, Qwen3-MoE, DeepSeek-V3, DeepSeek-V2
+ROUTERS = [(2, False, False, 1, 1, True, True, 1.0), (8, False, False, 1, 1, True, False, 1.0),
+           (8, True, True, 8, 4, True, True, 2.5), (6, False, False, 8, 3, False, False, 16.0)]
+
+
+@pytest.mark.parametrize("k, sigmoid, biased, groups, topk_groups, top2_sum, norm, scale", ROUTERS,
+                         ids=["mixtral", "qwen3", "deepseek-v3", "deepseek-v2"])
+def test_route_matches_a_numpy_formulation(k, sigmoid, biased, groups, topk_groups, top2_sum, norm, scale):
+    rng = np.random.default_rng(8)
+    logits = rng.standard_normal((50, 64)).astype(np.float32)
+    logits[0, 10] = logits[0, 20] = 9.0  # a tie: the lower id goes first
+    bias = rng.standard_normal(64).astype(np.float32) * 0.1 if biased else None
+    ids, weights = kernels.route(logits, bias, k, sigmoid, groups, topk_groups, top2_sum, norm, scale)
+    want_ids, want_weights = reference_route(logits.astype(np.float64), bias, k, sigmoid, groups, topk_groups,
+                                             top2_sum, norm, scale)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(weights, want_weights, rtol=1e-5)
+    assert weights.dtype == np.float32
+    if groups == 1:
+        assert ids[0, :2].tolist() == [10, 20]
