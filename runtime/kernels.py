@@ -1263,10 +1263,15 @@ class Matrix:
         self.tag = BLOCK_TAGS[encoding]
         self.dot_type = _dot_type(encoding, exact)
 
-    def activation(self, x: np.ndarray):
-        """x float32 [n, cols] as this matrix's kernel takes it; share it between matrices of
-        the same `dot_type` that multiply the same x."""
-        return _activation(_float_rows(x, self.cols), self.dot_type)
+    def activation(self, x: np.ndarray, tiles: bool = True):
+        """x float32 [n, cols] as this matrix's kernel takes it (on AMX tiles for a prompt,
+        unless not `tiles`); share it between matrices of the same `dot_type` that multiply
+        the same x."""
+        return _activation(_float_rows(x, self.cols), self.dot_type, tiles)
+
+    def empty_activation(self, n: int):
+        """An unfilled int8 activation of n rows for this matrix's kernels (fast path only)."""
+        return _empty_activation(n, self.cols, self.dot_type)
 
     def times(self, act, n: int) -> np.ndarray:
         """The product with an activation from `activation` of n rows -> float32 [n, rows]."""
@@ -1283,7 +1288,7 @@ class Matrix:
         if first + (heads - 1) * stride + rows > self.rows or x.shape[0] % heads:
             raise ValueError(f"{heads} heads of {rows} rows every {stride} from {first} do not fit {self.rows} rows")
         out = np.empty((x.shape[0], rows), np.float32)
-        act = _activation(_float_rows(x, self.cols), self.dot_type, tiles=False)
+        act = self.activation(x, tiles=False)
         _per_head_kernel(self.tag, self.data, self.cols, self.row_nbytes, act, heads, stride, first, out,
                          numba.get_num_threads())
         return out
@@ -1318,7 +1323,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     if keys.shape[0] != start + n or values.shape[0] != start + n or keys.shape[2] != width or heads % keys.shape[1]:
         raise ValueError(f"keys {keys.shape} / values {values.shape} do not fit queries {q.shape} at position {start}")
     out = np.empty((n, heads, values.shape[2]), np.float32)
-    work = n * heads * (start + n) * (width + values.shape[2])
+    work = attention_work(n, heads, start + n, width, values.shape[2])
     copy_bytes = 4 * (start + n) * (keys.shape[1] * width + values.shape[1] * values.shape[2])
     if n >= PROMPT_ATTENTION_QUERIES and copy_bytes <= PROMPT_ATTENTION_BYTES:
         _prompt_attention(q, keys, values, start, F32(scale), out, numba.get_num_threads())
@@ -1327,6 +1332,12 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     else:
         _attention_serial(q, keys, values, start, F32(scale), out, 1)
     return out
+
+
+def attention_work(n: int, heads: int, end: int, width: int, v_width: int) -> int:
+    """Multiply-adds of n queries' attention over `end` positions (compared with
+    PARALLEL_ATTENTION_WORK)."""
+    return n * heads * end * (width + v_width)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

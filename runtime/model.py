@@ -17,7 +17,7 @@ import numpy as np
 from formats.encodings import FLOAT_DTYPES
 from formats.layout import ModelLayout, align_up
 from formats.model_config import ModelConfig
-from runtime import kernels
+from runtime import fused, kernels
 from runtime.expert_store import ExpertStore
 from runtime.kv_cache import KVCache
 from runtime.memory import huge_page_buffer
@@ -94,6 +94,20 @@ class Attention:
 
     def __call__(self, h: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
         c, n = self.c, h.shape[0]
+        start = int(positions[0])
+        q, k, v = self.rotated_qkv(h, positions)
+        cache.write(self.layer, "k", start, k.reshape(n, -1))
+        cache.write(self.layer, "v", start, v)
+        end = start + n
+        keys = cache.stored(self.layer, "k", end).reshape(end, c.n_kv_heads, c.head_dim)
+        values = cache.stored(self.layer, "v", end).reshape(end, c.n_kv_heads, c.v_head_dim)
+        out = kernels.attention(q, keys, values, start, self.scale)
+        return self.o(out.reshape(n, c.n_heads * c.v_head_dim))
+
+    def rotated_qkv(self, h: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """q [n, heads, width], k [n, kv heads, width] and v [n, kv heads * v width] of h with
+        their bias, norms, clip and rotation."""
+        c, n = self.c, h.shape[0]
         q, k, v = self.project(h)
         if self.bias:
             q, k, v = q + self.bias[0], k + self.bias[1], v + self.bias[2]
@@ -105,15 +119,7 @@ class Attention:
         k = k.reshape(n, c.n_kv_heads, c.head_dim)
         if c.qk_norm == "head":
             q, k = rms_norm(q, self.q_norm, c.norm_eps), rms_norm(k, self.k_norm, c.norm_eps)
-        q, k = self.rope.apply(q, positions), self.rope.apply(k, positions)
-        start = int(positions[0])
-        cache.write(self.layer, "k", start, k.reshape(n, -1))
-        cache.write(self.layer, "v", start, v)
-        end = start + n
-        keys = cache.stored(self.layer, "k", end).reshape(end, c.n_kv_heads, c.head_dim)
-        values = cache.stored(self.layer, "v", end).reshape(end, c.n_kv_heads, c.v_head_dim)
-        out = kernels.attention(q, keys, values, start, self.scale)
-        return self.o(out.reshape(n, c.n_heads * c.v_head_dim))
+        return self.rope.apply(q, positions), self.rope.apply(k, positions), v
 
     def project(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """q, k, v of h; the activation is quantized once for the matrices that share a path."""
@@ -228,7 +234,10 @@ class MoE:
         self.lookahead: tuple[MoE, np.ndarray] | None = None
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
-        ids, weights = self.router(h)
+        return self.apply(h, *self.router(h))
+
+    def apply(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """The experts `ids` [n, k] chose for h [n, hidden], mixed with `weights` [n, k]."""
         self.last_route = ids, weights
         slab = self.store.slab
         if h.shape[0] == 1:
@@ -287,6 +296,10 @@ class Decoder:
             # llama.cpp names GLM-4.5's pre-FFN norm `post_attention_norm`; every other architecture's is `ffn_norm`
             ffn_norm = f"blk.{i}.ffn_norm.weight" if w.has(f"blk.{i}.ffn_norm.weight") else f"blk.{i}.post_attention_norm.weight"
             self.layers.append((w.vector(f"blk.{i}.attn_norm.weight"), attention, w.vector(ffn_norm), ffn))
+        # a decoded token's attention + routing in two numba calls where the layer allows
+        self.decode_layers = [fused.DecodeLayer(attention, attn_norm, ffn_norm, ffn)
+                              if fused.DecodeLayer.supports(attention, ffn) else None
+                              for attn_norm, attention, ffn_norm, ffn in self.layers]
         moe = [(ffn, ffn_norm) for _, _, ffn_norm, ffn in self.layers if isinstance(ffn, MoE)]
         for (this, this_norm), (following, following_norm) in zip(moe, moe[1:]):
             ratio = np.divide(following_norm, this_norm, out=np.zeros_like(this_norm), where=this_norm != 0)
@@ -316,8 +329,12 @@ class Decoder:
         positions = np.arange(start, start + len(tokens))
         x = np.concatenate([self.embed.rows_f32(int(t), 1) for t in tokens])
         for layer, (attn_norm, attention, ffn_norm, ffn) in enumerate(self.layers):
-            x = x + attention(rms_norm(x, attn_norm, c.norm_eps), positions, cache)
-            x = x + ffn(rms_norm(x, ffn_norm, c.norm_eps))
+            step = self.decode_layers[layer] if len(tokens) == 1 else None
+            if step is not None:
+                x = x + ffn.apply(*step(x, start, cache))  # step adds the attention output to x
+            else:
+                x = x + attention(rms_norm(x, attn_norm, c.norm_eps), positions, cache)
+                x = x + ffn(rms_norm(x, ffn_norm, c.norm_eps))
             if self.route_log is not None and isinstance(ffn, MoE):
                 self.route_log(layer, positions, *ffn.last_route)
         cache.length = start + len(tokens)
