@@ -2,8 +2,9 @@
 
 Measures the machine's memory bandwidth (a numpy copy, read + written bytes; a numpy sum; and
 a numba read-only reduction with 1 and with all threads, the ceiling a streaming kernel can
-reach), then `matvec` for each encoding with 1 and all threads, fast (int8 activations) and
-exact (float32) paths, and `matmul` with n=64, on matrices larger than the last-level cache.
+reach), then `matvec` for each encoding with 1 and all threads, int8 (the fast path's int8
+activations) and exact (float32) paths, and `matmul` with n=64 on those and, where the CPU has
+AMX, on the tiles (bfloat16), on matrices larger than the last-level cache.
 Prints a table with each result as a fraction of the read bandwidth at the same thread count
 (what bounds a matvec) and in multiply-adds per second (what bounds a matmul), and writes
 bench/out/kernels.json. Every number is the median of --repeat runs.
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from convert.quantize_q4k import quantize  # noqa: E402
 from formats.encodings import row_bytes  # noqa: E402
-from runtime import kernels  # noqa: E402
+from runtime import amx, kernels  # noqa: E402
 
 COLS = 4096
 MATMUL_N = 64
@@ -89,20 +90,21 @@ def main() -> None:
     results = []
     print(f"\n{'op':<10}{'encoding':<9}{'path':<7}{'threads':>8}{'GB/s':>8}{'of read bw':>12}{'GMAC/s':>9}")
     for encoding in args.encodings:
-        paths = ("fast", "exact") if encoding in kernels.FAST_ENCODINGS else ("exact",)
+        quantized = encoding in kernels.FAST_ENCODINGS
         for op, mb in (("matvec", args.mb), (f"matmul{MATMUL_N}", max(16, args.mb // 16))):
+            paths = ("int8", "exact") if quantized else ("exact",)
+            if quantized and op != "matvec" and amx.available():
+                paths = ("int8", "tiles", "exact")
             rows = (mb << 20) // row_bytes(encoding, COLS)
             w = weight_bytes(encoding, rows, COLS)
             x = np.random.default_rng(1).standard_normal((MATMUL_N if op != "matvec" else 1, COLS)).astype(np.float32)
             for path in paths:
+                matrix = kernels.Matrix(w, encoding, rows, COLS, exact=path == "exact")
                 for n in thread_counts:
                     kernels.set_threads(n)
-                    if op == "matvec":
-                        def run():
-                            kernels.matvec(w, encoding, rows, COLS, x[0], exact=path == "exact")
-                    else:
-                        def run():
-                            kernels.matmul(w, encoding, rows, COLS, x, exact=path == "exact")
+
+                    def run():
+                        matrix.times(matrix.activation(x, tiles=path == "tiles"), x.shape[0])
                     seconds = median_seconds(run, args.repeat if op == "matvec" else max(3, args.repeat // 2))
                     gbs = w.nbytes / seconds / 1e9
                     fraction = gbs / bandwidth[f"read_{n}t_gbs"]
