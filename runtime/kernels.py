@@ -1017,30 +1017,45 @@ def _as_f32_overload(v):
 
 
 def _attention_loops(q, keys, values, start, scale, out, nthreads):
+    """Each thread takes (query, kv head) pairs and does the query heads that share the kv
+    head together: each cached key and value is converted to float32 once for all of them."""
     n, heads, width = q.shape
-    group = heads // keys.shape[1]
+    kv_heads, v_width = keys.shape[1], values.shape[2]
+    group = heads // kv_heads
     for t in prange(nthreads):
-        first, stop = _share(n * heads, nthreads, t, 1)
-        scores = np.empty(start + n, np.float32)
+        first, stop = _share(n * kv_heads, nthreads, t, 1)
+        scores = np.empty((group, start + n), np.float32)
+        key, value = np.empty(width, np.float32), np.empty(v_width, np.float32)
         for work in range(first, stop):
-            i, h = work // heads, work % heads
-            kv, end = h // group, start + i + 1  # causal: query i sees positions 0..start+i
-            best = F32(-3.0e38)
+            i, kv = work // kv_heads, work % kv_heads
+            end, h0 = start + i + 1, kv * group  # causal: query i sees positions 0..start+i
             for pos in range(end):
-                score = F32(0.0)
                 for d in range(width):
-                    score += q[i, h, d] * _as_f32(keys[pos, kv, d])
-                scores[pos] = score * scale
-                best = max(best, scores[pos])
-            total = F32(0.0)
+                    key[d] = _as_f32(keys[pos, kv, d])
+                for g in range(group):
+                    score = F32(0.0)
+                    for d in range(width):
+                        score += q[i, h0 + g, d] * key[d]
+                    scores[g, pos] = score * scale
+            for g in range(group):
+                best = F32(-3.0e38)
+                for pos in range(end):
+                    best = max(best, scores[g, pos])
+                total = F32(0.0)
+                for pos in range(end):
+                    scores[g, pos] = _exp_nonpositive(scores[g, pos] - best)
+                    total += scores[g, pos]
+                inverse = F32(1.0) / total
+                for pos in range(end):
+                    scores[g, pos] *= inverse
+                out[i, h0 + g, :] = 0.0
             for pos in range(end):
-                scores[pos] = np.exp(scores[pos] - best)
-                total += scores[pos]
-            out[i, h, :] = 0.0
-            for pos in range(end):
-                weight = scores[pos] / total
-                for d in range(values.shape[2]):
-                    out[i, h, d] += weight * _as_f32(values[pos, kv, d])
+                for d in range(v_width):
+                    value[d] = _as_f32(values[pos, kv, d])
+                for g in range(group):
+                    weight = scores[g, pos]
+                    for d in range(v_width):
+                        out[i, h0 + g, d] += weight * value[d]
 
 
 # A decode step's attention is too small to pay for waking the threads; long contexts and
