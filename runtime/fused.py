@@ -2,15 +2,15 @@
 
 A decoded token runs each layer's q, k, v, o, router and expert products on one activation
 vector. Called one at a time from Python, with the norms, bias, clip, rotary, attention,
-residual and top-k steps between them, a layer took ~30 numba and numpy calls and ~0.35 ms
-of Python besides its kernels: a fifth of a step on the bench model. `DecodeLayer` does the
+residual and top-k steps between them, a layer took ~30 numba and numpy calls and ~0.3 ms
+of Python besides its kernels: a sixth of a step on the bench model. `DecodeLayer` does the
 same work, for a GQA attention layer followed by a routed MoE, as
 
 1. `_qkv_kernel`: attention norm, the q/k/v products on all threads in one parallel region,
    then their bias, q/k norms, clip and rotation;
-2. the KV cache write (numpy, as the general path);
-3. `_attend_and_route`: attention, the o product, the residual, the FFN norm, the router
-   product and the top-k choice;
+2. the KV cache write and the attention (`kernels.attention`), as the general path;
+3. `_output_and_route`: the o product, the residual, the FFN norm, the router product and
+   the top-k choice;
 
 all steps with the arithmetic of `model.Attention` / `model.Router`, which serve prompts and
 the other architectures, so both paths give the same bits (tests/test_fused.py). Their
@@ -24,8 +24,7 @@ import numpy as np
 from numba import prange
 
 from runtime import kernels
-from runtime.kernels import (CHUNK, _attention_parallel, _attention_serial, _finish_activation, _rms_norm_kernel,
-                             _route_rows, _rows_times, _share)
+from runtime.kernels import CHUNK, _finish_activation, _rms_norm_kernel, _route_rows, _rows_times, _share
 from runtime.rope import _rotate
 
 F32 = np.float32
@@ -89,13 +88,9 @@ def _qkv_kernel(x, attn_norm, eps, h, tags, weights, row_nbytes, q_act, k_act, v
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _attend_and_route(q, keys, values, start, scale, parallel_attention, attended, o_tag, o_w, o_nbytes, o_act, o_out,
-                      x, ffn_norm, eps, h, router_tag, router_w, router_nbytes, router_act, logits, bias, sigmoid, groups,
-                      topk_groups, top2_sum, norm, route_scale, ids, weights, nthreads):
-    if parallel_attention:
-        _attention_parallel(q, keys, values, start, scale, attended, nthreads)
-    else:
-        _attention_serial(q, keys, values, start, scale, attended, 1)
+def _output_and_route(attended, o_tag, o_w, o_nbytes, o_act, o_out, x, ffn_norm, eps, h, router_tag, router_w,
+                      router_nbytes, router_act, logits, bias, sigmoid, groups, topk_groups, top2_sum, norm, route_scale,
+                      ids, weights, nthreads):
     flat = attended.reshape(1, -1)
     cols = flat.shape[1]
     _finish_activation(o_act, flat, 0, cols)
@@ -162,11 +157,12 @@ class DecodeLayer:
         end = position + 1
         keys = cache.stored(a.layer, "k", end).reshape(end, c.n_kv_heads, c.head_dim)
         values = cache.stored(a.layer, "v", end).reshape(end, c.n_kv_heads, c.v_head_dim)
-        parallel = kernels.attention_work(1, c.n_heads, end, c.head_dim, c.v_head_dim) >= kernels.PARALLEL_ATTENTION_WORK
+        # attention through the general path's own call: compiled inside another kernel, its
+        # loops could be vectorized differently, and the two paths would part by a few ulps
+        self.attended[:] = kernels.attention(q.reshape(1, c.n_heads, c.head_dim), keys, values, position, a.scale)
         ids, weights = np.empty((1, c.n_experts_used), np.int64), np.empty((1, c.n_experts_used), np.float32)
         o, gate = a.o, self.router.gate
-        _attend_and_route(q.reshape(1, c.n_heads, c.head_dim), keys, values, position, a.scale, parallel,
-                          self.attended, o.tag, o.data, o.row_nbytes, self.o_act, self.o_out, x, self.ffn_norm,
+        _output_and_route(self.attended, o.tag, o.data, o.row_nbytes, self.o_act, self.o_out, x, self.ffn_norm,
                           F32(c.norm_eps), self.h, gate.tag, gate.data, gate.row_nbytes, self.router_act, self.logits,
                           self.bias, c.router == "sigmoid", c.router_groups, c.router_topk_groups,
                           c.router_group_score == "top2_sum", c.router_norm_topk, F32(c.routed_scaling_factor), ids,

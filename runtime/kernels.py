@@ -1338,7 +1338,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     if keys.shape[0] != start + n or values.shape[0] != start + n or keys.shape[2] != width or heads % keys.shape[1]:
         raise ValueError(f"keys {keys.shape} / values {values.shape} do not fit queries {q.shape} at position {start}")
     out = np.empty((n, heads, values.shape[2]), np.float32)
-    work = attention_work(n, heads, start + n, width, values.shape[2])
+    work = n * heads * (start + n) * (width + values.shape[2])
     copy_bytes = 4 * (start + n) * (keys.shape[1] * width + values.shape[1] * values.shape[2])
     if n >= PROMPT_ATTENTION_QUERIES and copy_bytes <= PROMPT_ATTENTION_BYTES:
         _prompt_attention(q, keys, values, start, F32(scale), out, numba.get_num_threads())
@@ -1347,12 +1347,6 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     else:
         _attention_serial(q, keys, values, start, F32(scale), out, 1)
     return out
-
-
-def attention_work(n: int, heads: int, end: int, width: int, v_width: int) -> int:
-    """Multiply-adds of n queries' attention over `end` positions (compared with
-    PARALLEL_ATTENTION_WORK)."""
-    return n * heads * end * (width + v_width)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
