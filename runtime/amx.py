@@ -3,8 +3,8 @@
 A prompt multiplies every weight with many tokens, so its products are bound by arithmetic,
 not by memory. Sapphire Rapids and later Xeons have AMX: eight tile registers of 16 rows x
 64 bytes and `tdpbf16ps`, which adds a 16 x 32 bfloat16 tile times a 32 x 16 one into a 16 x 16
-float32 tile (8192 multiply-adds per instruction, ~1.3 T/s per core here against ~0.07 T/s for
-the AVX-512 int8 kernels). The kernels in `runtime/kernels.py` dequantize a block of 32 weight
+float32 tile (8192 multiply-adds per instruction: a peak of ~1.3 T/s per core here, against
+~0.07 T/s for the AVX-512 int8 kernels). The kernels in `runtime/kernels.py` dequantize a block of 32 weight
 rows to bfloat16 once and pass every token over it with `block_product`.
 
 Layouts (bfloat16 as uint16 bits):
@@ -19,7 +19,7 @@ Linux gives a process the AMX state only on request (`arch_prctl(ARCH_REQ_XCOMP_
 which `available` makes. The instructions are inline assembly with fixed tile registers:
 tmm0-3 the four 16 x 16 sums of a 32 x 32 output block, tmm4-5 weights, tmm6-7 activations.
 Rounding to bfloat16 keeps 8 bits of each weight and activation: the products' error is
-about 3e-3 of the output's max-abs, below the int8 path's (`kernels.FAST_PATH_TOLERANCE`).
+about 2.5e-3 of the output's max-abs, below the int8 path's (`kernels.FAST_PATH_TOLERANCE`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ BLOCK = 32  # weight rows and tokens of one output block (2 x 2 tiles)
 COLUMNS = 32  # columns of one tile step (16 bfloat16 pairs)
 K_BLOCK = 512  # columns of weights kept in L1 while every token passes over them
 ROW_PAD = 32  # bfloat16 after each row of a weight block: rows 4 KB apart would share an L1 set
-MIN_TOKENS = 16  # tokens from which a product takes this path (the int8 kernels below)
+MIN_TOKENS = 16  # tokens from which a product takes this path (fewer go to the int8 kernels)
 
 llvmlite.binding.initialize_native_asmparser()  # the tile instructions are inline assembly
 

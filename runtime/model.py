@@ -298,7 +298,7 @@ class Decoder:
             self.layers.append((w.vector(f"blk.{i}.attn_norm.weight"), attention, w.vector(ffn_norm), ffn))
         # a decoded token's attention + routing in two numba calls where the layer allows
         self.decode_layers = [fused.DecodeLayer(attention, attn_norm, ffn_norm, ffn)
-                              if fused.DecodeLayer.supports(attention, ffn) else None
+                              if isinstance(attention, Attention) and isinstance(ffn, MoE) else None
                               for attn_norm, attention, ffn_norm, ffn in self.layers]
         moe = [(ffn, ffn_norm) for _, _, ffn_norm, ffn in self.layers if isinstance(ffn, MoE)]
         for (this, this_norm), (following, following_norm) in zip(moe, moe[1:]):
