@@ -104,14 +104,22 @@ def _quad(context, builder, arraytype, array, byte_offset, row_stride):
     return first, builder.gep(first, [right]), below, builder.gep(below, [right])
 
 
-@intrinsic
-def _sums_load(typingctx, sums, byte_offset, row_stride):
-    """tmm0-3 <- the 32 x 32 float32 block of `sums` at `byte_offset` (rows `row_stride` bytes apart)."""
-    def codegen(context, builder, sig, args):
-        tiles = _quad(context, builder, sig.args[0], args[0], args[1], args[2])
-        _asm(builder, "\n\t".join(f"tileloadd (${i},$4,1), %tmm{i}" for i in range(4)), [*tiles, args[2]])
-        return context.get_dummy_value()
-    return types.void(sums, types.int64, types.int64), codegen
+def _sums_mover(instruction: str):
+    """An intrinsic (sums, byte_offset, row_stride) that applies `instruction` ("{i}": the tile,
+    "${i}": its address, "$4": the row stride) to tmm0-3 and the four 16 x 16 tiles of the 32 x
+    32 float32 block of `sums` at `byte_offset`, rows `row_stride` bytes apart."""
+    @intrinsic
+    def move(typingctx, sums, byte_offset, row_stride):
+        def codegen(context, builder, sig, args):
+            tiles = _quad(context, builder, sig.args[0], args[0], args[1], args[2])
+            _asm(builder, "\n\t".join(instruction.format(i=i) for i in range(4)), [*tiles, args[2]])
+            return context.get_dummy_value()
+        return types.void(sums, types.int64, types.int64), codegen
+    return move
+
+
+_sums_load = _sums_mover("tileloadd (${i},$4,1), %tmm{i}")
+_sums_store = _sums_mover("tilestored %tmm{i}, (${i},$4,1)")
 
 
 @intrinsic
@@ -120,16 +128,6 @@ def _sums_zero(typingctx):
         _asm(builder, "\n\t".join(f"tilezero %tmm{i}" for i in range(4)))
         return context.get_dummy_value()
     return types.void(), codegen
-
-
-@intrinsic
-def _sums_store(typingctx, sums, byte_offset, row_stride):
-    """The 32 x 32 float32 block of `sums` at `byte_offset` <- tmm0-3."""
-    def codegen(context, builder, sig, args):
-        tiles = _quad(context, builder, sig.args[0], args[0], args[1], args[2])
-        _asm(builder, "\n\t".join(f"tilestored %tmm{i}, (${i},$4,1)" for i in range(4)), [*tiles, args[2]])
-        return context.get_dummy_value()
-    return types.void(sums, types.int64, types.int64), codegen
 
 
 @intrinsic
