@@ -15,8 +15,9 @@ paths, chosen per call by `exact`, the number of rows and the CPU:
   tile of ROW_TILE rows. Error: see `FAST_PATH_TOLERANCE`.
 - **tiles** (fast path, prompts of at least `amx.MIN_TOKENS` rows, CPUs with AMX): each
   block of 32 weight rows is dequantized to bfloat16 once and every token passes over it on
-  the AMX tiles (`runtime/amx.py`): 2-3x the int8 kernels' multiply-adds per second on 64
-  to 512 tokens, dequantization included; error 2.5e-3 (bfloat16), below the int8 path's.
+  the AMX tiles (`runtime/amx.py`): 2-3x the int8 kernels' multiply-adds per second for
+  K-quants and ~10x for Q8_0 (bench/kernels.py, 64 tokens, dequantization included); error
+  2.5e-3 (bfloat16), below the int8 path's.
 - **exact** (`exact=True`, and always for F32, F16 and BF16): each weight is dequantized to
   the float32 that `gguf.quants.dequantize` gives (bit for bit) and multiplied with the
   float32 activation. `matmul` dequantizes each chunk of 256 weights once for all rows of x.
