@@ -906,6 +906,22 @@ def _exp_nonpositive(x):
     return p * _int_bits_to_float((np.int32(whole) + np.int32(127)) << np.int32(23))
 
 
+@njit(cache=True, nogil=True, fastmath=True)
+def _softmax_in_place(scores, i, end):
+    """scores[i, :end] (float32) <- their softmax, with `_exp_nonpositive`. Not inlined: inlined
+    into the decode attention's parallel loop, it took away the second thread's gain."""
+    best = F32(-3.0e38)
+    for pos in range(end):
+        best = max(best, scores[i, pos])
+    total = F32(0.0)
+    for pos in range(end):
+        scores[i, pos] = _exp_nonpositive(scores[i, pos] - best)
+        total += scores[i, pos]
+    inverse = F32(1.0) / total
+    for pos in range(end):
+        scores[i, pos] *= inverse
+
+
 @njit(cache=True, nogil=True, fastmath=True, inline="always")
 def _silu(v):
     """v * sigmoid(v), from exp(-|v|): no overflow, and a loop of them vectorizes."""
@@ -1039,16 +1055,7 @@ def _attention_loops(q, keys, values, start, scale, out, nthreads):
                         score += q[i, h0 + g, d] * key[d]
                     scores[g, pos] = score * scale
             for g in range(group):
-                best = F32(-3.0e38)
-                for pos in range(end):
-                    best = max(best, scores[g, pos])
-                total = F32(0.0)
-                for pos in range(end):
-                    scores[g, pos] = _exp_nonpositive(scores[g, pos] - best)
-                    total += scores[g, pos]
-                inverse = F32(1.0) / total
-                for pos in range(end):
-                    scores[g, pos] *= inverse
+                _softmax_in_place(scores, g, end)
                 out[i, h0 + g, :] = 0.0
             for pos in range(end):
                 for d in range(v_width):
@@ -1106,13 +1113,7 @@ def _prompt_attention(q, keys, values, start, scale, out, nthreads):
                     for pos in range(seen + i + 1):
                         row[pos] += weight * column[pos]
             for i in range(count):
-                row = scores[i, :seen + i + 1]
-                best = row.max()
-                total = F32(0.0)
-                for pos in range(row.size):
-                    row[pos] = _exp_nonpositive(row[pos] - best)
-                    total += row[pos]
-                row *= F32(1.0) / total
+                _softmax_in_place(scores, i, seen + i + 1)
             outputs[:count] = 0.0
             for pos in range(seen + count):
                 value = values_f[kv, pos]
