@@ -44,18 +44,20 @@ def _clip(values, limit):
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _qkv_kernel(x, attn_norm, eps, h, tags, weights, row_nbytes, q_act, k_act, v_act, outs, biases, norms, qk_norm,
-                clip, cos, sin, positions, rope_dim, interleaved, heads, kv_heads, nthreads):
+def _qkv_kernel(x, attn_norm, eps, h, tags, weights, row_nbytes, q_act, k_act, v_act, distinct, outs, biases, norms,
+                qk_norm, clip, cos, sin, positions, rope_dim, interleaved, heads, kv_heads, nthreads):
     # (the activations are arguments of their own: numba's parallel regions cannot take a
-    # named tuple unpacked from a tuple)
+    # named tuple unpacked from a tuple; `distinct` says which of them is not an earlier one)
     q_tag, k_tag, v_tag = tags
     q_w, k_w, v_w = weights
     q, k, v = outs
     _rms_norm_kernel(x, attn_norm, eps, h)
     cols = h.shape[1]
     _finish_activation(q_act, h, 0, cols)
-    _finish_activation(k_act, h, 0, cols)
-    _finish_activation(v_act, h, 0, cols)
+    if distinct[1]:
+        _finish_activation(k_act, h, 0, cols)
+    if distinct[2]:
+        _finish_activation(v_act, h, 0, cols)
     q_rows, k_rows, v_rows = q.shape[1], k.shape[1], v.shape[1]
     # one parallel region over the rows of q, k and v in turn: each thread streams its share
     for t in prange(nthreads):
@@ -129,6 +131,8 @@ class DecodeLayer:
         for m in qkv:
             shared.setdefault(m.dot_type, _activation_for(m, self.h))
         self.qkv_acts = tuple(shared[m.dot_type] for m in qkv)
+        self.distinct = tuple(all(act is not earlier for earlier in self.qkv_acts[:i])
+                              for i, act in enumerate(self.qkv_acts))  # each quantized once
         empty = np.empty(0, np.float32)
         self.biases = tuple(attention.bias) if attention.bias else (empty,) * 3
         self.norms = (attention.q_norm, attention.k_norm) if c.qk_norm != "none" else (empty, empty)
@@ -142,9 +146,9 @@ class DecodeLayer:
     def __call__(self, x: np.ndarray, position: int, cache) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         c, a, threads = self.c, self.attention, numba.get_num_threads()
         self.positions[0] = position
-        _qkv_kernel(x, self.attn_norm, F32(c.norm_eps), self.h, *self.qkv, *self.qkv_acts, self.outs, self.biases,
-                    self.norms, QK_NORMS[c.qk_norm], F32(c.clip_qkv or 0), a.rope.cos, a.rope.sin, self.positions,
-                    a.rope.dim, a.rope.interleaved, c.n_heads, c.n_kv_heads, threads)
+        _qkv_kernel(x, self.attn_norm, F32(c.norm_eps), self.h, *self.qkv, *self.qkv_acts, self.distinct, self.outs,
+                    self.biases, self.norms, QK_NORMS[c.qk_norm], F32(c.clip_qkv or 0), a.rope.cos, a.rope.sin,
+                    self.positions, a.rope.dim, a.rope.interleaved, c.n_heads, c.n_kv_heads, threads)
         q, k, v = self.outs
         cache.write(a.layer, "k", position, k)
         cache.write(a.layer, "v", position, v)
