@@ -1,17 +1,14 @@
 """convert.quantize_q4k against the bytes of ggml's own C quantizers (golden vectors)."""
 
-import os
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 
-from convert.quantize_q4k import dequantize, quantize
+from colibri.convert.quantize_q4k import dequantize, quantize
 
-GOLDEN_DIR = Path(os.environ.get("COLIBRI_GOLDEN_DIR")
-                  or Path(__file__).resolve().parents[1].parent / "shared" / "golden")
-GOLDEN_FILE = GOLDEN_DIR / "ggml_quants_golden.npz"
+GOLDEN_FILE = Path(__file__).resolve().parent / "data" / "ggml_quants_golden.npz"
 MISSING = "golden-file-missing"
 
 
@@ -31,8 +28,7 @@ PLAIN_KEYS = [k for k in QUANTIZED_KEYS if "+" not in k]
 @pytest.fixture(scope="module")
 def golden():
     if not GOLDEN_FILE.exists():
-        pytest.fail(f"golden vectors not found at {GOLDEN_FILE}; they live in shared/golden beside "
-                    f"the clone, or point COLIBRI_GOLDEN_DIR at the folder holding them")
+        pytest.fail(f"golden vectors not found at {GOLDEN_FILE} (tests/data/README.md says how they are made)")
     with np.load(GOLDEN_FILE) as data:
         return dict(data)
 
