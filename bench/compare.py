@@ -30,9 +30,9 @@ from bench.decode import reference_model  # noqa: E402
 # bench/decode.py `run`, and prints one JSON line.
 MEASURE = """
 import importlib.util, json, sys
-from formats.layout import ModelLayout
-from runtime import open_model
-from runtime.expert_store import cache_bytes_for_all
+from colibri.formats.layout import ModelLayout
+from colibri.runtime import open_model
+from colibri.runtime.expert_store import cache_bytes_for_all
 decode_bench, model, prompt_tokens, tokens, passes, threads = *sys.argv[1:3], *map(int, sys.argv[3:7])
 spec = importlib.util.spec_from_file_location("decode_bench", decode_bench)
 bench = importlib.util.module_from_spec(spec)

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from formats.layout import ModelLayout
-from runtime import open_model
-from runtime.expert_store import cache_bytes_for_all
-from runtime.plan import measure_disk_bandwidth
+from colibri.formats.layout import ModelLayout
+from colibri.runtime import open_model
+from colibri.runtime.expert_store import cache_bytes_for_all
+from colibri.runtime.plan import measure_disk_bandwidth
 
 BENCH = Path(__file__).resolve().parent
 LLAMA_CPP = {"tg128": 33.7, "pp512": 142.6}

@@ -32,7 +32,7 @@ if __name__ == "__main__":  # bench/convert.py would shadow the `convert` packag
     sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != BENCH]
     sys.path.insert(0, str(BENCH.parent))
 
-from verify.sha_check import CHUNK_BYTES, hash_files  # noqa: E402
+from colibri.verify.sha_check import CHUNK_BYTES, hash_files  # noqa: E402
 
 DEFAULT_SOURCE = pathlib.Path("/tmp/colibri-bench-mixtral")
 

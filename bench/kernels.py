@@ -29,9 +29,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from convert.quantize_q4k import quantize  # noqa: E402
-from formats.encodings import row_bytes  # noqa: E402
-from runtime import amx, kernels  # noqa: E402
+from colibri.convert.quantize_q4k import quantize  # noqa: E402
+from colibri.formats.encodings import row_bytes  # noqa: E402
+from colibri.runtime import amx, kernels  # noqa: E402
 
 COLS = 4096
 MATMUL_N = 64

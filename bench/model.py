@@ -32,10 +32,10 @@ if __name__ == "__main__":
     sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
     sys.path.insert(0, str(_ROOT))
 try:
-    from convert import synthetic
+    from colibri.convert import synthetic
 except ImportError:  # imported from a checkout that is not installed
     sys.path.insert(0, str(_ROOT))
-    from convert import synthetic
+    from colibri.convert import synthetic
 
 STAMP = ".colibri-bench.json"
 

@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from runtime.expert_store import POLICIES, CacheIndex
+from colibri.runtime.expert_store import POLICIES, CacheIndex
 
 BENCH = Path(__file__).resolve().parent
 

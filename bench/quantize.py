@@ -18,7 +18,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from convert.quantize_q4k import dequantize, quantize  # noqa: E402
+from colibri.convert.quantize_q4k import dequantize, quantize  # noqa: E402
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"]
 IMATRIX_TYPES = {"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"}  # types whose output depends on it

@@ -8,24 +8,24 @@ import os
 import sys
 import traceback
 
-from colibri import __version__
+from colibri.version import __version__
 
 # Errors that are the user's input, not our bug: one line, no traceback (unless --debug).
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from convert.arch import ConfigError
-    from convert.hf_to_colibri import ConvertError
-    from formats.checkpoint import CheckpointError
-    from formats.encodings import EncodingError
-    from formats.layout import FormatError
-    from runtime.engine import BudgetError
-    from runtime.kv_cache import ContextOverflow
-    from runtime.text import TokenizerError
+    from colibri.convert.arch import ConfigError
+    from colibri.convert.hf_to_colibri import ConvertError
+    from colibri.formats.checkpoint import CheckpointError
+    from colibri.formats.encodings import EncodingError
+    from colibri.formats.layout import FormatError
+    from colibri.runtime.engine import BudgetError
+    from colibri.runtime.kv_cache import ContextOverflow
+    from colibri.runtime.text import TokenizerError
 
     return ConfigError, ConvertError, CheckpointError, EncodingError, FormatError, BudgetError, ContextOverflow, TokenizerError
 
 
 def _override(text: str) -> tuple[str, str]:
-    from formats.recipe import parse_override
+    from colibri.formats.recipe import parse_override
 
     try:
         return parse_override(text)
@@ -34,7 +34,7 @@ def _override(text: str) -> tuple[str, str]:
 
 
 def add_convert_arguments(p: argparse.ArgumentParser) -> None:
-    from formats.recipe import RECIPES
+    from colibri.formats.recipe import RECIPES
 
     p.add_argument("src", metavar="SRC",
                    help="checkpoint folder (config.json + safetensors), a Hugging Face repo id, or a .gguf file "
@@ -55,7 +55,7 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from convert.hf_to_colibri import ConvertOptions, convert, format_summary
+    from colibri.convert.hf_to_colibri import ConvertOptions, convert, format_summary
 
     options = ConvertOptions(
         quant=args.quant, overrides=args.override, workers=max(1, args.workers), force=args.force,
@@ -67,18 +67,18 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def add_export_gguf_arguments(p: argparse.ArgumentParser) -> None:
-    from colibri.run import _size
+    from colibri.runtime.memory import size_argument
 
     p.add_argument("model", metavar="DIR", help="a converted colibri model folder")
     p.add_argument("out", metavar="OUT.gguf", help="the GGUF to write (with --split-max-size: OUT-00001-of-0000N.gguf, ...)")
-    p.add_argument("--split-max-size", type=_size, default=0, metavar="SIZE",
+    p.add_argument("--split-max-size", type=size_argument, default=0, metavar="SIZE",
                    help="split into parts of at most SIZE, e.g. 2G, named as llama.cpp's gguf-split does (default: one file)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run_export_gguf(args: argparse.Namespace) -> int:
-    from convert.colibri_to_gguf import export_gguf, format_export_summary
+    from colibri.convert.colibri_to_gguf import export_gguf, format_export_summary
 
     summary = export_gguf(args.model, args.out, split_max_size=args.split_max_size, progress=not args.no_progress and not args.json)
     print(json.dumps(summary, indent=1) if args.json else format_export_summary(summary))
@@ -88,12 +88,12 @@ def run_export_gguf(args: argparse.Namespace) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     """The whole path on a tiny built-in model: build → convert → plan → run with stats."""
     from colibri.run import format_plan, format_stats
-    from convert.hf_to_colibri import ConvertOptions, convert, format_summary
-    from convert.synthetic import write_checkpoint
-    from formats.layout import ModelLayout
-    from runtime import open_model
-    from runtime.memory import total_ram
-    from runtime.plan import measure_disk_bandwidth, plan
+    from colibri.convert.hf_to_colibri import ConvertOptions, convert, format_summary
+    from colibri.convert.synthetic import write_checkpoint
+    from colibri.formats.layout import ModelLayout
+    from colibri.runtime import open_model
+    from colibri.runtime.memory import total_ram
+    from colibri.runtime.plan import measure_disk_bandwidth, plan
 
     source = os.path.join(args.dir, "source")
     out = os.path.join(args.dir, "model")
@@ -121,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     from colibri.run import add_plan_arguments, add_run_arguments, plan_command, run_command
-    from verify.cli import add_verify_arguments, add_verify_source_arguments, verify_command, verify_source_command
-    from verify.smoke import add_smoke_arguments, smoke_command
+    from colibri.verify.cli import add_verify_arguments, add_verify_source_arguments, verify_command, verify_source_command
+    from colibri.verify.smoke import add_smoke_arguments, smoke_command
 
     for name, help_text, add_arguments, command in (
         ("convert", "convert a Hugging Face checkpoint or a GGUF file to the colibri layout", add_convert_arguments, run_convert),

@@ -8,16 +8,9 @@ import sys
 import traceback
 from pathlib import Path
 
-from runtime.memory import format_size, parse_size
+from colibri.runtime.memory import format_size, size_argument
 
 PROMPT_SUFFIXES = (".txt", ".md", ".json")
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,9 +25,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--ctx", type=int, default=4096, help="context length in tokens; the KV cache is preallocated for it (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: %(default)s)")
-    p.add_argument("--ram-budget", type=_size, default=None, metavar="SIZE",
+    p.add_argument("--ram-budget", type=size_argument, default=None, metavar="SIZE",
                    help="RAM the runtime may use for weights, KV cache, expert cache and scratch, e.g. 24G (default: 80%% of RAM)")
-    p.add_argument("--expert-cache", type=_size, default=None, metavar="SIZE",
+    p.add_argument("--expert-cache", type=size_argument, default=None, metavar="SIZE",
                    help="bytes of hot experts kept in RAM, e.g. 4G (default: what the budget leaves)")
     p.add_argument("--kv-quant", default="f16", choices=("f16", "q8_0", "f32"), help="KV cache storage (default: %(default)s)")
     p.add_argument("--cache-policy", default="lru", choices=("lru", "lfru"),
@@ -139,7 +132,7 @@ def run_chat(model, args) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from runtime import open_model
+    from colibri.runtime import open_model
 
     model = open_model(args.model, threads=args.threads, ctx=args.ctx, ram_budget=args.ram_budget,
                        expert_cache=args.expert_cache, kv_quant=args.kv_quant, cache_policy=args.cache_policy,
@@ -172,7 +165,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="a converted model folder")
-    p.add_argument("--ram", type=_size, required=True, metavar="SIZE", help="the machine's RAM, e.g. 32G")
+    p.add_argument("--ram", type=size_argument, required=True, metavar="SIZE", help="the machine's RAM, e.g. 32G")
     p.add_argument("--ctx", type=int, default=None, help="context length (default: the largest power of two whose KV cache takes at most a quarter of the free RAM)")
     p.add_argument("--kv-quant", default="f16", choices=("f16", "q8_0", "f32"), help="KV cache storage (default: %(default)s)")
     p.add_argument("--disk-bw", default=None, metavar="GB/s|measure",
@@ -182,8 +175,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    from formats.layout import ModelLayout
-    from runtime.plan import measure_disk_bandwidth, plan
+    from colibri.formats.layout import ModelLayout
+    from colibri.runtime.plan import measure_disk_bandwidth, plan
 
     layout = ModelLayout(args.model)
     disk_bw = None

@@ -27,12 +27,12 @@ import gguf
 import numpy as np
 from tqdm import tqdm
 
-from convert.gguf_arch import (
+from colibri.convert.gguf_arch import (
     EXPERT_MATRICES, expert_tensor_name, gguf_arch_name, layer_of, permuted_heads, tensor_chunks, write_arch_metadata,
 )
-from convert.gguf_source import ByteReader, read_ahead
-from convert.pipeline import ConvertError, check_free_space
-from formats.layout import ModelLayout, fsync_dir
+from colibri.convert.gguf_source import ByteReader, read_ahead
+from colibri.convert.pipeline import ConvertError, check_free_space
+from colibri.formats.layout import ModelLayout, fsync_dir
 
 # the llama.cpp file type named by the encoding that holds most of the weights
 FILE_TYPES = {
@@ -87,7 +87,7 @@ def file_type(tensors: list[ExportTensor]) -> gguf.LlamaFileType:
 
 def gguf_writer(model_dir: Path, layout: ModelLayout, tensors: list[ExportTensor], split_max_size: int) -> gguf.GGUFWriter:
     """A GGUFWriter holding all metadata and tensor infos (nothing written yet)."""
-    from convert.gguf_tokenizer import GGUFTokenizerError, add_tokenizer_metadata
+    from colibri.convert.gguf_tokenizer import GGUFTokenizerError, add_tokenizer_metadata
 
     c = layout.config
     writer = gguf.GGUFWriter(None, gguf_arch_name(c), split_max_size=split_max_size)

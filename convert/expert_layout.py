@@ -15,8 +15,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from formats.encodings import tensor_bytes
-from formats.layout import EXPERT_ALIGN, EXPERT_MATRICES, AlignedFileWriter, align_up, expert_file_name
+from colibri.formats.encodings import tensor_bytes
+from colibri.formats.layout import EXPERT_ALIGN, EXPERT_MATRICES, AlignedFileWriter, align_up, expert_file_name
 
 
 def expert_matrix_table(encodings: dict[str, str], shapes: dict[str, tuple[int, int]]) -> tuple[dict, int]:

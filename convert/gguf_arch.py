@@ -29,9 +29,9 @@ from typing import Iterator
 import gguf
 import numpy as np
 
-from convert.arch import ADAPTERS
-from convert.gguf_source import ByteReader, GGUFError
-from formats.model_config import ModelConfig
+from colibri.convert.arch import ADAPTERS
+from colibri.convert.gguf_source import ByteReader, GGUFError
+from colibri.formats.model_config import ModelConfig
 
 K, A, R, T = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope, gguf.Keys.Tokenizer
 

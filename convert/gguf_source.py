@@ -22,7 +22,7 @@ from typing import Iterable, Iterator
 import gguf
 import numpy as np
 
-from convert.pipeline import ConvertError
+from colibri.convert.pipeline import ConvertError
 
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 MAX_READ = 1 << 30  # Linux returns at most ~2 GiB from one pread

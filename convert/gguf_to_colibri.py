@@ -22,18 +22,18 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.expert_layout import expert_file_bytes, write_expert_layer
-from convert.gguf_arch import (
+from colibri.convert.expert_layout import expert_file_bytes, write_expert_layer
+from colibri.convert.gguf_arch import (
     EXPERT_MATRICES, GGUFMetadata, config_from_gguf, expert_shapes, expert_tensor_name, kv_b_from_split, layer_of,
     permuted_heads, resident_shapes, tensor_chunks,
 )
-from convert.gguf_source import ByteReader, GGUFError, GGUFSource, GGUFTensor, read_ahead
-from convert.pipeline import ConvertOptions, Job
-from convert.quantize_q4k import dequantize
-from convert.resident_layout import ResidentTensorData, resident_file_bytes, write_resident_file
-from formats.encodings import ENCODINGS, row_bytes
-from formats.messages import some
-from formats.model_config import ModelConfig
+from colibri.convert.gguf_source import ByteReader, GGUFError, GGUFSource, GGUFTensor, read_ahead
+from colibri.convert.pipeline import ConvertOptions, Job
+from colibri.convert.quantize_q4k import dequantize
+from colibri.convert.resident_layout import ResidentTensorData, resident_file_bytes, write_resident_file
+from colibri.formats.encodings import ENCODINGS, row_bytes
+from colibri.formats.messages import some
+from colibri.formats.model_config import ModelConfig
 
 MAX_LISTED = 8  # offending tensors named in one error line
 
@@ -227,7 +227,7 @@ class ImportPlan:
 
 
 def tokenizer_files(source: GGUFSource) -> dict[str, bytes]:
-    from convert.gguf_tokenizer import GGUFTokenizerError, tokenizer_files_from_gguf
+    from colibri.convert.gguf_tokenizer import GGUFTokenizerError, tokenizer_files_from_gguf
 
     try:
         return tokenizer_files_from_gguf(source.reader)

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.expert_layout import expert_file_bytes, write_expert_layer
-from convert.pipeline import TOKENIZER_FILES, ConvertError, ConvertOptions, Job, format_summary, run_job
-from convert.plan import ConversionPlan, ExpertLayerSource, ResidentTensor, make_plan
-from convert.quantize_q4k import quantize
-from convert.resident_layout import ResidentTensorData, resident_file_bytes, write_resident_file
-from formats.checkpoint import Checkpoint, cache_blob_sha256
-from formats.layout import EXPERT_MATRICES
-from formats.recipe import Recipe
+from colibri.convert.expert_layout import expert_file_bytes, write_expert_layer
+from colibri.convert.pipeline import TOKENIZER_FILES, ConvertError, ConvertOptions, Job, format_summary, run_job
+from colibri.convert.plan import ConversionPlan, ExpertLayerSource, ResidentTensor, make_plan
+from colibri.convert.quantize_q4k import quantize
+from colibri.convert.resident_layout import ResidentTensorData, resident_file_bytes, write_resident_file
+from colibri.formats.checkpoint import Checkpoint, cache_blob_sha256
+from colibri.formats.layout import EXPERT_MATRICES
+from colibri.formats.recipe import Recipe
 
 __all__ = ["ConvertError", "ConvertOptions", "convert", "format_summary"]
 
@@ -198,7 +198,7 @@ def convert(src: str, out, options: ConvertOptions | None = None) -> dict:
     options = options or ConvertOptions()
     started = time.monotonic()
     if Path(src).suffix == ".gguf":
-        from convert.gguf_to_colibri import gguf_job
+        from colibri.convert.gguf_to_colibri import gguf_job
 
         job = gguf_job(src, options)
     else:

@@ -26,9 +26,9 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from colibri import __version__
-from formats.layout import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, RESIDENT_FILE, write_atomic, write_manifest
-from formats.model_config import ModelConfig
+from colibri.version import __version__
+from colibri.formats.layout import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, RESIDENT_FILE, write_atomic, write_manifest
+from colibri.formats.model_config import ModelConfig
 
 JOURNAL_NAME = ".colibri-convert.json"
 # Files a conversion writes next to the layout (copied from a checkpoint, or rebuilt from GGUF metadata).

@@ -10,11 +10,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from convert.arch import Adapter, adapter_for
-from convert.arch.base import EXPERT_MATRICES, ExpertNames
-from formats.checkpoint import FLOAT_DTYPES, Checkpoint, CheckpointError
-from formats.messages import some
-from formats.model_config import ModelConfig
+from colibri.convert.arch import Adapter, adapter_for
+from colibri.convert.arch.base import EXPERT_MATRICES, ExpertNames
+from colibri.formats.checkpoint import FLOAT_DTYPES, Checkpoint, CheckpointError
+from colibri.formats.messages import some
+from colibri.formats.model_config import ModelConfig
 
 IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 

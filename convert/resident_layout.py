@@ -12,8 +12,8 @@ import hashlib
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
-from formats.encodings import tensor_bytes
-from formats.layout import RESIDENT_FILE, TENSOR_ALIGN, AlignedFileWriter, align_up
+from colibri.formats.encodings import tensor_bytes
+from colibri.formats.layout import RESIDENT_FILE, TENSOR_ALIGN, AlignedFileWriter, align_up
 
 
 class ResidentTensorData(NamedTuple):

@@ -41,7 +41,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from formats.checkpoint import E4M3_TO_F32, FP8_BLOCK
+from colibri.formats.checkpoint import E4M3_TO_F32, FP8_BLOCK
 
 __all__ = [
     "ARCHITECTURES",

@@ -16,8 +16,8 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 
-from formats.encodings import tensor_bytes
-from formats.model_config import ModelConfig
+from colibri.formats.encodings import tensor_bytes
+from colibri.formats.model_config import ModelConfig
 
 FORMAT_NAME = "colibri"
 FORMAT_VERSION = 1

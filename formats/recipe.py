@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from formats.encodings import ENCODINGS, fits
+from colibri.formats.encodings import ENCODINGS, fits
 
 RECIPES = ("Q4_K_M", "Q8_0", "BF16", "F16", "F32")
 

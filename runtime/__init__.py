@@ -1,6 +1,6 @@
 """The colibri runtime: streams routed experts from the layout and generates text.
 
-    from runtime import open_model
+    from colibri.runtime import open_model
 
 Imported lazily, so that light modules (`runtime.memory`) do not pull in the kernels.
 """
@@ -10,7 +10,7 @@ __all__ = ["BudgetError", "Model", "open_model"]
 
 def __getattr__(name):
     if name in __all__:
-        from runtime import engine
+        from colibri.runtime import engine
 
         return getattr(engine, name)
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")

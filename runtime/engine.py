@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from formats.layout import ModelLayout
-from runtime import kernels
-from runtime.expert_store import POLICIES, ExpertStore, cache_bytes_for_all
-from runtime.kv_cache import KVCache, kv_bytes
-from runtime.memory import current_rss, format_size, parse_size, peak_rss, total_ram
-from runtime.model import Decoder
+from colibri.formats.layout import ModelLayout
+from colibri.runtime import kernels
+from colibri.runtime.expert_store import POLICIES, ExpertStore, cache_bytes_for_all
+from colibri.runtime.kv_cache import KVCache, kv_bytes
+from colibri.runtime.memory import current_rss, format_size, parse_size, peak_rss, total_ram
+from colibri.runtime.model import Decoder
 
 SCRATCH_BYTES = 64 << 20  # activations and attention scores of one step, generously
 PREFILL_CHUNK = 512  # prompt tokens per forward pass (llama.cpp's ubatch): bounds a prompt's activations
@@ -149,7 +149,7 @@ class Model:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from runtime.text import Tokenizer
+            from colibri.runtime.text import Tokenizer
 
             self._tokenizer = Tokenizer.from_dir(self.layout.directory)
         return self._tokenizer
@@ -157,7 +157,7 @@ class Model:
     def generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  min_p: float = 0.0, seed: int | None = None):
         """Yield text as it is produced for `prompt` (a string, or chat messages)."""
-        from runtime.sampling import Sampler, SamplingParams
+        from colibri.runtime.sampling import Sampler, SamplingParams
 
         sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed))
         tok = self.tokenizer

@@ -24,8 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from formats.layout import EXPERT_ALIGN, ModelLayout, align_up
-from runtime.memory import huge_page_buffer
+from colibri.formats.layout import EXPERT_ALIGN, ModelLayout, align_up
+from colibri.runtime.memory import huge_page_buffer
 
 Key = tuple[int, int]  # (layer, expert)
 READ_THREADS = 4  # a layer's misses in flight at once: an NVMe needs a queue to reach its bandwidth

@@ -23,9 +23,9 @@ import numba
 import numpy as np
 from numba import prange
 
-from runtime import kernels
-from runtime.kernels import CHUNK, _finish_activation, _rms_norm_kernel, _route_rows, _rows_times, _share
-from runtime.rope import _rotate
+from colibri.runtime import kernels
+from colibri.runtime.kernels import CHUNK, _finish_activation, _rms_norm_kernel, _route_rows, _rows_times, _share
+from colibri.runtime.rope import _rotate
 
 F32 = np.float32
 QK_NORMS = {"none": 0, "full": 1, "head": 2}

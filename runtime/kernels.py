@@ -51,8 +51,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from formats.encodings import ENCODINGS, block_size, row_bytes
-from runtime import amx
+from colibri.formats.encodings import ENCODINGS, block_size, row_bytes
+from colibri.runtime import amx
 
 F32 = np.float32
 CHUNK = 256  # weights dequantized at a time by the exact path (a multiple of every block size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import mmap
 import os
 import re
@@ -20,6 +21,14 @@ def parse_size(text) -> int:
     if not match:
         raise ValueError(f"size {text!r} is not a number with an optional K/M/G/T suffix (e.g. 4G, 512M)")
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def size_argument(text: str) -> int:
+    """parse_size for argparse: a bad size is a usage error, not a traceback."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def format_size(nbytes: float) -> str:

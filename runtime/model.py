@@ -14,14 +14,14 @@ import os
 import gguf
 import numpy as np
 
-from formats.encodings import FLOAT_DTYPES
-from formats.layout import ModelLayout, align_up
-from formats.model_config import ModelConfig
-from runtime import fused, kernels
-from runtime.expert_store import ExpertStore
-from runtime.kv_cache import KVCache
-from runtime.memory import huge_page_buffer
-from runtime.rope import Rope, _yarn_mscale
+from colibri.formats.encodings import FLOAT_DTYPES
+from colibri.formats.layout import ModelLayout, align_up
+from colibri.formats.model_config import ModelConfig
+from colibri.runtime import fused, kernels
+from colibri.runtime.expert_store import ExpertStore
+from colibri.runtime.kv_cache import KVCache
+from colibri.runtime.memory import huge_page_buffer
+from colibri.runtime.rope import Rope, _yarn_mscale
 
 
 rms_norm = kernels.rms_norm

@@ -13,12 +13,12 @@ import os
 import time
 
 
-from formats.layout import ModelLayout
-from runtime.engine import scratch_bytes
-from runtime.expert_store import cache_bytes_for_all
-from runtime.kernels import measure_read_bandwidth
-from runtime.kv_cache import kv_bytes
-from runtime.model import Decoder
+from colibri.formats.layout import ModelLayout
+from colibri.runtime.engine import scratch_bytes
+from colibri.runtime.expert_store import cache_bytes_for_all
+from colibri.runtime.kernels import measure_read_bandwidth
+from colibri.runtime.kv_cache import kv_bytes
+from colibri.runtime.model import Decoder
 
 OS_RESERVE = 0.15  # share of RAM left to the OS and the page cache
 RUNTIME_BYTES = 400 << 20  # interpreter, numpy, numba and compiled kernels, measured ~300-400 MB

@@ -11,7 +11,7 @@ import math
 import numpy as np
 from numba import njit
 
-from formats.model_config import ModelConfig
+from colibri.formats.model_config import ModelConfig
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

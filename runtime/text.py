@@ -26,6 +26,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from colibri.formats.messages import one_line, read_json_object
+
 __all__ = ["Tokenizer", "DetokenizeStream", "TokenizerError", "ChatTemplateError"]
 
 #: the named special tokens transformers passes to chat templates
@@ -40,24 +42,6 @@ class TokenizerError(Exception):
 
 class ChatTemplateError(TokenizerError):
     """A chat template that is missing, failed or was refused; the message names the template."""
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception's message on one line (or its type's name when it has none)."""
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def read_json_object(path: pathlib.Path, error: type[Exception] = TokenizerError) -> dict:
-    """The JSON object in `path` ({} when there is no such file); `error` names the file otherwise."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error(f"{path}: cannot read JSON ({one_line(e)})") from None
-    if not isinstance(data, dict):
-        raise error(f"{path}: expected a JSON object")
-    return data
 
 
 def _token_text(value) -> str | None:
@@ -110,8 +94,8 @@ class Tokenizer:
             tok = _HFTokenizer.from_file(str(path))
         except Exception as e:  # the tokenizers library raises plain Exception on bad files
             raise TokenizerError(f"{path}: not a valid tokenizer.json ({one_line(e)})") from None
-        config = read_json_object(d / "tokenizer_config.json")
-        config = {**read_json_object(d / "special_tokens_map.json"), **config}
+        config = read_json_object(d / "tokenizer_config.json", TokenizerError)
+        config = {**read_json_object(d / "special_tokens_map.json", TokenizerError), **config}
         jinja_path = d / "chat_template.jinja"
         if jinja_path.is_file():
             try:
@@ -120,7 +104,7 @@ class Tokenizer:
                 raise TokenizerError(f"{jinja_path}: cannot read ({one_line(e)})") from None
         else:
             template, source = config.get("chat_template"), f"{d / 'tokenizer_config.json'} (chat_template)"
-        return cls(tok, config, read_json_object(d / "generation_config.json"), read_json_object(d / "config.json"),
+        return cls(tok, config, read_json_object(d / "generation_config.json", TokenizerError), read_json_object(d / "config.json", TokenizerError),
                    template, source)
 
     # ----------------------------------------------------------------------------- tokens

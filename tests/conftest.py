@@ -2,7 +2,7 @@
 
 import pytest
 
-from convert.synthetic import write_checkpoint
+from colibri.convert.synthetic import write_checkpoint
 
 
 @pytest.fixture

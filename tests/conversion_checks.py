@@ -5,11 +5,11 @@ import hashlib
 import gguf
 import numpy as np
 
-from convert.plan import make_plan
-from convert.quantize_q4k import quantize
-from formats.checkpoint import Checkpoint
-from formats.layout import EXPERT_MATRICES, ModelLayout
-from formats.recipe import Recipe
+from colibri.convert.plan import make_plan
+from colibri.convert.quantize_q4k import quantize
+from colibri.formats.checkpoint import Checkpoint
+from colibri.formats.layout import EXPERT_MATRICES, ModelLayout
+from colibri.formats.recipe import Recipe
 
 
 def decode(data: np.ndarray, encoding: str, shape) -> np.ndarray:

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from formats.layout import ModelLayout
-from runtime import open_model
+from colibri.formats.layout import ModelLayout
+from colibri.runtime import open_model
 
 PROMPT = [1, 5, 9, 100, 200, 33, 7, 300, 17, 250]
 # The GGUF cannot say these; everything else in the config must come back unchanged.

@@ -27,7 +27,7 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
-from convert.gguf_tokenizer import add_tokenizer_metadata
+from colibri.convert.gguf_tokenizer import add_tokenizer_metadata
 
 ARCH = {
     "mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,

@@ -36,8 +36,8 @@ import pathlib
 import re
 import tempfile
 
-from convert import synthetic
-from convert.synthetic import FP8_BLOCK, FP8_QUANTIZATION_CONFIG
+from colibri.convert import synthetic
+from colibri.convert.synthetic import FP8_BLOCK, FP8_QUANTIZATION_CONFIG
 
 # 2-D ``*.weight`` tensors that are NOT linear projections quantized to FP8 in the
 # DeepSeek-V3 / Kimi-K2 hub checkpoints

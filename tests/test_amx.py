@@ -16,7 +16,7 @@ import numba
 import numpy as np
 import pytest
 
-from runtime import amx, kernels
+from colibri.runtime import amx, kernels
 from tests.test_kernels import expert_records, expert_reference, random_weights, relative_error
 
 # bfloat16 keeps 8 bits of each weight and activation; measured: at most 3e-3 on these cases
@@ -86,7 +86,7 @@ def test_an_expert_applied_to_a_prompt_on_tiles_matches_float64():
 
 
 def test_colibri_amx_0_turns_the_tiles_off(tmp_path):
-    code = ("import numpy as np; from runtime import amx, kernels; "
+    code = ("import numpy as np; from colibri.runtime import amx, kernels; "
             "x = np.zeros((64, 256), np.float32); "
             "print(amx.available(), type(kernels.Matrix(np.zeros(64 * 144, np.uint8), 'Q4_K', 64, 256).activation(x)).__name__)")
     env = {**os.environ, "COLIBRI_AMX": "0"}

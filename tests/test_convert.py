@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from conversion_checks import check_conversion
 
-from convert.arch import adapter_for
-from convert.hf_to_colibri import ConvertOptions, convert
-from convert.synthetic import ARCHITECTURES
-from formats.checkpoint import E4M3_TO_F32, Checkpoint
-from formats.layout import ModelLayout
+from colibri.convert.arch import adapter_for
+from colibri.convert.hf_to_colibri import ConvertOptions, convert
+from colibri.convert.synthetic import ARCHITECTURES
+from colibri.formats.checkpoint import E4M3_TO_F32, Checkpoint
+from colibri.formats.layout import ModelLayout
 
 QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_K_M")
 

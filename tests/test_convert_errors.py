@@ -7,8 +7,8 @@ import struct
 
 
 from colibri.cli import convert_main
-from convert.hf_to_colibri import ConvertOptions, convert
-from formats.layout import AlignedFileWriter, ModelLayout
+from colibri.convert.hf_to_colibri import ConvertOptions, convert
+from colibri.formats.layout import AlignedFileWriter, ModelLayout
 
 
 def run(argv, capsys):

@@ -5,8 +5,8 @@ import os
 import numpy as np
 import pytest
 
-from convert.hf_to_colibri import ConvertOptions, convert
-from runtime.expert_store import POLICIES, CacheIndex
+from colibri.convert.hf_to_colibri import ConvertOptions, convert
+from colibri.runtime.expert_store import POLICIES, CacheIndex
 
 
 def test_lru_evicts_the_least_recently_used():
@@ -39,7 +39,7 @@ def test_a_request_larger_than_the_cache_never_evicts_its_own_experts():
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from convert.synthetic import write_checkpoint
+    from colibri.convert.synthetic import write_checkpoint
 
     root = tmp_path_factory.mktemp("store")
     src = write_checkpoint(root / "src", "deepseek_v3")
@@ -59,7 +59,7 @@ def test_read_ahead_is_neither_hit_nor_miss_and_keeps_protected_slots():
 
 
 def _logits(model, ids, **options):
-    from runtime import open_model
+    from colibri.runtime import open_model
 
     m = open_model(model, ctx=64, ram_budget="2G", **options)
     try:
@@ -70,7 +70,7 @@ def _logits(model, ids, **options):
 
 
 def test_placement_policy_prefetch_and_direct_io_never_change_logits(model):
-    from formats.layout import ModelLayout
+    from colibri.formats.layout import ModelLayout
 
     all_experts = sum(t.stride * t.count for t in ModelLayout(model).expert_layers.values())
     ids = list(range(3, 23))
@@ -93,9 +93,9 @@ def test_placement_policy_prefetch_and_direct_io_never_change_logits(model):
 
 
 def test_a_failed_read_ahead_is_reported_by_the_fetch_that_needs_it(model):
-    from runtime import open_model
+    from colibri.runtime import open_model
 
-    from formats.layout import ModelLayout
+    from colibri.formats.layout import ModelLayout
 
     all_experts = sum(t.stride * t.count for t in ModelLayout(model).expert_layers.values())
     m = open_model(model, ctx=64, ram_budget="2G", expert_cache=all_experts // 3, prefetch=True)
@@ -119,7 +119,7 @@ def test_a_failed_read_ahead_is_reported_by_the_fetch_that_needs_it(model):
 
 
 def test_prefill_of_the_last_position_only_gives_its_row(model):
-    from runtime import open_model
+    from colibri.runtime import open_model
 
     m = open_model(model, ctx=64, ram_budget="2G")
     ids = list(range(3, 14))
@@ -130,7 +130,7 @@ def test_prefill_of_the_last_position_only_gives_its_row(model):
 
 
 def test_a_prompt_longer_than_a_chunk_gives_the_logits_of_one_pass(model, monkeypatch):
-    from runtime import amx, engine, open_model
+    from colibri.runtime import amx, engine, open_model
 
     # int8 products only: a token's result then does not depend on the tokens beside it (the
     # tile path serves a product of at least amx.MIN_TOKENS rows, which chunks change)

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from formats.checkpoint import CheckpointError, read_header
-from formats.encodings import EncodingError, row_bytes, tensor_bytes
-from formats.layout import FormatError, ModelLayout, load_manifest, validate_manifest, write_manifest
+from colibri.formats.checkpoint import CheckpointError, read_header
+from colibri.formats.encodings import EncodingError, row_bytes, tensor_bytes
+from colibri.formats.layout import FormatError, ModelLayout, load_manifest, validate_manifest, write_manifest
 
 SHA = "0" * 64
 

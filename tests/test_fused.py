@@ -10,8 +10,8 @@ clipping (OLMoE), partial rotary (GLM-4.5), and every KV cache kind.
 import numpy as np
 import pytest
 
-from convert.hf_to_colibri import ConvertOptions, convert
-from convert.synthetic import write_checkpoint
+from colibri.convert.hf_to_colibri import ConvertOptions, convert
+from colibri.convert.synthetic import write_checkpoint
 
 CASES = [("mixtral", "Q4_K_M", "f16"), ("qwen2_moe", "Q8_0", "q8_0"), ("qwen3_moe", "Q4_K_M", "f32"),
          ("olmoe", "F32", "f16"), ("glm4_moe", "Q4_K_M", "f16")]
@@ -19,7 +19,7 @@ CASES = [("mixtral", "Q4_K_M", "f16"), ("qwen2_moe", "Q8_0", "q8_0"), ("qwen3_mo
 
 @pytest.mark.parametrize("arch, quant, kv_quant", CASES, ids=[c[0] for c in CASES])
 def test_decoding_with_fused_layers_gives_the_general_paths_logits(tmp_path, arch, quant, kv_quant):
-    from runtime import open_model
+    from colibri.runtime import open_model
 
     convert(str(write_checkpoint(tmp_path / "src", arch)), tmp_path / "model", ConvertOptions(quant=quant, progress=False))
     model = open_model(tmp_path / "model", ctx=64, ram_budget="2G", kv_quant=kv_quant)

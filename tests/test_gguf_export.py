@@ -15,10 +15,10 @@ import pytest
 from gguf_checks import assert_same_model
 
 from colibri.cli import main
-from convert.colibri_to_gguf import export_gguf
-from convert.hf_to_colibri import ConvertOptions, convert
-from convert.synthetic import ARCHITECTURES
-from formats.layout import ModelLayout
+from colibri.convert.colibri_to_gguf import export_gguf
+from colibri.convert.hf_to_colibri import ConvertOptions, convert
+from colibri.convert.synthetic import ARCHITECTURES
+from colibri.formats.layout import ModelLayout
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_round_trip_is_byte_identical(checkpoint, tmp_path, arch):

@@ -14,9 +14,9 @@ from gguf_checks import logits, model_bytes
 from llama_cpp_gguf import write_reference_gguf
 
 from colibri.cli import convert_main
-from convert.hf_to_colibri import ConvertOptions, convert
-from convert.synthetic import ARCHITECTURES
-from formats.layout import ModelLayout
+from colibri.convert.hf_to_colibri import ConvertOptions, convert
+from colibri.convert.synthetic import ARCHITECTURES
+from colibri.formats.layout import ModelLayout
 
 
 @pytest.fixture

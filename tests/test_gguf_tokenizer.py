@@ -15,14 +15,14 @@ import pytest
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from convert.gguf_tokenizer import (
+from colibri.convert.gguf_tokenizer import (
     _BYTE_LEVEL_PRE,
     GGUFTokenizerError,
     add_tokenizer_metadata,
     tokenizer_files_from_gguf,
 )
-from convert.synthetic import ARCHITECTURES, tiny_config, write_tokenizer_files
-from runtime.text import Tokenizer
+from colibri.convert.synthetic import ARCHITECTURES, tiny_config, write_tokenizer_files
+from colibri.runtime.text import Tokenizer
 
 KEY = gguf.Keys.Tokenizer
 TEXTS = [

@@ -6,8 +6,8 @@ import shutil
 import huggingface_hub.constants as hub_constants
 import pytest
 
-from convert.hf_to_colibri import ConvertError, ConvertOptions, convert
-from formats.layout import ModelLayout
+from colibri.convert.hf_to_colibri import ConvertError, ConvertOptions, convert
+from colibri.formats.layout import ModelLayout
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ import numba
 import numpy as np
 import pytest
 
-from convert.quantize_q4k import quantize
-from formats.encodings import ENCODINGS
-from runtime import kernels
+from colibri.convert.quantize_q4k import quantize
+from colibri.formats.encodings import ENCODINGS
+from colibri.runtime import kernels
 
 EXACT_TOLERANCE = 1e-5
 ROWS = 37  # not a multiple of the thread count
@@ -169,7 +169,7 @@ def test_set_threads_warns_once_about_workqueue(monkeypatch):
 
 PRODUCTS_FOR_CPU = """
 import numpy as np
-from runtime import kernels
+from colibri.runtime import kernels
 x = np.load("x.npy")
 for encoding in ("Q4_K", "Q6_K", "Q8_0"):
     w = np.load(f"{encoding}.npy")

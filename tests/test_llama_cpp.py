@@ -19,10 +19,10 @@ colibri model:
 import numpy as np
 import pytest
 
-from convert.colibri_to_gguf import export_gguf
-from convert.hf_to_colibri import ConvertOptions, convert
-from convert.synthetic import ARCHITECTURES, write_checkpoint
-from runtime import open_model
+from colibri.convert.colibri_to_gguf import export_gguf
+from colibri.convert.hf_to_colibri import ConvertOptions, convert
+from colibri.convert.synthetic import ARCHITECTURES, write_checkpoint
+from colibri.runtime import open_model
 
 llama_cpp = pytest.importorskip("llama_cpp")
 

@@ -10,11 +10,11 @@ import pytest
 from conversion_checks import check_conversion, decode
 from oracle_models import build_with_transformers, oracle_available
 
-from convert.hf_to_colibri import ConvertOptions, convert
-from convert.plan import make_plan
-from convert.synthetic import ARCHITECTURES
-from formats.checkpoint import Checkpoint
-from formats.layout import ModelLayout
+from colibri.convert.hf_to_colibri import ConvertOptions, convert
+from colibri.convert.plan import make_plan
+from colibri.convert.synthetic import ARCHITECTURES
+from colibri.formats.checkpoint import Checkpoint
+from colibri.formats.layout import ModelLayout
 
 available, reason = oracle_available()
 pytestmark = [pytest.mark.oracle, pytest.mark.skipif(not available, reason=reason)]

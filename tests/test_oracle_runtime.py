@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from oracle_models import build_with_transformers, load_reference, oracle_available
 
-from convert.hf_to_colibri import ConvertOptions, convert
-from convert.synthetic import ARCHITECTURES
+from colibri.convert.hf_to_colibri import ConvertOptions, convert
+from colibri.convert.synthetic import ARCHITECTURES
 
 available, reason = oracle_available()
 pytestmark = [pytest.mark.oracle, pytest.mark.skipif(not available, reason=reason)]
@@ -56,7 +56,7 @@ def prompt(vocab, length, seed=0):
 
 
 def open_f32(path, **kwargs):
-    from runtime import open_model
+    from colibri.runtime import open_model
 
     return open_model(path, ctx=128, kv_quant="f32", ram_budget="4G", **kwargs)
 
@@ -129,7 +129,7 @@ def test_quantized_runs_stay_close_to_f32(built, arch, quant):
 def test_placement_never_changes_logits(built, arch):
     entry = built(arch)
     path = converted(entry, "Q4_K_M")
-    from formats.layout import ModelLayout
+    from colibri.formats.layout import ModelLayout
 
     layout = ModelLayout(path)
     all_experts = sum(t.stride * t.count for t in layout.expert_layers.values())

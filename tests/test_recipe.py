@@ -2,7 +2,7 @@
 
 import pytest
 
-from formats.recipe import Recipe, parse_override, use_more_bits
+from colibri.formats.recipe import Recipe, parse_override, use_more_bits
 
 
 def types(recipe, names_shapes):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from convert.synthetic import tiny_config, write_checkpoint
+from colibri.convert.synthetic import tiny_config, write_checkpoint
 
 JOURNAL = ".colibri-convert.json"
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from colibri.cli import main
-from convert.hf_to_colibri import ConvertOptions, convert
-from convert.synthetic import write_checkpoint
+from colibri.convert.hf_to_colibri import ConvertOptions, convert
+from colibri.convert.synthetic import write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +140,8 @@ def test_rss_stays_in_budget_while_streaming(tmp_path):
     convert(str(src), tmp_path / "model", ConvertOptions(quant="Q4_K_M", progress=False))
     script = f"""
 import json, numpy as np
-from runtime import open_model
-from runtime.memory import current_rss
+from colibri.runtime import open_model
+from colibri.runtime.memory import current_rss
 m = open_model({str(tmp_path / 'model')!r}, ctx=2100, ram_budget="700M", expert_cache="400K", kv_quant="f16")
 assert m.store.cache_bytes < sum(t.stride * t.count for t in m.layout.expert_layers.values())
 token, samples = 1, []
@@ -177,7 +177,7 @@ def test_chat_reads_turns_from_stdin(model_dir):
 
 @pytest.mark.parametrize("kind, median_cos", [("f16", 0.9999), ("q8_0", 0.999)])
 def test_quantized_kv_cache_stays_close_to_f32(model_dir, kind, median_cos):
-    from runtime import open_model
+    from colibri.runtime import open_model
 
     ids = list(range(5, 45))
     reference = open_model(model_dir, ctx=64, kv_quant="f32").prefill(ids)

@@ -12,7 +12,7 @@ _ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from runtime.sampling import Sampler, SamplingParams  # noqa: E402
+from colibri.runtime.sampling import Sampler, SamplingParams  # noqa: E402
 
 VOCAB = 1000
 

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from convert.hf_to_colibri import ConvertOptions, convert
-from convert.synthetic import tiny_config, write_checkpoint
-from verify.smoke import add_smoke_arguments, smoke_command
+from colibri.convert.hf_to_colibri import ConvertOptions, convert
+from colibri.convert.synthetic import tiny_config, write_checkpoint
+from colibri.verify.smoke import add_smoke_arguments, smoke_command
 
 MAX_TOKENS = "8"
 

@@ -14,12 +14,12 @@ import pytest
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 try:
-    import convert.synthetic  # noqa: F401
+    import colibri.convert.synthetic  # noqa: F401
 except ImportError:  # pragma: no cover - depends on how pytest was started
     sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from convert import synthetic as S  # noqa: E402
+from colibri.convert import synthetic as S  # noqa: E402
 
 import oracle_models as O  # noqa: E402
 

@@ -14,8 +14,8 @@ _ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from convert.synthetic import ARCHITECTURES, tiny_config, write_tokenizer_files  # noqa: E402
-from runtime.text import ChatTemplateError, Tokenizer, TokenizerError  # noqa: E402
+from colibri.convert.synthetic import ARCHITECTURES, tiny_config, write_tokenizer_files  # noqa: E402
+from colibri.runtime.text import ChatTemplateError, Tokenizer, TokenizerError  # noqa: E402
 
 try:
     from transformers import AutoTokenizer

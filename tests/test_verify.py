@@ -13,15 +13,15 @@ import pytest
 from huggingface_hub import HfApi
 from huggingface_hub.hf_api import BlobLfsInfo, RepoSibling
 
-from convert.hf_to_colibri import ConvertOptions, convert
-from convert.synthetic import ARCHITECTURES, tiny_config, write_checkpoint
-from formats.checkpoint import INDEX_NAME, CheckpointError
-from formats.encodings import SCALE_OFFSETS
-from formats.layout import MANIFEST_NAME, FormatError, ModelLayout
+from colibri.convert.hf_to_colibri import ConvertOptions, convert
+from colibri.convert.synthetic import ARCHITECTURES, tiny_config, write_checkpoint
+from colibri.formats.checkpoint import INDEX_NAME, CheckpointError
+from colibri.formats.encodings import SCALE_OFFSETS
+from colibri.formats.layout import MANIFEST_NAME, FormatError, ModelLayout
 from test_hub_source import fake_hub_cache, offline_cache  # noqa: F401 (a fixture)
-from verify.cli import add_verify_arguments, add_verify_source_arguments, verify_command, verify_source_command
-from verify.model_check import verify_model
-from verify.sha_check import ERROR, SUMS_NAME, verify_source
+from colibri.verify.cli import add_verify_arguments, add_verify_source_arguments, verify_command, verify_source_command
+from colibri.verify.model_check import verify_model
+from colibri.verify.sha_check import ERROR, SUMS_NAME, verify_source
 
 JSON_WHITESPACE = b" \t\n\r"
 

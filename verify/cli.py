@@ -42,7 +42,7 @@ def add_verify_source_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def verify_source_command(args: argparse.Namespace) -> int:
-    from verify.sha_check import verify_source
+    from colibri.verify.sha_check import verify_source
 
     report = verify_source(args.src, args.revision, jobs=args.jobs, quick=args.quick, write_sums_file=args.write_sums,
                            progress=not (args.no_progress or args.json))
@@ -56,7 +56,7 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def verify_command(args: argparse.Namespace) -> int:
-    from verify.model_check import verify_model
+    from colibri.verify.model_check import verify_model
 
     report = verify_model(args.out, jobs=args.jobs, quick=args.quick, progress=not (args.no_progress or args.json))
     return _print(report, args.json)

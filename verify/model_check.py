@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.arch import ADAPTERS
-from formats.encodings import SCALE_OFFSETS, block_size
-from formats.layout import EXPERT_MATRICES, MANIFEST_NAME, FormatError, ModelLayout, expert_file_name
-from formats.messages import some
-from formats.recipe import Recipe
-from verify.sha_check import CHUNK_BYTES, ERROR, Finding, Report, human, read_chunks, run_parallel, split_message
+from colibri.convert.arch import ADAPTERS
+from colibri.formats.encodings import SCALE_OFFSETS, block_size
+from colibri.formats.layout import EXPERT_MATRICES, MANIFEST_NAME, FormatError, ModelLayout, expert_file_name
+from colibri.formats.messages import some
+from colibri.formats.recipe import Recipe
+from colibri.verify.sha_check import CHUNK_BYTES, ERROR, Finding, Report, human, read_chunks, run_parallel, split_message
 
 PAD = "padding"
 # Float encodings: the unsigned view and the exponent mask that marks NaN/Inf.

@@ -21,11 +21,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from convert.arch import ConfigError
-from convert.plan import make_plan
-from formats.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, CheckpointError, cache_blob_sha256, read_header, shard_names
-from formats.layout import write_atomic
-from formats.messages import some
+from colibri.convert.arch import ConfigError
+from colibri.convert.plan import make_plan
+from colibri.formats.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, CheckpointError, cache_blob_sha256, read_header, shard_names
+from colibri.formats.layout import write_atomic
+from colibri.formats.messages import some
 
 ERROR, WARNING = "error", "warning"
 CHUNK_BYTES = 8 << 20
@@ -151,7 +151,7 @@ def locate(src: str, revision: str | None = None) -> tuple[Path, str | None, str
         return path, None, None
     from huggingface_hub import snapshot_download
 
-    from convert.hf_to_colibri import HUB_REPO_ID
+    from colibri.convert.hf_to_colibri import HUB_REPO_ID
 
     if not HUB_REPO_ID.match(src):
         raise CheckpointError(f"{src}: no such folder, and not a Hugging Face repo id")

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri import __version__
-from colibri.run import _size
-from runtime.memory import total_ram
+from colibri.version import __version__
+from colibri.runtime.memory import size_argument
+from colibri.runtime.memory import total_ram
 
 FORMAT = "colibri-smoke"
 VERSION = 1
@@ -135,7 +135,7 @@ def read_prompts(path: Path) -> list[str]:
 
 def record(model, path: Path, prompts=PROMPTS, max_tokens: int = DEFAULT_MAX_TOKENS) -> dict:
     """Run `prompts` greedily and write the baseline `path` + its `.npz`; returns the baseline."""
-    from formats.layout import MANIFEST_NAME, write_atomic
+    from colibri.formats.layout import MANIFEST_NAME, write_atomic
 
     path = Path(path)
     npz = path.with_suffix(".npz")
@@ -325,9 +325,9 @@ def add_smoke_arguments(p: argparse.ArgumentParser) -> None:
                    help="--compare: fail (exit 1) when the same-top-1 rate (0..1) is below Y")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--ctx", type=int, default=1024, help="context length in tokens (default: %(default)s)")
-    p.add_argument("--ram-budget", type=_size, default=None, metavar="SIZE",
+    p.add_argument("--ram-budget", type=size_argument, default=None, metavar="SIZE",
                    help="RAM the runtime may use, e.g. 24G (default: 80%% of RAM)")
-    p.add_argument("--expert-cache", type=_size, default=None, metavar="SIZE",
+    p.add_argument("--expert-cache", type=size_argument, default=None, metavar="SIZE",
                    help="bytes of hot experts kept in RAM (default: what the budget leaves)")
     p.add_argument("--kv-quant", default="f16", choices=("f16", "q8_0", "f32"),
                    help="KV cache storage (default: %(default)s)")
@@ -335,7 +335,7 @@ def add_smoke_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def smoke_command(args: argparse.Namespace) -> int:
-    from runtime import open_model
+    from colibri.runtime import open_model
 
     try:
         misplaced = ("max_kl", "min_top1") if args.record else ("prompts", "max_tokens")

@@ -1,11 +1,11 @@
 """Architecture adapters: one small module per checkpoint family."""
 
-from convert.arch.base import Adapter, ConfigError
-from convert.arch.deepseek import Deepseek
-from convert.arch.glm4_moe import Glm4Moe
-from convert.arch.mixtral import Mixtral
-from convert.arch.olmoe import Olmoe
-from convert.arch.qwen_moe import Qwen2Moe, Qwen3Moe
+from colibri.convert.arch.base import Adapter, ConfigError
+from colibri.convert.arch.deepseek import Deepseek
+from colibri.convert.arch.glm4_moe import Glm4Moe
+from colibri.convert.arch.mixtral import Mixtral
+from colibri.convert.arch.olmoe import Olmoe
+from colibri.convert.arch.qwen_moe import Qwen2Moe, Qwen3Moe
 
 ADAPTERS: dict[str, Adapter] = {t: cls() for cls in (Mixtral, Qwen2Moe, Qwen3Moe, Olmoe, Deepseek, Glm4Moe) for t in cls.model_types}
 SUPPORTED = tuple(sorted(ADAPTERS))

@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import gguf
 
-from formats.model_config import ModelConfig
+from colibri.formats.model_config import ModelConfig
 
 EXPERT_MATRICES = ("gate", "up", "down")
 

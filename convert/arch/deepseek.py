@@ -3,8 +3,8 @@ dense first layers; V3/K2 add sigmoid scores with a correction bias."""
 
 import gguf
 
-from convert.arch.base import Adapter, common_fields, require
-from formats.model_config import ModelConfig
+from colibri.convert.arch.base import Adapter, common_fields, require
+from colibri.formats.model_config import ModelConfig
 
 
 class Deepseek(Adapter):

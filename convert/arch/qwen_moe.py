@@ -2,8 +2,8 @@
 
 import gguf
 
-from convert.arch.base import Adapter, common_fields, require
-from formats.model_config import ModelConfig
+from colibri.convert.arch.base import Adapter, common_fields, require
+from colibri.formats.model_config import ModelConfig
 
 
 def sparse_layers(hf: dict, n_layers: int) -> list[int]:
