@@ -9,7 +9,6 @@ resumably, in `workers` processes, the manifest last. A `.gguf` source goes to
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -22,7 +21,7 @@ from colibri.convert.pipeline import TOKENIZER_FILES, ConvertError, ConvertOptio
 from colibri.convert.plan import ConversionPlan, ExpertLayerSource, ResidentTensor, make_plan
 from colibri.convert.quantize_q4k import quantize
 from colibri.convert.resident_layout import ResidentTensorData, resident_file_bytes, write_resident_file
-from colibri.formats.checkpoint import Checkpoint, cache_blob_sha256
+from colibri.formats.checkpoint import HUB_REPO_ID, Checkpoint, cache_blob_sha256
 from colibri.formats.layout import EXPERT_MATRICES
 from colibri.formats.recipe import Recipe
 
@@ -30,7 +29,6 @@ __all__ = ["ConvertError", "ConvertOptions", "convert", "format_summary"]
 
 DEFAULT_QUANT = "Q4_K_M"
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "merges.txt", "vocab.*"]
-HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 CHUNK_BYTES = 32 << 20  # float32 bytes of one resident read; bounds memory for huge embeddings
 
 

@@ -31,6 +31,7 @@ DTYPE_BYTES = {
 }
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F8_E4M3")
 FP8_BLOCK = 128
+HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # what a Hugging Face repo id looks like: owner/name
 
 
 class CheckpointError(Exception):

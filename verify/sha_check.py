@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from colibri.convert.arch import ConfigError
 from colibri.convert.plan import make_plan
-from colibri.formats.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, CheckpointError, cache_blob_sha256, read_header, shard_names
+from colibri.formats.checkpoint import HUB_REPO_ID, INDEX_NAME, SINGLE_NAME, Checkpoint, CheckpointError, cache_blob_sha256, read_header, shard_names
 from colibri.formats.layout import write_atomic
 from colibri.formats.messages import some
 
@@ -150,8 +150,6 @@ def locate(src: str, revision: str | None = None) -> tuple[Path, str | None, str
             raise CheckpointError(f"{src}: not a folder (give the checkpoint's folder)")
         return path, None, None
     from huggingface_hub import snapshot_download
-
-    from colibri.convert.hf_to_colibri import HUB_REPO_ID
 
     if not HUB_REPO_ID.match(src):
         raise CheckpointError(f"{src}: no such folder, and not a Hugging Face repo id")
