@@ -1,1 +1,1 @@
-"""colibri-convert: Hugging Face (and later GGUF) checkpoints → the colibri layout."""
+"""colibri-convert: Hugging Face checkpoints and GGUF files → the colibri layout (see formats/spec.md)."""

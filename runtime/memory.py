@@ -55,7 +55,7 @@ def total_ram() -> int:
 def huge_page_buffer(nbytes: int) -> np.ndarray:
     """A zero-filled uint8 [nbytes] on fresh private pages, page-aligned (O_DIRECT reads into
     it), for which the kernel is asked to use 2 MB pages: weights streamed through 4 KB pages
-    cost a TLB miss per page (measured: 11 -> 14 GB/s for 2.4 MB matrices read cold)."""
+    cost a TLB miss per page (bench/RESULTS.md has the gain)."""
     memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         memory.madvise(mmap.MADV_HUGEPAGE)

@@ -21,7 +21,7 @@ from colibri.runtime.kv_cache import kv_bytes
 from colibri.runtime.model import Decoder
 
 OS_RESERVE = 0.15  # share of RAM left to the OS and the page cache
-RUNTIME_BYTES = 400 << 20  # interpreter, numpy, numba and compiled kernels, measured ~300-400 MB
+RUNTIME_BYTES = 400 << 20  # what the process holds before any weight: interpreter, numpy, numba, compiled kernels
 KV_SHARE = 0.25  # the recommended --ctx keeps the KV cache within this share of free RAM
 
 

@@ -1,1 +1,2 @@
-"""Pre-flight and integrity checks (not built yet: see the verify issue)."""
+"""Checks: a download before converting (`sha_check`), a converted model's integrity (`model_check`),
+fixed-prompt baselines compared across quant versions (`smoke`)."""
