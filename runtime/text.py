@@ -5,28 +5,24 @@ from the Hugging Face checkpoint) and behaves like ``transformers`` 5 with the s
 ``tokenizer.json`` through the ``tokenizers`` library, special tokens from
 ``tokenizer_config.json`` (``special_tokens_map.json`` fills gaps), stop tokens from
 ``generation_config.json`` / ``config.json``, and the chat template rendered in a jinja2
-sandbox (templates come from strangers: unsafe attribute access is refused, not rendered
-as an empty value).
+sandbox (`template_sandbox`: templates come from strangers, so unsafe attribute access is
+refused, not rendered as an empty value, and a render's time and size are bounded).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from collections.abc import Mapping
-from datetime import datetime
 
 import jinja2
-import jinja2.ext
-import jinja2.utils
 import numpy as np
 from jinja2.exceptions import SecurityError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from colibri.formats.messages import one_line, read_json_object
+from colibri.runtime.template_sandbox import environment, render
 
 __all__ = ["Tokenizer", "DetokenizeStream", "TokenizerError", "ChatTemplateError"]
 
@@ -145,8 +141,8 @@ class Tokenizer:
         template = self._compile()
         variables = _plain({"tools": None, "documents": None, **self.special_tokens, **kwargs})
         try:
-            return template.render(messages=_chat_messages(messages), add_generation_prompt=add_generation_prompt,
-                                   **variables)
+            return render(template, messages=_chat_messages(messages), add_generation_prompt=add_generation_prompt,
+                          **variables)
         except SecurityError as e:
             raise ChatTemplateError(f"chat template {self._template_source} refused: {one_line(e)}") from None
         except ChatTemplateError:
@@ -172,7 +168,7 @@ class Tokenizer:
                     f"no chat template: {self._template_source} has none (and there is no chat_template.jinja)"
                 )
             try:
-                self._compiled = _environment(self._template_source).from_string(template)
+                self._compiled = environment(self._template_source, ChatTemplateError).from_string(template)
             except jinja2.TemplateError as e:
                 raise ChatTemplateError(f"chat template {self._template_source} is invalid: {one_line(e)}") from None
         return self._compiled
@@ -188,66 +184,6 @@ class DetokenizeStream:
 
     def push(self, token_id: int) -> str:
         return self._stream.step(self._tok, int(token_id)) or ""
-
-
-# --------------------------------------------------------------------------------------
-# chat template sandbox (the transformers environment, hardened)
-# --------------------------------------------------------------------------------------
-
-
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """Refuses unsafe attribute access at once (jinja2 would render an empty undefined)."""
-
-    def unsafe_undefined(self, obj, attribute):
-        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
-
-
-class _TemplateDict:
-    """``dict`` for templates without the type itself (``dict.update(x, ...)`` would bypass immutability)."""
-
-    def __call__(self, *args, **kwargs):
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args, **kwargs):
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """jinja2's ``namespace`` without underscore-prefixed attributes (as transformers does)."""
-
-    def __init__(*args, **kwargs):  # jinja2's signature trick, so namespace(self=...) works
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise SecurityError(f"namespace attribute {name!r} is unsafe")
-
-
-def _environment(source: str) -> jinja2.Environment:
-    def raise_exception(message):
-        raise ChatTemplateError(f"chat template {source} raised: {message}")
-
-    def strftime_now(fmt):
-        return datetime.now().strftime(fmt)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # like transformers: no HTML escaping, json.dumps options exposed
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=_TemplateDict(),
-                       namespace=_TemplateNamespace)
-    return env
 
 
 def _plain(value):

@@ -7,6 +7,7 @@ import json
 import pathlib
 import shutil
 import sys
+import time
 
 import pytest
 
@@ -318,3 +319,57 @@ def test_corrupt_files(tok_dirs, tmp_path, name):
     with pytest.raises(TokenizerError) as err:
         Tokenizer.from_dir(d)
     assert str(d / name) in str(err.value) and "\n" not in str(err.value)
+
+
+RUNAWAY_TEMPLATES = [
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+    "{{ lipsum(n=10**6) }}",
+    "{% set x = 7 %}{{ x ** (10**9) }}",
+    "{{ 'a' * 10**8 }}",
+    "{{ ['a'] * 10**8 }}",
+    "{{ '{:999999999}'.format(1) }}",
+    "{{ '%999999999d' % 1 }}",
+    "{{ '%999999999d'|format(1) }}",
+    "{{ 'x'|center(10**9) }}",
+    "{{ 'x'.ljust(10**9) }}",
+    "{{ ('a' * 4000000).replace('a', 'bbbbbbbbbbbbbbbbbbbb') }}",
+    "{{ ('a' * 1000000)|replace('a', 'bbbbbbbbbbbbbbbbbbbb') }}",
+    "{{ (['a' * 4000000] * 1000)|join('') }}",
+    "{{ ('a' * 4000000).join(['xy'] * 100) }}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+    "{% macro f(s, n) %}{% if n > 0 %}{{ f(s ~ s, n - 1) }}{% endif %}{% endmacro %}{{ f('ab', 64) }}",
+    "{% set s = 'a' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
+]
+
+
+@pytest.mark.parametrize("template", RUNAWAY_TEMPLATES)
+def test_runaway_template_refused_within_limits(tok_dirs, tmp_path, monkeypatch, template):
+    """Each runaway template stops with one line, within the deadline, without a large allocation."""
+    import resource
+
+    from colibri.runtime import template_sandbox
+
+    monkeypatch.setattr(template_sandbox, "MAX_SECONDS", 1.0)
+    d = copy_dir(tok_dirs["qwen3_moe"], tmp_path / "m")
+    (d / "chat_template.jinja").write_text(template, "utf-8")
+    tok = Tokenizer.from_dir(d)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError) as err:
+        tok.apply_chat_template(CHATS[0])
+    assert time.monotonic() - start < 4.0
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 < 400 << 20
+    message = str(err.value)
+    assert str(d / "chat_template.jinja") in message and "\n" not in message
+
+
+def test_ordinary_templates_pass_the_limits(tok_dirs, tmp_path):
+    d = copy_dir(tok_dirs["qwen3_moe"], tmp_path / "m")
+    template = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+                "{{ '%-6s'|format(m.role) }}{{ m.content|center(12) }}{{ '{:>3}'.format(ns.n) }}{% endfor %}"
+                "{{ ['a', 'b']|join(', ') }}{{ 2 ** 10 }}{{ 'ab' * 3 }}{{ range(3)|list|length }}")
+    (d / "chat_template.jinja").write_text(template, "utf-8")
+    chat = [{"role": "user", "content": "hi"}]
+    assert Tokenizer.from_dir(d).apply_chat_template(chat) == "user  " + "hi".center(12) + "  1a, b1024ababab3"
