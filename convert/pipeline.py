@@ -7,12 +7,15 @@ every source: each finished unit is recorded in a journal (`OUT/.colibri-convert
 with a fingerprint of the conversion, so a killed run rerun with the same arguments skips
 the journalled units and produces byte-identical output; units run in `workers`
 processes (threads for a job whose units only copy and hash); the manifest is written
-last, so until then OUT is an unfinished conversion.
+last, so until then OUT is an unfinished conversion. The finished journal stays (a rerun
+of the same conversion is then a quick no-op) and the manifest records its sha256, as it
+does for every file that holds no tensors.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import multiprocessing
 import shutil
@@ -27,15 +30,10 @@ import numpy as np
 from tqdm import tqdm
 
 from colibri.version import __version__
-from colibri.formats.layout import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, RESIDENT_FILE, write_atomic, write_manifest
-from colibri.formats.model_config import ModelConfig
-
-JOURNAL_NAME = ".colibri-convert.json"
-# Files a conversion writes next to the layout (copied from a checkpoint, or rebuilt from GGUF metadata).
-TOKENIZER_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
+from colibri.formats.layout import (
+    FORMAT_NAME, FORMAT_VERSION, JOURNAL_NAME, MANIFEST_NAME, RESIDENT_FILE, TOKENIZER_FILES, write_atomic, write_manifest,
 )
+from colibri.formats.model_config import ModelConfig
 
 
 class ConvertError(Exception):
@@ -91,13 +89,17 @@ def prepare_output(out: Path, print_: dict, force: bool) -> dict:
         return {}
     journal = None
     if journal_path.is_file():
+        raw = journal_path.read_bytes()
         try:
-            journal = json.loads(journal_path.read_text())
-        except json.JSONDecodeError:
+            journal = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
             journal = None
     if journal and journal.get("fingerprint") == print_:
-        return journal.get("units", {})
-    if not force:
+        if not _journal_changed(out, raw):
+            return journal.get("units", {})
+        if not force:
+            raise ConvertError(f"{journal_path}: differs from the sha256 {MANIFEST_NAME} records; use --force to convert again")
+    elif not force:
         if journal or (out / MANIFEST_NAME).exists():
             raise ConvertError(f"{out}: holds a different conversion (other source or quant); use --force to replace it")
         raise ConvertError(f"{out}: folder is not empty and holds no colibri conversion; choose another or use --force")
@@ -107,6 +109,15 @@ def prepare_output(out: Path, print_: dict, force: bool) -> dict:
         else:
             path.unlink(missing_ok=True)
     return {}
+
+
+def _journal_changed(out: Path, raw: bytes) -> bool:
+    """A finished conversion's journal whose bytes are not those its manifest records."""
+    try:
+        recorded = json.loads((out / MANIFEST_NAME).read_bytes())["files"][JOURNAL_NAME]["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return hashlib.sha256(raw).hexdigest() != recorded
 
 
 def check_free_space(out: Path, needed: int) -> None:
@@ -128,7 +139,7 @@ def run_job(job: Job, out, options: ConvertOptions, started: float | None = None
     check_free_space(out, sum(job.output_bytes[u.name] for u in todo))
     out.mkdir(parents=True, exist_ok=True)
     journal = {"fingerprint": print_, "units": {k: v for k, v in done.items() if k in {u.name for u in job.units}}}
-    write_atomic(out / JOURNAL_NAME, json.dumps(journal, indent=1).encode())
+    _write_journal(out, journal)
 
     total = sum(job.source_bytes.values())
     skipped_bytes = total - sum(job.source_bytes[u.name] for u in todo)
@@ -155,9 +166,14 @@ def _unit_done(out: Path, name: str, done: dict) -> bool:
     return bool(fragment) and all((out / f).is_file() and (out / f).stat().st_size == info["size"] for f, info in fragment["files"].items())
 
 
+def _write_journal(out: Path, journal: dict) -> None:
+    """Keys sorted: the finished journal's bytes do not depend on the order units finished in."""
+    write_atomic(out / JOURNAL_NAME, json.dumps(journal, indent=1, sort_keys=True).encode())
+
+
 def _record(out: Path, journal: dict, name: str, fragment: dict) -> None:
     journal["units"][name] = fragment
-    write_atomic(out / JOURNAL_NAME, json.dumps(journal, indent=1).encode())
+    _write_journal(out, journal)
 
 
 _worker_progress = None
@@ -219,7 +235,8 @@ def _run_units(run_unit: Callable, out: Path, units: list, workers: int, bar: tq
 
 
 def build_manifest(job: Job, fragments: dict, out: Path) -> dict:
-    """The manifest from the units' fragments; writes the tokenizer files on the way."""
+    """The manifest from the units' fragments; writes the tokenizer files on the way and
+    records their and the finished journal's size and sha256."""
     tensors, out_files, expert_layers = {}, {}, []
     for fragment in fragments.values():
         tensors.update(fragment.get("tensors", {}))
@@ -228,7 +245,8 @@ def build_manifest(job: Job, fragments: dict, out: Path) -> dict:
             expert_layers.append(fragment["expert_layer"])
     for name, data in job.tokenizer_files.items():
         write_atomic(out / name, data)
-        out_files[name] = {"size": len(data)}
+    for name, data in {**job.tokenizer_files, JOURNAL_NAME: (out / JOURNAL_NAME).read_bytes()}.items():
+        out_files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,

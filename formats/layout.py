@@ -1,12 +1,13 @@
 """Reader and writer of the colibri layout (a directory; see `formats/spec.md`).
 
 Everything that touches the on-disk layout goes through this module: the manifest
-(validated against `manifest.schema.json`), aligned tensor files written atomically,
-and a memory-mapped reader that locates every tensor and every expert.
+(validated against `manifest.schema.json`, with its own checksum), aligned tensor files
+written atomically, and a memory-mapped reader that locates every tensor and every expert.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -20,9 +21,17 @@ from colibri.formats.encodings import tensor_bytes
 from colibri.formats.model_config import ModelConfig
 
 FORMAT_NAME = "colibri"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "colibri.json"
 RESIDENT_FILE = "resident.bin"
+JOURNAL_NAME = ".colibri-convert.json"
+# Files a conversion writes next to the layout (copied from a checkpoint, or rebuilt from GGUF metadata).
+TOKENIZER_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
+)
+SELF_DIGEST = "self_sha256"  # the manifest's own checksum (format 2); see `manifest_bytes`
+UNSET_DIGEST = "0" * 64
 TENSOR_ALIGN = 64
 EXPERT_ALIGN = 4096
 EXPERT_MATRICES = ("gate", "up", "down")
@@ -39,6 +48,11 @@ def align_up(offset: int, alignment: int) -> int:
 
 def expert_file_name(layer: int) -> str:
     return f"experts/blk.{layer:03d}.bin"
+
+
+def reserved_name(name: str) -> bool:
+    """A path the layout gives a meaning to: a reader or the runtime may open it by this name."""
+    return name in (MANIFEST_NAME, RESIDENT_FILE, JOURNAL_NAME, *TOKENIZER_FILES) or name.startswith("experts/")
 
 
 def fsync_dir(directory: Path) -> None:
@@ -136,26 +150,85 @@ def validate_manifest(manifest: dict, where: str = MANIFEST_NAME) -> None:
             raise FormatError(f"{where}: layer {layer['layer']} expert stride/size is inconsistent")
         if len(layer["sha256"]) != layer["count"]:
             raise FormatError(f"{where}: layer {layer['layer']} lists {len(layer['sha256'])} checksums for {layer['count']} experts")
+    if manifest["format_version"] >= 2:
+        unhashed = unhashed_files(manifest)
+        if unhashed:
+            raise FormatError(f"{where}: files/{unhashed[0]} has no sha256 (format 2 records one for every file that holds no tensors or experts)")
 
 
-def load_manifest(directory: Path) -> dict:
-    """Read and validate `<directory>/colibri.json`."""
+def data_files(manifest: dict) -> set[str]:
+    """The files whose bytes the tensor and expert tables cover (their checksums, zeros elsewhere)."""
+    return {t["file"] for t in manifest["tensors"].values()} | {e["file"] for e in manifest["expert_layers"]}
+
+
+def unhashed_files(manifest: dict) -> list[str]:
+    """Files of `files` that no checksum covers (none in format 2; the tokenizer files in format 1)."""
+    covered = data_files(manifest)
+    return [name for name, info in manifest["files"].items() if name not in covered and "sha256" not in info]
+
+
+def manifest_bytes(manifest: dict) -> bytes:
+    """The manifest file: sorted-key JSON whose `self_sha256` is the sha256 of these very bytes
+    with that value's 64 hex digits replaced by 64 `0`s."""
+    text = json.dumps({**manifest, SELF_DIGEST: UNSET_DIGEST}, indent=1, sort_keys=True).encode()
+    slot = f'"{SELF_DIGEST}": "{UNSET_DIGEST}"'.encode()
+    digest = hashlib.sha256(text).hexdigest()
+    return text.replace(slot, f'"{SELF_DIGEST}": "{digest}"'.encode(), 1)
+
+
+def self_digest_problem(raw: bytes, manifest: dict) -> str | None:
+    """What is wrong with a parsed manifest's own checksum, or None (format 1 has none)."""
+    recorded, version = manifest.get(SELF_DIGEST), manifest.get("format_version")
+    if recorded is None:
+        return "no self_sha256 (format 2 manifests check themselves)" if isinstance(version, int) and version >= 2 else None
+    if not isinstance(recorded, str) or raw.count(recorded.encode()) != 1:
+        return "self_sha256 is not a digest found once in the file"
+    if hashlib.sha256(raw.replace(recorded.encode(), UNSET_DIGEST.encode())).hexdigest() != recorded:
+        return "sha256 mismatch: the manifest changed after it was written"
+    return None
+
+
+def manifest_digest_problem(directory: Path) -> str | None:
+    """`self_digest_problem` of `<directory>/colibri.json` (None when it is missing or not a JSON object)."""
+    path = Path(directory) / MANIFEST_NAME
+    try:
+        raw = path.read_bytes()
+        manifest = json.loads(raw)
+    except (OSError, ValueError):
+        return None
+    return self_digest_problem(raw, manifest) if isinstance(manifest, dict) else None
+
+
+def read_manifest(directory: Path, strict: bool = True) -> tuple[dict, str | None]:
+    """Read and validate `<directory>/colibri.json`; returns it without `self_sha256`, and what
+    is wrong with that checksum (None when nothing is). `strict` refuses such a manifest."""
     path = Path(directory) / MANIFEST_NAME
     if not path.is_file():
         raise FormatError(f"{path}: no manifest (not a colibri model, or an unfinished conversion)")
+    raw = path.read_bytes()
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise FormatError(f"{path}: manifest is not valid JSON ({e})") from None
+    problem = self_digest_problem(raw, manifest) if isinstance(manifest, dict) else None
+    if problem and strict:
+        raise FormatError(f"{path}: {problem}")
+    if isinstance(manifest, dict):
+        manifest.pop(SELF_DIGEST, None)
     validate_manifest(manifest, str(path))
-    return manifest
+    return manifest, problem
+
+
+def load_manifest(directory: Path) -> dict:
+    """Read and validate `<directory>/colibri.json`, refusing one whose own checksum fails."""
+    return read_manifest(directory)[0]
 
 
 def write_manifest(directory: Path, manifest: dict) -> None:
     """Validate, then write the manifest atomically (the last step of a conversion)."""
     path = Path(directory) / MANIFEST_NAME
     validate_manifest(manifest, str(path))
-    write_atomic(path, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    write_atomic(path, manifest_bytes(manifest))
 
 
 @dataclass(frozen=True)
@@ -195,11 +268,15 @@ class ExpertLayer:
 
 
 class ModelLayout:
-    """A converted model opened for reading: manifest, config and mmapped files."""
+    """A converted model opened for reading: manifest, config and mmapped files.
 
-    def __init__(self, directory):
+    `strict=False` (for `colibri verify`) opens a manifest whose own checksum fails and
+    keeps the problem in `manifest_problem` instead of refusing it.
+    """
+
+    def __init__(self, directory, strict: bool = True):
         self.directory = Path(directory)
-        self.manifest = load_manifest(self.directory)
+        self.manifest, self.manifest_problem = read_manifest(self.directory, strict)
         self.config = ModelConfig.from_dict(self.manifest["config"])
         self.tensors = {
             name: TensorInfo(name, t["file"], t["offset"], t["nbytes"], t["encoding"], tuple(t["shape"]), t["sha256"])

@@ -10,14 +10,14 @@ from hypothesis import strategies as st
 
 from colibri.formats.checkpoint import CheckpointError, read_header
 from colibri.formats.encodings import EncodingError, row_bytes, tensor_bytes
-from colibri.formats.layout import FormatError, ModelLayout, load_manifest, validate_manifest, write_manifest
+from colibri.formats.layout import FORMAT_VERSION, FormatError, ModelLayout, load_manifest, validate_manifest, write_manifest
 
 SHA = "0" * 64
 
 
 def minimal_manifest():
     return {
-        "format": "colibri", "format_version": 1, "converter": {"name": "t", "version": "0"},
+        "format": "colibri", "format_version": FORMAT_VERSION, "converter": {"name": "t", "version": "0"},
         "config": {"architecture": "mixtral", "gguf_architecture": "LLAMA", "vocab_size": 8, "hidden_size": 256,
                    "n_layers": 1, "n_heads": 4, "n_kv_heads": 4, "head_dim": 64, "v_head_dim": 64, "norm_eps": 1e-5,
                    "max_position_embeddings": 64, "tie_word_embeddings": False, "moe_layers": [0], "n_experts": 2, "n_experts_used": 1},
@@ -54,7 +54,8 @@ def test_minimal_manifest_is_valid_and_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("breakage, message", [
-    (lambda m: m.update(format_version=2), "newer than this reader"),
+    (lambda m: m.update(format_version=FORMAT_VERSION + 1), "newer than this reader"),
+    (lambda m: m["files"].update({"config.json": {"size": 2}}), "files/config.json has no sha256"),
     (lambda m: m.update(format="gguf"), "invalid manifest"),
     (lambda m: m["tensors"]["output_norm.weight"].update(nbytes=1000), "needs 1024"),
     (lambda m: m["tensors"]["output_norm.weight"].update(offset=3), "invalid manifest at tensors/output_norm.weight/offset"),
@@ -77,6 +78,31 @@ def test_missing_and_garbage_manifest(tmp_path):
     (tmp_path / "colibri.json").write_text("{not json")
     with pytest.raises(FormatError, match="not valid JSON"):
         load_manifest(tmp_path)
+
+
+def test_manifest_checks_itself(tmp_path):
+    manifest = minimal_manifest()
+    write_manifest(tmp_path, manifest)
+    path = tmp_path / "colibri.json"
+    raw = path.read_bytes()
+    assert json.loads(raw)["self_sha256"] != "0" * 64  # the other checksums here are zeros; only its own slot is filled
+    position = raw.index(b'"Q4_K_M"') + 3  # Q4_K_M -> Q5_K_M: still a valid recipe
+    path.write_bytes(raw[:position] + b"5" + raw[position + 1 :])
+    with pytest.raises(FormatError, match="colibri.json: sha256 mismatch: the manifest changed after it was written"):
+        load_manifest(tmp_path)
+    path.write_bytes(json.dumps(manifest).encode())
+    with pytest.raises(FormatError, match="no self_sha256"):
+        load_manifest(tmp_path)
+
+
+def test_format_1_manifest_is_read(tmp_path):
+    """Format 1: no self_sha256, and files without a sha256 (tokenizer files unchecked)."""
+    manifest = minimal_manifest()
+    manifest["format_version"] = 1
+    manifest["files"]["config.json"] = {"size": 2}
+    manifest["tokenizer_files"] = ["config.json"]
+    (tmp_path / "colibri.json").write_text(json.dumps(manifest))
+    assert load_manifest(tmp_path) == manifest
 
 
 def test_reader_locates_experts_and_checks_file_sizes(tmp_path):
