@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from colibri.formats.messages import one_line, read_json_object
+from colibri.formats.messages import one_line
+from colibri.formats.safe_json import read_json_object
 
 __all__ = ["GGUFTokenizerError", "add_tokenizer_metadata", "tokenizer_files_from_gguf"]
 

@@ -10,14 +10,18 @@ decoded to float32 here, FP8 e4m3 with 128×128 block scales included.
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import re
 import struct
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from colibri.formats.messages import some
+from colibri.formats.safe_json import loads, read_json_object
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -71,8 +75,33 @@ def cache_blob_sha256(path: Path) -> str | None:
     return blob if re.fullmatch(r"[0-9a-f]{64}", blob) else None
 
 
+def _plain_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _entry(path: Path, name: str, info, base: int) -> TensorEntry:
+    """One header entry, every field checked for type and range."""
+    if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"}:
+        raise CheckpointError(f"{path.name}: malformed header entry for tensor {name}")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise CheckpointError(f"{path.name}: tensor {name} has unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or len(shape) > 8 or not all(_plain_int(d) and 0 <= d < 1 << 40 for d in shape):
+        raise CheckpointError(f"{path.name}: tensor {name} has a malformed shape {shape!r}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_plain_int(o) and o >= 0 for o in offsets):
+        raise CheckpointError(f"{path.name}: tensor {name} has malformed data_offsets {offsets!r}")
+    start, end = offsets
+    nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
+    if start > end or end - start != nbytes:
+        raise CheckpointError(
+            f"{path.name}: tensor {name} spans bytes {start}..{end}, but {dtype} {shape} needs {nbytes}"
+        )
+    return TensorEntry(name, path, dtype, tuple(shape), base + start, nbytes)
+
+
 def read_header(path: Path) -> dict[str, TensorEntry]:
-    """Parse and sanity-check one safetensors file's header."""
+    """Parse and check one safetensors file's header: every entry well-typed, and the tensors
+    covering the data area exactly (no gap, no overlap, nothing after), as the format requires."""
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -82,37 +111,49 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
         (header_len,) = struct.unpack("<Q", head)
         if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
             raise CheckpointError(f"{path.name}: header declares {header_len} bytes but the file has {size} bytes")
-        try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path.name}: header is not valid JSON ({e})") from None
+        header = loads(f.read(header_len), path.name, CheckpointError, "a valid safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path.name}: header is not a JSON object")
+    if not isinstance(header.get("__metadata__", {}), dict):
+        raise CheckpointError(f"{path.name}: header __metadata__ is not a JSON object")
     base = 8 + header_len
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (start, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path.name}: malformed header entry for tensor {name}") from None
-        if dtype not in DTYPE_BYTES:
-            raise CheckpointError(f"{path.name}: tensor {name} has unsupported dtype {dtype}")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPE_BYTES[dtype]
-        if not (0 <= start <= end) or end - start != nbytes:
-            raise CheckpointError(
-                f"{path.name}: tensor {name} spans bytes {start}..{end}, but {dtype} {list(shape)} needs {nbytes}"
-            )
-        entries[name] = TensorEntry(name, path, dtype, shape, base + start, nbytes)
+    entries = {name: _entry(path, name, info, base) for name, info in header.items() if name != "__metadata__"}
     spans = sorted((e.offset, e.offset + e.nbytes, e.name) for e in entries.values())
-    for (_, end_a, name_a), (start_b, _, name_b) in zip(spans, spans[1:]):
-        if start_b < end_a:
-            raise CheckpointError(f"{path.name}: tensors {name_a} and {name_b} overlap")
-    expected = max((end for _, end, _ in spans), default=base)
-    if size < expected:
-        raise CheckpointError(f"{path.name}: truncated: header declares {expected} bytes, file has {size}")
+    position, previous = base, None
+    for start, end, name in spans:
+        if start < position:
+            raise CheckpointError(f"{path.name}: tensors {previous} and {name} overlap")
+        if start > position:
+            raise CheckpointError(f"{path.name}: {start - position} bytes before tensor {name} belong to no tensor")
+        position, previous = end, name
+    if size < position:
+        raise CheckpointError(f"{path.name}: truncated: header declares {position} bytes, file has {size}")
+    if size > position:
+        raise CheckpointError(f"{path.name}: {size - position} bytes after the last tensor belong to no tensor "
+                              f"(a header length that does not match the header?)")
     return entries
+
+
+def read_weight_map(index_path: Path) -> dict[str, str]:
+    """The index's tensor → shard map: no tensor listed twice, every shard a plain file name in
+    the checkpoint folder."""
+    repeated = []
+
+    def pairs_hook(pairs):
+        repeated.extend(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
+        return dict(pairs)
+
+    index = read_json_object(index_path, CheckpointError, missing_ok=False, object_pairs_hook=pairs_hook,
+                             what="a valid safetensors index")
+    if repeated:
+        raise CheckpointError(f"{index_path.name}: lists {some(repeated)} more than once")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path.name}: not a valid safetensors index (no weight_map object)")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or shard != Path(shard).name or shard in (".", ".."):
+            raise CheckpointError(f"{index_path.name}: tensor {name} is placed in {shard!r}, not a file name in the folder")
+    return weight_map
 
 
 def shard_names(directory: Path) -> list[str]:
@@ -120,11 +161,7 @@ def shard_names(directory: Path) -> list[str]:
     directory = Path(directory)
     index_path = directory / INDEX_NAME
     if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index_path.name}: not a valid safetensors index ({e})") from None
-        return sorted(set(weight_map.values()))
+        return sorted(set(read_weight_map(index_path).values()))
     if (directory / SINGLE_NAME).is_file():
         return [SINGLE_NAME]
     pickles = sorted(p.name for pattern in PICKLE_PATTERNS for p in directory.glob(pattern))
@@ -146,10 +183,7 @@ class Checkpoint:
         config_path = self.directory / "config.json"
         if not config_path.is_file():
             raise CheckpointError(f"{config_path}: missing (every Hugging Face checkpoint has one)")
-        try:
-            self.config = json.loads(config_path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
+        self.config = read_json_object(config_path, CheckpointError)
         self.shards = shard_names(self.directory)
         missing = [s for s in self.shards if not (self.directory / s).is_file()]
         if missing:
@@ -168,7 +202,7 @@ class Checkpoint:
         index_path = self.directory / INDEX_NAME
         if not index_path.is_file():
             return
-        for name, shard in json.loads(index_path.read_text())["weight_map"].items():
+        for name, shard in read_weight_map(index_path).items():
             entry = self.tensors.get(name)
             if entry is None or entry.file.name != shard:
                 raise CheckpointError(f"{shard}: does not contain tensor {name}, which {INDEX_NAME} places there")

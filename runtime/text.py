@@ -21,7 +21,8 @@ from jinja2.exceptions import SecurityError
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
-from colibri.formats.messages import one_line, read_json_object
+from colibri.formats.messages import one_line
+from colibri.formats.safe_json import read_json_object
 from colibri.runtime.template_sandbox import environment, render
 
 __all__ = ["Tokenizer", "DetokenizeStream", "TokenizerError", "ChatTemplateError"]

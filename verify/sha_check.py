@@ -10,7 +10,6 @@ report, and reading files in parallel threads under one progress bar.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import threading
@@ -23,7 +22,7 @@ from tqdm import tqdm
 
 from colibri.convert.arch import ConfigError
 from colibri.convert.plan import make_plan
-from colibri.formats.checkpoint import HUB_REPO_ID, INDEX_NAME, SINGLE_NAME, Checkpoint, CheckpointError, cache_blob_sha256, read_header, shard_names
+from colibri.formats.checkpoint import HUB_REPO_ID, INDEX_NAME, SINGLE_NAME, Checkpoint, CheckpointError, cache_blob_sha256, read_header, read_weight_map, shard_names
 from colibri.formats.layout import write_atomic
 from colibri.formats.messages import some
 
@@ -205,21 +204,11 @@ def check_index(directory: Path, report: Report) -> tuple[list[str], dict | None
     index = directory / INDEX_NAME
     weight_map = None
     if index.is_file():
-        repeated = []
-
-        def pairs_hook(pairs):
-            repeated.extend(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
-            return dict(pairs)
-
         try:
-            weight_map = json.loads(index.read_text(), object_pairs_hook=pairs_hook)["weight_map"]
-            if not all(isinstance(s, str) for s in weight_map.values()):
-                raise TypeError("shard names must be strings")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            report.add(ERROR, INDEX_NAME, f"not a valid safetensors index ({type(e).__name__}: {e})")
+            weight_map = read_weight_map(index)
+        except CheckpointError as e:
+            report.add(ERROR, *split_message(str(e), INDEX_NAME))
             return [], None
-        if repeated:
-            report.add(ERROR, INDEX_NAME, f"lists {some(repeated)} more than once")
         shards = sorted(set(weight_map.values()))
     else:
         try:
