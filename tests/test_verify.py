@@ -13,15 +13,16 @@ import pytest
 from huggingface_hub import HfApi
 from huggingface_hub.hf_api import BlobLfsInfo, RepoSibling
 
+from colibri.convert.colibri_to_gguf import export_gguf
 from colibri.convert.hf_to_colibri import ConvertOptions, convert
 from colibri.convert.synthetic import ARCHITECTURES, tiny_config, write_checkpoint
 from colibri.formats.checkpoint import INDEX_NAME, CheckpointError
 from colibri.formats.encodings import SCALE_OFFSETS
-from colibri.formats.layout import MANIFEST_NAME, FormatError, ModelLayout
+from colibri.formats.layout import JOURNAL_NAME, MANIFEST_NAME, FormatError, ModelLayout
 from test_hub_source import fake_hub_cache, offline_cache  # noqa: F401 (a fixture)
 from colibri.verify.cli import add_verify_arguments, add_verify_source_arguments, verify_command, verify_source_command
 from colibri.verify.model_check import verify_model
-from colibri.verify.sha_check import ERROR, SUMS_NAME, verify_source
+from colibri.verify.sha_check import ERROR, SUMS_NAME, WARNING, verify_source
 
 JSON_WHITESPACE = b" \t\n\r"
 
@@ -284,11 +285,89 @@ def test_random_byte_flips_are_named(model):
     assert model_report(model).ok
 
 
+@pytest.fixture(scope="module")
+def imported(pristine, tmp_path_factory):
+    """The DeepSeek model exported to GGUF and imported back (tokenizer files rebuilt from metadata)."""
+    root = tmp_path_factory.mktemp("imported")
+    export_gguf(pristine[1], root / "m.gguf", progress=False)
+    convert(str(root / "m.gguf"), root / "model", ConvertOptions(progress=False))
+    return root / "model"
+
+
+def model_file_names(folder):
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("which", ["converted", "imported"])
+def test_a_flip_in_every_file_is_named(which, pristine, imported, tmp_path):
+    """Every file of the folder, the manifest and the journal included: each flip fails verify
+    and names the file (and, in tensor and expert files, the place)."""
+    model = shutil.copytree(pristine[1] if which == "converted" else imported, tmp_path / "model")
+    layout = ModelLayout(model)
+    names = model_file_names(model)
+    loose = {"config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", JOURNAL_NAME}
+    assert loose - {"config.json"} <= set(names) and {"resident.bin", MANIFEST_NAME} <= set(names)
+    rng = random.Random(6)
+    for file in names:
+        size = (model / file).stat().st_size
+        big = file in layout.manifest["files"] and "sha256" not in layout.manifest["files"][file]
+        positions = {0, size - 1, *(rng.randrange(size) for _ in range(6 if big else 2))}
+        for position in sorted(positions):
+            mask = rng.randrange(1, 256)
+            flip(model / file, position, mask)
+            report = model_report(model)
+            text = errors(report)
+            assert not report.ok and f"error: {file}: " in text, (file, position, text)
+            if big:
+                assert expected_location(layout, file, position) in text, (file, position, text)
+            elif file != MANIFEST_NAME:
+                assert f"error: {file}: whole file (bytes 0..{size}): sha256 mismatch" in text
+            flip(model / file, position, mask)
+    assert model_report(model).ok
+
+
+def test_unlisted_files_are_reported(model):
+    (model / "chat_template.jinja").write_text("{{ messages }}")
+    (model / "notes.txt").write_text("mine")
+    for report in (model_report(model), model_report(model, quick=True)):
+        assert "error: chat_template.jinja: not listed in the manifest" in errors(report)
+        assert "warning: notes.txt: not listed in the manifest" in str(report.of(WARNING)[0])
+    (model / "chat_template.jinja").unlink()
+    report = model_report(model)
+    assert report.ok and [f.file for f in report.findings] == ["notes.txt"]
+
+
+def as_format_1(model):
+    """Rewrite a format-2 manifest the way format 1 wrote it: no self_sha256, files without
+    sha256, the journal unlisted."""
+    manifest = ModelLayout(model).manifest
+    manifest["format_version"] = 1
+    manifest["files"] = {name: {"size": f["size"]} for name, f in manifest["files"].items() if name != JOURNAL_NAME}
+    (model / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+
+
+def test_format_1_model_opens_and_verify_names_what_it_cannot_check(model, pristine):
+    from gguf_checks import logits
+
+    as_format_1(model)
+    assert ModelLayout(model).manifest["format_version"] == 1
+    assert (logits(model) == logits(pristine[1])).all()
+    report = model_report(model)
+    uncovered = "config.json, generation_config.json, tokenizer.json, tokenizer_config.json, .colibri-convert.json, colibri.json"
+    assert report.ok and [str(f) for f in report.findings] == [
+        f"warning: colibri.json: format version 1 records no checksum for {uncovered}: their contents are not checked (convert again for format 2)"]
+    flip(model / "tokenizer.json", 10, 1)
+    assert model_report(model).ok  # what format 1 cannot see
+    flip(model / "experts" / "blk.001.bin", 10, 1)
+    assert "error: experts/blk.001.bin: layer 1 expert 0 (bytes" in errors(model_report(model))
+    assert len(model_report(model, quick=True).of(WARNING)) == 1
+
+
 def test_manifest_byte_flips_fail(model):
     raw = (model / MANIFEST_NAME).read_bytes()
     starts = [(m.start(), m.group(1)) for m in re.finditer(rb'\n "(\w+)": ', raw)] + [(len(raw), b"")]
-    # provenance, converter and config values have no second copy to check them against
-    spans = [(a, b) for (a, key), (b, _) in zip(starts, starts[1:]) if key not in (b"provenance", b"converter", b"config")]
+    # self_sha256 covers every key, provenance, converter and config included (they have no second copy)
+    spans = [(a, b) for (a, key), (b, _) in zip(starts, starts[1:])]
     rng = random.Random(5)
     trials = 0
     while trials < 25:

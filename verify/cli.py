@@ -51,7 +51,7 @@ def verify_source_command(args: argparse.Namespace) -> int:
 
 def add_verify_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", metavar="OUT", help="a converted model folder")
-    p.add_argument("--quick", action="store_true", help="manifest and file sizes only; no hashing")
+    p.add_argument("--quick", action="store_true", help="manifest (its own checksum included), file sizes, unlisted files; no hashing of the files")
     _common(p, "cores")
 
 

@@ -1,11 +1,14 @@
 """colibri verify: is a converted model complete and intact?
 
-First the manifest: schema, format version and its own consistency (`ModelLayout`), its
-tables against the config (every resident tensor and expert layer the architecture
-implies, with that shape, in the encoding the recorded recipe gives), every file's size.
-Then every byte is read once, on parallel threads: the sha256 of each resident tensor and
-each expert record, NaN/Inf in the f16 scales of every block and in float tensors, and
-zeros in all padding (between resident tensors and after each expert record).
+First the manifest: schema, format version, its own checksum and consistency
+(`ModelLayout`), its tables against the config (every resident tensor and expert layer the
+architecture implies, with that shape, in the encoding the recorded recipe gives), every
+file's size, and files in the folder it does not list. Then every byte is read once, on
+parallel threads: the sha256 of each resident tensor, each expert record and each other
+file (config, tokenizer, chat template, journal), NaN/Inf in the f16 scales of every block
+and in float tensors, and zeros in all padding (between resident tensors and after each
+expert record). A format-1 model is checked as far as it records checksums; one warning
+names the files it cannot cover.
 """
 
 from __future__ import annotations
@@ -22,12 +25,16 @@ import numpy as np
 
 from colibri.convert.arch import ADAPTERS
 from colibri.formats.encodings import SCALE_OFFSETS, block_size
-from colibri.formats.layout import EXPERT_MATRICES, MANIFEST_NAME, FormatError, ModelLayout, expert_file_name
+from colibri.formats.layout import (
+    EXPERT_MATRICES, JOURNAL_NAME, MANIFEST_NAME, FormatError, ModelLayout, data_files, expert_file_name, manifest_digest_problem,
+    reserved_name, unhashed_files,
+)
 from colibri.formats.messages import some
 from colibri.formats.recipe import Recipe
-from colibri.verify.sha_check import CHUNK_BYTES, ERROR, Finding, Report, human, read_chunks, run_parallel, split_message
+from colibri.verify.sha_check import CHUNK_BYTES, ERROR, WARNING, Finding, Report, human, read_chunks, run_parallel, split_message
 
 PAD = "padding"
+RAW = "bytes"  # a whole file hashed, its contents not interpreted
 # Float encodings: the unsigned view and the exponent mask that marks NaN/Inf.
 EXPONENTS = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80)}
 F16_EXPONENT = 0x7C00
@@ -56,6 +63,8 @@ class Task:
 
 def bad_offsets(chunk, kind: str) -> np.ndarray:
     """Offsets in `chunk` of non-zero padding bytes, NaN/Inf floats, or blocks with a NaN/Inf f16 scale."""
+    if kind == RAW:
+        return np.empty(0, np.int64)
     if kind == PAD:
         data = np.frombuffer(chunk, np.uint8)
         return np.flatnonzero(data) if data.any() else np.empty(0, np.int64)
@@ -71,7 +80,7 @@ def bad_offsets(chunk, kind: str) -> np.ndarray:
 
 def chunk_bytes(kind: str) -> int:
     """The largest read of whole blocks of `kind` (floats and padding: any multiple of 4) up to CHUNK_BYTES."""
-    unit = 1 if kind in PROBLEMS else block_size(kind)[1]
+    unit = 1 if kind in PROBLEMS or kind == RAW else block_size(kind)[1]
     return CHUNK_BYTES // unit * unit
 
 
@@ -120,6 +129,39 @@ def check_files(layout: ModelLayout, report: Report) -> set[str]:
         if name not in files:
             report.add(ERROR, MANIFEST_NAME, f"tokenizer file {name} is not listed in files")
     return intact
+
+
+def check_listing(layout: ModelLayout, report: Report) -> None:
+    """Files in the folder the manifest does not list: an error under a name the layout
+    reserves (the runtime may open it, unchecked), a warning otherwise."""
+    listed = set(layout.manifest["files"]) | {MANIFEST_NAME}
+    if layout.manifest["format_version"] < 2:
+        listed.add(JOURNAL_NAME)  # format 1 leaves it unlisted; `check_coverage` names it
+    for path in sorted(p for p in layout.directory.rglob("*") if p.is_file()):
+        name = path.relative_to(layout.directory).as_posix()
+        if name not in listed:
+            if reserved_name(name):
+                report.add(ERROR, name, "not listed in the manifest, so not checked, yet a file the runtime opens by this name")
+            else:
+                report.add(WARNING, name, "not listed in the manifest (not part of the model; not checked)")
+
+
+def check_coverage(layout: ModelLayout, report: Report) -> None:
+    """A format-1 model: one warning naming the files no checksum covers."""
+    if layout.manifest["format_version"] >= 2:
+        return
+    journal = [JOURNAL_NAME] if layout.path(JOURNAL_NAME).is_file() else []
+    uncovered = [*unhashed_files(layout.manifest), *journal, MANIFEST_NAME]
+    report.add(WARNING, MANIFEST_NAME, f"format version 1 records no checksum for {', '.join(uncovered)}: "
+               "their contents are not checked (convert again for format 2)")
+
+
+def file_tasks(layout: ModelLayout, intact: set[str]) -> list[Task]:
+    """One task per file with a whole-file sha256 (the files that hold no tensors)."""
+    covered = data_files(layout.manifest)
+    return [Task(name, "whole file", (Segment(0, info["size"], RAW, ""),), info["sha256"])
+            for name, info in layout.manifest["files"].items()
+            if "sha256" in info and name in intact and name not in covered]
 
 
 def check_architecture(layout: ModelLayout, report: Report) -> None:
@@ -236,16 +278,23 @@ def verify_model(out, *, jobs: int | None = None, quick: bool = False, progress:
         raise FormatError(f"{out}: no such folder")
     report = Report()
     try:
-        layout = ModelLayout(directory)
+        layout = ModelLayout(directory, strict=False)
     except (FormatError, TypeError, ValueError) as e:  # ValueError: an encoding or config field it cannot represent
+        problem = manifest_digest_problem(directory)
+        if problem:
+            report.add(ERROR, MANIFEST_NAME, problem)
         report.add(ERROR, *split_message(str(e), MANIFEST_NAME))
     if not report.ok:
         report.summary = "no usable manifest"
         return report
+    if layout.manifest_problem:
+        report.add(ERROR, MANIFEST_NAME, layout.manifest_problem)
     intact = check_files(layout, report)
+    check_listing(layout, report)
+    check_coverage(layout, report)
     check_architecture(layout, report)
     check_recipe(layout, report)
-    tasks = resident_tasks(layout, intact, report) + expert_tasks(layout, intact, report)
+    tasks = resident_tasks(layout, intact, report) + expert_tasks(layout, intact, report) + file_tasks(layout, intact)
     experts = sum(t.count for t in layout.expert_layers.values())
     described = f"{len(layout.tensors)} tensors, {experts} experts in {len(layout.expert_layers)} layers"
     if quick:
@@ -255,5 +304,5 @@ def verify_model(out, *, jobs: int | None = None, quick: bool = False, progress:
     for findings in run_parallel(partial(check_task, directory), tasks, total, jobs or os.cpu_count() or 1, progress, "verify"):
         report.findings.extend(findings)
     checked = sum(t.sha256 is not None for t in tasks)
-    report.summary = f"{described}; {human(total)} read, {checked} sha256 checked"
+    report.summary = f"{described}, {len(layout.manifest['files'])} files; {human(total)} read, {checked} sha256 checked"
     return report
