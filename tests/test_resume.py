@@ -1,5 +1,7 @@
-"""A conversion killed with SIGKILL and rerun produces byte-identical output."""
+"""A conversion killed with SIGKILL and rerun produces byte-identical output; the finished
+journal is covered by the manifest."""
 
+import hashlib
 import json
 import os
 import signal
@@ -7,7 +9,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+from colibri.convert.hf_to_colibri import ConvertOptions, convert
+from colibri.convert.pipeline import ConvertError
 from colibri.convert.synthetic import tiny_config, write_checkpoint
+from colibri.formats.layout import ModelLayout
 
 JOURNAL = ".colibri-convert.json"
 
@@ -51,4 +58,18 @@ def test_sigkill_then_rerun_is_byte_identical(tmp_path):
     assert rerun.returncode == 0, stderr.decode()
     assert "resumed" in stdout.decode()
     assert model_files(out) == model_files(reference)
+    assert (out / JOURNAL).read_bytes() == (reference / JOURNAL).read_bytes()  # the manifest records its sha256
     assert not list(out.rglob("*.partial"))
+
+
+def test_finished_journal_is_checksummed_and_trusted_only_intact(checkpoint, tmp_path):
+    src, out = str(checkpoint("mixtral")), tmp_path / "out"
+    convert(src, out, ConvertOptions(progress=False))
+    raw = (out / JOURNAL).read_bytes()
+    assert ModelLayout(out).manifest["files"][JOURNAL] == {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    manifest = (out / "colibri.json").read_bytes()
+    (out / JOURNAL).write_bytes(raw.replace(b'"sha256": [\n', b'"sha256":  [\n', 1))  # still valid JSON, same units
+    with pytest.raises(ConvertError, match=f"{JOURNAL}: differs from the sha256 colibri.json records; use --force"):
+        convert(src, out, ConvertOptions(progress=False))
+    convert(src, out, ConvertOptions(progress=False, force=True))
+    assert (out / JOURNAL).read_bytes() == raw and (out / "colibri.json").read_bytes() == manifest
