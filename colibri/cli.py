@@ -17,11 +17,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from colibri.formats.checkpoint import CheckpointError
     from colibri.formats.encodings import EncodingError
     from colibri.formats.layout import FormatError
-    from colibri.runtime.engine import BudgetError
+    from colibri.runtime.engine import BudgetError, PromptError
     from colibri.runtime.kv_cache import ContextOverflow
     from colibri.runtime.text import TokenizerError
 
-    return ConfigError, ConvertError, CheckpointError, EncodingError, FormatError, BudgetError, ContextOverflow, TokenizerError
+    return ConfigError, ConvertError, CheckpointError, EncodingError, FormatError, BudgetError, ContextOverflow, TokenizerError, PromptError
 
 
 def _override(text: str) -> tuple[str, str]:

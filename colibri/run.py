@@ -8,9 +8,9 @@ import sys
 import traceback
 from pathlib import Path
 
+from colibri.prompt_dir import check_folders, output_path, prompt_files, read_prompt
 from colibri.runtime.memory import format_size, size_argument
 
-PROMPT_SUFFIXES = (".txt", ".md", ".json")
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,7 +21,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     source.add_argument("--chat", action="store_true", help="interactive chat on stdin, using the model's chat template")
     source.add_argument("--prompt-dir", type=Path, metavar="IN",
                         help="batch job: one output per prompt file in IN (.txt/.md plain, .json {\"messages\": [...]}); done ones are skipped")
-    p.add_argument("--out-dir", type=Path, metavar="OUT", help="where --prompt-dir writes IN's outputs (NAME.out.txt)")
+    p.add_argument("--out-dir", type=Path, metavar="OUT", help="where --prompt-dir writes IN's outputs (NAME.out for IN/NAME; not inside IN)")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--ctx", type=int, default=4096, help="context length in tokens; the KV cache is preallocated for it (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: %(default)s)")
@@ -76,33 +76,27 @@ def _prefetch_stats(stats: dict) -> str:
             + (f", {hidden:.0%} of read time hidden" if hidden is not None else ""))
 
 
-def _prompt_of(path: Path):
-    if path.suffix == ".json":
-        messages = json.loads(path.read_text())
-        return messages["messages"] if isinstance(messages, dict) else messages
-    return path.read_text()
-
-
 def run_batch(model, args) -> int:
     """The nightly batch job: each prompt file → one output; done ones skipped, failures isolated."""
-    if args.out_dir is None:
-        raise SystemExit("colibri run: error: --prompt-dir needs --out-dir")
+    check_folders(args.prompt_dir, args.out_dir)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    inputs = sorted(p for p in args.prompt_dir.iterdir() if p.is_file() and p.suffix in PROMPT_SUFFIXES)
+    inputs = prompt_files(args.prompt_dir)
     done = skipped = 0
     failed = []
     for path in inputs:
-        target = args.out_dir / f"{path.stem}.out.txt"
+        target = output_path(args.out_dir, path)
         if target.exists():
             skipped += 1
             continue
+        before = dict(model.timings)
         try:
-            text = "".join(model.generate(_prompt_of(path), **_sampling(args)))
+            text = "".join(model.generate(read_prompt(path, model.prompt_bytes_limit()), **_sampling(args)))
             partial = target.with_name(target.name + ".partial")
             partial.write_text(text)
             partial.replace(target)
             done += 1
-            print(f"{path.name}: {model.timings['generated_tokens']} tokens", file=sys.stderr)
+            prompt, generated = (model.timings[k] - before[k] for k in ("prompt_tokens", "generated_tokens"))
+            print(f"{path.name}: {prompt} prompt tokens, {generated} generated", file=sys.stderr)
         except Exception as e:  # one bad prompt must not stop the night's job
             failed.append(path.name)
             print(f"{path.name}: failed: {type(e).__name__}: {e}", file=sys.stderr)

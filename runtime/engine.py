@@ -20,12 +20,13 @@ import numpy as np
 from colibri.formats.layout import ModelLayout
 from colibri.runtime import kernels
 from colibri.runtime.expert_store import POLICIES, ExpertStore, cache_bytes_for_all
-from colibri.runtime.kv_cache import KVCache, kv_bytes
+from colibri.runtime.kv_cache import ContextOverflow, KVCache, kv_bytes
 from colibri.runtime.memory import current_rss, format_size, parse_size, peak_rss, total_ram
 from colibri.runtime.model import Decoder
 
 SCRATCH_BYTES = 64 << 20  # activations and attention scores of one step, generously
 PREFILL_CHUNK = 512  # prompt tokens per forward pass (llama.cpp's ubatch): bounds a prompt's activations
+NORMALIZER_SLACK = 4  # how much a tokenizer's normalizer may be assumed to shorten a text
 
 
 def scratch_bytes(layout: ModelLayout) -> int:
@@ -36,6 +37,10 @@ def scratch_bytes(layout: ModelLayout) -> int:
 
 class BudgetError(Exception):
     """A RAM budget that cannot hold what the model needs; the message gives the numbers."""
+
+
+class PromptError(ValueError):
+    """A prompt the model cannot take: empty, or token ids outside the vocabulary."""
 
 
 @dataclass
@@ -106,7 +111,7 @@ class Model:
         matrix is the largest one: generating needs just that row); the tokens are appended to
         the KV cache, PREFILL_CHUNK at a time."""
         started = time.perf_counter()
-        ids = list(token_ids)
+        ids = self._checked_ids(token_ids)
         chunks = [self.decoder.forward(ids[i:i + PREFILL_CHUNK], self.cache, all_logits)
                   for i in range(0, len(ids), PREFILL_CHUNK)]
         logits = np.concatenate(chunks) if all_logits else chunks[-1]
@@ -117,10 +122,40 @@ class Model:
     def decode(self, token_id: int) -> np.ndarray:
         """Logits [vocab] for the position after `token_id`."""
         started = time.perf_counter()
-        logits = self.decoder.forward([int(token_id)], self.cache)[0]
+        logits = self.decoder.forward(self._checked_ids([token_id]), self.cache)[0]
         self.timings["generated_tokens"] += 1
         self.timings["generation_seconds"] += time.perf_counter() - started
         return logits
+
+    def _checked_ids(self, token_ids) -> list[int]:
+        ids = [int(i) for i in token_ids]
+        if not ids:
+            raise PromptError("the prompt is empty: there is no token to continue from")
+        vocab = self.config.vocab_size
+        bad = next((i for i in ids if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise PromptError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        return ids
+
+    def prompt_bytes_limit(self) -> int:
+        """Bytes beyond which no text can tokenize into --ctx tokens (with slack for normalizers
+        that shorten a text before it is split)."""
+        return self.ctx * self.tokenizer.max_token_bytes * NORMALIZER_SLACK
+
+    def prompt_ids(self, prompt) -> list[int]:
+        """The token ids of `prompt` (a string, or chat messages through the chat template); a
+        prompt whose bytes could not fit the context in any tokenization is refused before it
+        is tokenized."""
+        tok = self.tokenizer
+        text = prompt if isinstance(prompt, str) else tok.apply_chat_template(prompt, add_generation_prompt=True)
+        limit = self.prompt_bytes_limit()
+        if len(text) > limit or len(text.encode("utf-8")) > limit:
+            raise ContextOverflow(f"context full: the prompt's {len(text.encode('utf-8'))} bytes cannot fit --ctx {self.ctx} "
+                                  f"tokens (a token of this vocabulary is at most {tok.max_token_bytes} bytes)")
+        ids = tok.encode(text) if isinstance(prompt, str) else tok.encode(text, add_bos=False)
+        if len(ids) > self.ctx:
+            raise ContextOverflow(f"context full: the prompt's {len(ids)} tokens exceed --ctx {self.ctx}")
+        return ids
 
     def reset(self) -> None:
         self.cache.length = 0
@@ -161,10 +196,7 @@ class Model:
 
         sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed))
         tok = self.tokenizer
-        if isinstance(prompt, str):
-            ids = tok.encode(prompt)
-        else:
-            ids = tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=True), add_bos=False)
+        ids = self.prompt_ids(prompt)
         self.reset()
         started = time.perf_counter()
         logits = self.prefill(ids, all_logits=False)[-1]

@@ -12,6 +12,7 @@ refused, not rendered as an empty value, and a render's time and size are bounde
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 from collections.abc import Mapping
 
@@ -121,6 +122,12 @@ class Tokenizer:
         if self.bos_id is None:
             raise ValueError("add_bos=True but this model has no BOS token")
         return [self.bos_id, *ids]
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes any one token's vocabulary string has: no token stands for more
+        of a text, so a text of n bytes has at least n / max_token_bytes tokens."""
+        return max((len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         """The text of ``ids`` (special tokens kept unless ``skip_special_tokens``)."""

@@ -1,6 +1,7 @@
 """`colibri run` and `colibri plan` end to end on tiny converted models."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -80,11 +81,39 @@ def test_prompt_dir_skips_done_and_isolates_failures(model_dir, tmp_path, capsys
     argv = ["run", "--model", str(model_dir), "--prompt-dir", str(inputs), "--out-dir", str(outputs), "--max-tokens", "4"]
     code, out, err = run(argv, capsys)
     assert code == 1 and "c.json: failed" in err and "2 written" in out and "1 failed" in out
-    assert (outputs / "a.out.txt").exists() and (outputs / "b.out.txt").exists() and not (outputs / "c.out.txt").exists()
-    before = (outputs / "a.out.txt").stat().st_mtime_ns
+    assert (outputs / "a.txt.out").exists() and (outputs / "b.json.out").exists() and not (outputs / "c.json.out").exists()
+    before = (outputs / "a.txt.out").stat().st_mtime_ns
     code, out, err = run(argv, capsys)
     assert "0 written, 2 already done, 1 failed" in out
-    assert (outputs / "a.out.txt").stat().st_mtime_ns == before
+    assert (outputs / "a.txt.out").stat().st_mtime_ns == before
+
+
+def test_prompt_dir_folder_logic(model_dir, tmp_path, capsys):
+    """Answers keyed by the whole input name; bad JSON prompts named and skipped; per-file counts;
+    an out-dir inside the prompt dir refused; an empty prompt and an oversized one isolated."""
+    inputs, outputs = tmp_path / "in", tmp_path / "out"
+    inputs.mkdir()
+    (inputs / "a.txt").write_text("The baker opened")
+    (inputs / "a.md").write_text("The river ran past the mill and")
+    (inputs / "m.json").write_text(json.dumps({"messages": "not a list"}))
+    (inputs / "n.json").write_text(json.dumps({"messages": [{"role": 1, "content": "x"}]}))
+    (inputs / "empty.txt").write_text("")
+    (inputs / "huge.txt").write_text("word " * 200_000)
+    argv = ["run", "--model", str(model_dir), "--prompt-dir", str(inputs), "--out-dir", str(outputs),
+            "--max-tokens", "3", "--ctx", "64"]
+    code, out, err = run(argv, capsys)
+    assert code == 1 and "2 written" in out and "4 failed" in out
+    assert (outputs / "a.txt.out").exists() and (outputs / "a.md.out").exists()
+    assert "m.json: failed" in err and "non-empty list" in err and "n.json: failed" in err and "message 0" in err
+    assert "empty.txt: failed" in err and "huge.txt: failed" in err and "cannot fit" in err
+    counts = [re.fullmatch(r"a\.(md|txt): (\d+) prompt tokens, (\d+) generated", line)
+              for line in err.splitlines() if line.startswith("a.")]
+    assert len(counts) == 2 and all(counts)
+    assert all(int(c[3]) <= 3 for c in counts)  # each file's own count, not the run's running total
+    assert int(counts[0][2]) > int(counts[1][2])  # a.md's prompt is the longer one
+    for out_dir in (inputs, inputs / "answers"):
+        with pytest.raises(SystemExit, match="inside --prompt-dir"):
+            run(["run", "--model", str(model_dir), "--prompt-dir", str(inputs), "--out-dir", str(out_dir)], capsys)
 
 
 def test_hostile_chat_template_is_refused(model_dir, tmp_path, capsys, monkeypatch):
@@ -185,3 +214,24 @@ def test_quantized_kv_cache_stays_close_to_f32(model_dir, kind, median_cos):
     cos = (got * reference).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(reference, axis=-1))
     assert np.median(cos) >= median_cos  # the median: a router flip can move one row a lot
     assert open_model(model_dir, ctx=64, kv_quant=kind).cache.nbytes < open_model(model_dir, ctx=64, kv_quant="f32").cache.nbytes
+
+
+def test_prompts_the_model_cannot_take_are_one_line_errors(model_dir, capsys):
+    """An empty prompt, token ids outside the vocabulary, and a 50 MB prompt against --ctx 256
+    (refused from its length, without tokenizing it)."""
+    import time
+
+    from colibri.runtime import open_model
+    from colibri.runtime.engine import PromptError
+    from colibri.runtime.kv_cache import ContextOverflow
+
+    code, out, err = run(["run", "--model", str(model_dir), "--prompt", ""], capsys)
+    assert code == 1 and "prompt is empty" in err and err.count("\n") == 1
+    m = open_model(model_dir, ctx=256, ram_budget="1G")
+    for ids in ([], [m.config.vocab_size], [-1]):
+        with pytest.raises(PromptError):
+            m.prefill(ids)
+    started = time.monotonic()
+    with pytest.raises(ContextOverflow, match="cannot fit --ctx 256"):
+        next(m.generate("a" * (50 << 20)))
+    assert time.monotonic() - started < 5
