@@ -296,7 +296,7 @@ def verify_model(out, *, jobs: int | None = None, quick: bool = False, progress:
     check_recipe(layout, report)
     tasks = resident_tasks(layout, intact, report) + expert_tasks(layout, intact, report) + file_tasks(layout, intact)
     experts = sum(t.count for t in layout.expert_layers.values())
-    described = f"{len(layout.tensors)} tensors, {experts} experts in {len(layout.expert_layers)} layers"
+    described = f"{len(layout.tensors)} tensors, {experts} experts in {len(layout.expert_layers)} layers, {len(layout.manifest['files'])} files"
     if quick:
         report.summary = f"{described}; sizes checked, contents not read (--quick)"
         return report
@@ -304,5 +304,5 @@ def verify_model(out, *, jobs: int | None = None, quick: bool = False, progress:
     for findings in run_parallel(partial(check_task, directory), tasks, total, jobs or os.cpu_count() or 1, progress, "verify"):
         report.findings.extend(findings)
     checked = sum(t.sha256 is not None for t in tasks)
-    report.summary = f"{described}, {len(layout.manifest['files'])} files; {human(total)} read, {checked} sha256 checked"
+    report.summary = f"{described}; {human(total)} read, {checked} sha256 checked"
     return report
