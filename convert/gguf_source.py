@@ -6,14 +6,17 @@ its memory map is not touched beyond the headers. Everything a conversion could 
 later is refused here with one line naming the file: not a GGUF (magic), a file shorter
 than its header or its last tensor, a missing part, parts that disagree with their names
 or with each other (`split.no`, `split.count`, `split.tensors.count`), a tensor in two
-parts. Tensor bytes are read with `pread` into fresh buffers (`ByteReader`), never
+parts, tensors not laid end to end as llama.cpp requires or past the end (`tensor_table`),
+metadata strings that are not UTF-8. Tensor bytes are read with `pread` into fresh buffers (`ByteReader`), never
 through the mmap, so what is read stays in the page cache, not in our RSS.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +73,9 @@ def open_reader(path: Path) -> gguf.GGUFReader:
     if size == 0:
         raise GGUFError(f"{path.name}: empty file, not a GGUF")
     try:
-        return _CheckedReader(path)
+        with warnings.catch_warnings():  # gguf-py's numpy offset sums warn on overflow; tensor_table refuses them
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return _CheckedReader(path)
     except _Truncated as e:
         raise GGUFError(f"{path.name}: truncated ({size} bytes, its header and tensors need at least {e.needed})") from None
     except ValueError as e:
@@ -82,9 +87,41 @@ def open_reader(path: Path) -> gguf.GGUFReader:
 
 
 def field_value(reader: gguf.GGUFReader, key: str):
-    """A metadata value as Python data (str, int, float, bool, list), or None."""
+    """A metadata value as Python data (str, int, float, bool, list), or None; strings are
+    decoded strictly (a GGUFError names the key when they are not UTF-8)."""
     field = reader.get_field(key)
-    return None if field is None else field.contents()
+    if field is None:
+        return None
+    try:
+        return field.contents()
+    except (UnicodeDecodeError, ValueError, IndexError) as e:
+        raise GGUFError(f"{Path(reader.data.filename).name}: metadata {key} is unreadable ({type(e).__name__}: {e})") from None
+
+
+def tensor_table(path: Path, reader: gguf.GGUFReader) -> list[GGUFTensor]:
+    """The file's tensors, each checked as llama.cpp's loader checks them: a shape of 1 to 4
+    positive dimensions whose innermost is whole blocks of its type, and the tensors laid end to
+    end in the order of their infos, each padded to `general.alignment`, inside the file. (A
+    shifted offset or a type id swapped for another breaks that chain.) Offsets and sizes are
+    computed from the raw fields with Python integers, which cannot wrap past 2**64."""
+    size, alignment, base = path.stat().st_size, int(reader.alignment), int(reader.data_offset)
+    tensors, expected = [], 0
+    for t in reader.tensors:
+        dims, relative = [int(d) for d in t.field.parts[3]], int(t.field.parts[5][0])
+        weights, type_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        if not 1 <= len(dims) <= 4 or min(dims) <= 0 or dims[0] % weights:
+            raise GGUFError(f"{path.name}: tensor {t.name} has shape {dims[::-1]}, not whole {t.tensor_type.name} "
+                            f"blocks of {weights} along its rows")
+        nbytes = math.prod(dims) // weights * type_bytes
+        if relative != expected:
+            raise GGUFError(f"{path.name}: tensor {t.name} ({t.tensor_type.name} {dims[::-1]}) starts at data offset "
+                            f"{relative}; the tensors before it end at {expected}")
+        if base + relative + nbytes > size:
+            raise GGUFError(f"{path.name}: tensor {t.name} ({t.tensor_type.name} {dims[::-1]}, {nbytes} bytes at "
+                            f"{base + relative}) ends past the end of the file ({size} bytes)")
+        tensors.append(GGUFTensor(t.name, path, t.tensor_type.name, tuple(reversed(dims)), base + relative, nbytes))
+        expected = relative + -(-nbytes // alignment) * alignment
+    return tensors
 
 
 def split_parts(path: Path) -> list[Path]:
@@ -111,11 +148,10 @@ class GGUFSource:
         self._check_split(readers)
         self.tensors: dict[str, GGUFTensor] = {}
         for part, reader in zip(self.parts, readers):
-            for t in reader.tensors:
+            for t in tensor_table(part, reader):
                 if t.name in self.tensors:
                     raise GGUFError(f"{part.name}: tensor {t.name} is also in {self.tensors[t.name].file.name}")
-                shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-                self.tensors[t.name] = GGUFTensor(t.name, part, t.tensor_type.name, shape, int(t.data_offset), int(t.n_bytes))
+                self.tensors[t.name] = t
 
     def _check_split(self, readers: list) -> None:
         count = len(self.parts)
