@@ -4,8 +4,9 @@ A prompt multiplies every weight with many tokens, so its products are bound by 
 not by memory. Sapphire Rapids and later Xeons have AMX: eight tile registers of 16 rows x
 64 bytes and `tdpbf16ps`, which adds a 16 x 32 bfloat16 tile times a 32 x 16 one into a 16 x 16
 float32 tile (8192 multiply-adds per instruction: a peak of ~1.3 T/s per core here, against
-~0.07 T/s for the AVX-512 int8 kernels). The kernels in `runtime/kernels.py` dequantize a block of 32 weight
-rows to bfloat16 once and pass every token over it with `block_product`.
+~0.07 T/s for the AVX-512 int8 kernels). The kernels in `runtime/kernels/matrices.py`
+dequantize a block of 32 weight rows to bfloat16 once and pass every token over it with
+`block_product`.
 
 Layouts (bfloat16 as uint16 bits):
 - weights: 32 rows x cols, row-major, each row followed by ROW_PAD unused values (a tile is

@@ -2,9 +2,9 @@
 
 A decoded token runs each layer's q, k, v, o, router and expert products on one activation
 vector. Called one at a time from Python, with the norms, bias, clip, rotary, attention,
-residual and top-k steps between them, a layer took ~30 numba and numpy calls. `DecodeLayer`
-does the same work, for a GQA attention layer followed by a routed MoE, in the three steps
-below, ~0.1 ms a layer sooner (decode 6% faster on the bench model, measured in alternation):
+residual and top-k steps between them, every step of a layer is a numba or numpy call of its
+own. `DecodeLayer` does the same work, for a GQA attention layer followed by a routed MoE, in
+the three steps below (bench/RESULTS.md has what it saves per token):
 
 1. `_qkv_kernel`: attention norm, the q/k/v products on all threads in one parallel region,
    then their bias, q/k norms, clip and rotation;
@@ -24,8 +24,12 @@ import numpy as np
 from numba import prange
 
 from colibri.runtime import kernels
-from colibri.runtime.kernels import CHUNK, _finish_activation, _rms_norm_kernel, _route_rows, _rows_times, _share
-from colibri.runtime.rope import _rotate
+from colibri.runtime.kernels.activations import fill_activation
+from colibri.runtime.kernels.numerics import rms_norm_into
+from colibri.runtime.kernels.routing import route_into
+from colibri.runtime.kernels.rows import CHUNK, rows_times
+from colibri.runtime.kernels.threads import part_range
+from colibri.runtime.rope import rotate_into
 
 F32 = np.float32
 QK_NORMS = {"none": 0, "full": 1, "head": 2}
@@ -51,42 +55,42 @@ def _qkv_kernel(x, attn_norm, eps, h, tags, weights, row_nbytes, q_act, k_act, v
     q_tag, k_tag, v_tag = tags
     q_w, k_w, v_w = weights
     q, k, v = outs
-    _rms_norm_kernel(x, attn_norm, eps, h)
+    rms_norm_into(x, attn_norm, eps, h)
     cols = h.shape[1]
-    _finish_activation(q_act, h, 0, cols)
+    fill_activation(q_act, h, 0, cols)
     if distinct[1]:
-        _finish_activation(k_act, h, 0, cols)
+        fill_activation(k_act, h, 0, cols)
     if distinct[2]:
-        _finish_activation(v_act, h, 0, cols)
+        fill_activation(v_act, h, 0, cols)
     q_rows, k_rows, v_rows = q.shape[1], k.shape[1], v.shape[1]
     # one parallel region over the rows of q, k and v in turn: each thread streams its share
     for t in prange(nthreads):
-        lo, hi = _share(q_rows + k_rows + v_rows, nthreads, t, 1)
+        lo, hi = part_range(q_rows + k_rows + v_rows, nthreads, t, 1)
         buf = np.empty(CHUNK, np.float32)
         if lo < q_rows:
-            _rows_times(q_tag, q_w, lo, min(hi, q_rows), row_nbytes[0], cols, q_act, q, buf)
+            rows_times(q_tag, q_w, lo, min(hi, q_rows), row_nbytes[0], cols, q_act, q, buf)
         if lo < q_rows + k_rows and hi > q_rows:
-            _rows_times(k_tag, k_w, max(lo - q_rows, 0), min(hi - q_rows, k_rows), row_nbytes[1], cols, k_act, k, buf)
+            rows_times(k_tag, k_w, max(lo - q_rows, 0), min(hi - q_rows, k_rows), row_nbytes[1], cols, k_act, k, buf)
         if hi > q_rows + k_rows:
-            _rows_times(v_tag, v_w, max(lo - q_rows - k_rows, 0), hi - q_rows - k_rows, row_nbytes[2], cols, v_act, v,
-                        buf)
+            rows_times(v_tag, v_w, max(lo - q_rows - k_rows, 0), hi - q_rows - k_rows, row_nbytes[2], cols, v_act, v,
+                       buf)
     if biases[0].size:
         _add(q[0], biases[0])
         _add(k[0], biases[1])
         _add(v[0], biases[2])
     if qk_norm == 1:
-        _rms_norm_kernel(q.copy(), norms[0], eps, q)
-        _rms_norm_kernel(k.copy(), norms[1], eps, k)
+        rms_norm_into(q.copy(), norms[0], eps, q)
+        rms_norm_into(k.copy(), norms[1], eps, k)
     if clip > 0:
         _clip(q[0], clip)
         _clip(k[0], clip)
         _clip(v[0], clip)
     q_heads, k_heads = q.reshape(1, heads, -1), k.reshape(1, kv_heads, -1)
     if qk_norm == 2:
-        _rms_norm_kernel(q_heads[0].copy(), norms[0], eps, q_heads[0])
-        _rms_norm_kernel(k_heads[0].copy(), norms[1], eps, k_heads[0])
-    _rotate(q_heads.copy(), cos, sin, positions, rope_dim, interleaved, q_heads)
-    _rotate(k_heads.copy(), cos, sin, positions, rope_dim, interleaved, k_heads)
+        rms_norm_into(q_heads[0].copy(), norms[0], eps, q_heads[0])
+        rms_norm_into(k_heads[0].copy(), norms[1], eps, k_heads[0])
+    rotate_into(q_heads.copy(), cos, sin, positions, rope_dim, interleaved, q_heads)
+    rotate_into(k_heads.copy(), cos, sin, positions, rope_dim, interleaved, k_heads)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -95,17 +99,17 @@ def _output_and_route(attended, o_tag, o_w, o_nbytes, o_act, o_out, x, ffn_norm,
                       ids, weights, nthreads):
     flat = attended.reshape(1, -1)
     cols = flat.shape[1]
-    _finish_activation(o_act, flat, 0, cols)
+    fill_activation(o_act, flat, 0, cols)
     for t in prange(nthreads):
-        lo, hi = _share(o_out.shape[1], nthreads, t, 1)
-        _rows_times(o_tag, o_w, lo, hi, o_nbytes, cols, o_act, o_out, np.empty(CHUNK, np.float32))
+        lo, hi = part_range(o_out.shape[1], nthreads, t, 1)
+        rows_times(o_tag, o_w, lo, hi, o_nbytes, cols, o_act, o_out, np.empty(CHUNK, np.float32))
     for i in range(x.shape[1]):
         x[0, i] += o_out[0, i]
-    _rms_norm_kernel(x, ffn_norm, eps, h)
-    _finish_activation(router_act, h, 0, h.shape[1])
-    _rows_times(router_tag, router_w, 0, logits.shape[1], router_nbytes, h.shape[1], router_act, logits,
-                np.empty(CHUNK, np.float32))
-    _route_rows(logits, bias, sigmoid, groups, topk_groups, top2_sum, norm, route_scale, ids, weights)
+    rms_norm_into(x, ffn_norm, eps, h)
+    fill_activation(router_act, h, 0, h.shape[1])
+    rows_times(router_tag, router_w, 0, logits.shape[1], router_nbytes, h.shape[1], router_act, logits,
+               np.empty(CHUNK, np.float32))
+    route_into(logits, bias, sigmoid, groups, topk_groups, top2_sum, norm, route_scale, ids, weights)
 
 
 def _activation_for(matrix: kernels.Matrix, values: np.ndarray):

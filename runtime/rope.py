@@ -69,12 +69,12 @@ class Rope:
     def apply(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Rotate the first `dim` features of x [n, heads, width] at `positions` [n]; rest unchanged."""
         out = np.empty(x.shape, np.float32)
-        _rotate(x, self.cos, self.sin, np.asarray(positions, dtype=np.int64), self.dim, self.interleaved, out)
+        rotate_into(x, self.cos, self.sin, np.asarray(positions, dtype=np.int64), self.dim, self.interleaved, out)
         return out
 
 
 @njit(cache=True, nogil=True)
-def _rotate(x, cos, sin, positions, dim, interleaved, out):
+def rotate_into(x, cos, sin, positions, dim, interleaved, out):
     """out = x with the pairs of its first `dim` features rotated by each position's angles:
     features (2j, 2j + 1) when interleaved, else (j, j + dim / 2)."""
     half = dim // 2

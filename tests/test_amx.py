@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from colibri.runtime import amx, kernels
+from colibri.runtime.kernels.activations import activation_rows
 from tests.test_kernels import expert_records, expert_reference, random_weights, relative_error
 
 # bfloat16 keeps 8 bits of each weight and activation; measured: at most 3e-3 on these cases
@@ -57,7 +58,7 @@ def test_one_packing_serves_every_matrix_and_gathered_rows():
     act = kernels.Matrix(w, "Q6_K", ROWS, 256).activation(x)
     assert act.packed is act.packed
     rows = np.array([3, 5, 8, 13, 21, 34, 1, 2, 0, 39, 38, 37, 36, 35, 30, 31, 20])
-    y = kernels.Matrix(w, "Q6_K", ROWS, 256).times(kernels._take(act, rows), rows.size)
+    y = kernels.Matrix(w, "Q6_K", ROWS, 256).times(activation_rows(act, rows), rows.size)
     assert relative_error(y, x[rows].astype(np.float64) @ reference.T) <= TILE_TOLERANCE
 
 

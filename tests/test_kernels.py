@@ -19,6 +19,7 @@ import pytest
 from colibri.convert.quantize_q4k import quantize
 from colibri.formats.encodings import ENCODINGS
 from colibri.runtime import kernels
+from colibri.runtime.kernels import threads
 
 EXACT_TOLERANCE = 1e-5
 ROWS = 37  # not a multiple of the thread count
@@ -158,8 +159,8 @@ def test_bad_arguments_are_refused():
 
 
 def test_set_threads_warns_once_about_workqueue(monkeypatch):
-    monkeypatch.setattr(kernels.numba, "threading_layer", lambda: "workqueue")
-    monkeypatch.setattr(kernels, "_warned_workqueue", False)
+    monkeypatch.setattr(threads.numba, "threading_layer", lambda: "workqueue")
+    monkeypatch.setattr(threads, "_warned_workqueue", False)
     with pytest.warns(RuntimeWarning, match="workqueue"):
         kernels.set_threads(numba.get_num_threads())
     with warnings.catch_warnings():

@@ -1,0 +1,52 @@
+"""Fused dequantize-and-multiply kernels for the colibri block encodings (numba).
+
+    from colibri.runtime import kernels
+    y = kernels.Matrix(w, "Q4_K", rows, cols)(x)
+
+The package re-exports the public names of its modules, one job each:
+
+- `matrices`: `Matrix`, `matmul`, `matvec`, `dequantize_rows`, and the three paths of a
+  product (fast int8, AMX tiles, exact);
+- `experts`: `ExpertKernel`, `moe_experts`, `moe_experts_batch`, `add_weighted_rows`;
+- `attention`: causal softmax attention over the KV cache;
+- `routing`: `route`, the router's top-k choice;
+- `numerics`: softmax, silu and `rms_norm`;
+- `activations`: the activation formats (`DOT_TYPES`) and their int8 quantization;
+- `rows`: a row of weights times activations, the building block of every kernel;
+- `blocks`: each quantized block type as LLVM IR (unpacker, dot, dequantizer);
+- `emitter`: the LLVM IR builder those are written with;
+- `threads`: `set_threads`, each thread's rows, `measure_read_bandwidth`.
+
+Threads: each parallel kernel gives thread `t` one contiguous range of rows (one memory
+stream per thread) and prefetches `PREFETCH_BYTES` ahead of the block it multiplies. Numba's
+`workqueue` threading layer adds a fixed cost to every parallel call; `set_threads` warns
+about it.
+"""
+
+from colibri.runtime.kernels.activations import (
+    ACT_BLOCKS, ACTIVATIONS, DOT_TYPES, FAST_ENCODINGS, FAST_PATH_TOLERANCE, WIDEST_ACT_BLOCK, Q8_0Activation,
+    Q8_KActivation,
+)
+from colibri.runtime.kernels.attention import (
+    PARALLEL_ATTENTION_WORK, PROMPT_ATTENTION_BYTES, PROMPT_ATTENTION_QUERIES, QUERY_BLOCK, attention,
+)
+from colibri.runtime.kernels.blocks import BLOCK_TAGS, CACHE_LINE, PREFETCH_BYTES
+from colibri.runtime.kernels.experts import ExpertKernel, add_weighted_rows, moe_experts, moe_experts_batch
+from colibri.runtime.kernels.matrices import Matrix, dequantize_rows, matmul, matvec
+from colibri.runtime.kernels.numerics import rms_norm
+from colibri.runtime.kernels.routing import route
+from colibri.runtime.kernels.rows import CHUNK, GROUP, ROW_TILE
+from colibri.runtime.kernels.threads import measure_read_bandwidth, read_seconds, set_threads
+
+__all__ = [
+    "ACT_BLOCKS", "ACTIVATIONS", "DOT_TYPES", "FAST_ENCODINGS", "FAST_PATH_TOLERANCE", "WIDEST_ACT_BLOCK",
+    "Q8_0Activation", "Q8_KActivation",
+    "PARALLEL_ATTENTION_WORK", "PROMPT_ATTENTION_BYTES", "PROMPT_ATTENTION_QUERIES", "QUERY_BLOCK", "attention",
+    "BLOCK_TAGS", "CACHE_LINE", "PREFETCH_BYTES",
+    "ExpertKernel", "add_weighted_rows", "moe_experts", "moe_experts_batch",
+    "Matrix", "dequantize_rows", "matmul", "matvec",
+    "rms_norm",
+    "route",
+    "CHUNK", "GROUP", "ROW_TILE",
+    "measure_read_bandwidth", "read_seconds", "set_threads",
+]

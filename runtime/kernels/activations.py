@@ -1,0 +1,151 @@
+"""The activations the kernels multiply weights with, and the int8 quantization that makes them.
+
+An activation is a float32 array (exact path), a `Q8_0Activation` / `Q8_KActivation` named
+tuple of int8 levels, scales and scaled sums (fast path; numba tells them apart by type) or an
+`amx.TileActivation` (tiles). One quantized activation serves every matrix of its dot type
+that multiplies it (q, k and v; gate and up; all the experts of a layer).
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from colibri.runtime import amx
+from colibri.runtime.kernels.emitter import int_bits_to_float
+
+F32 = np.float32
+_njit = njit(cache=True, nogil=True)
+
+# The int8 activation format each block type is multiplied with, as in ggml: K-quants take
+# Q8_K (one float32 scale per 256 values), so that a block's sub-block products stay integer
+# to the end of the block; the 32-weight block types take Q8_0 (a float32 scale per 32).
+# Both also hold the scaled sum of each 16 values, for the blocks' offsets and biases:
+# q int8 [n, cols], d float32 [n, cols / block], sums float32 [n, cols / 16].
+DOT_TYPES = {"Q8_0": "Q8_0", "Q5_0": "Q8_0", "Q5_1": "Q8_0", "Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K"}
+ACT_BLOCKS = {"Q8_0": 32, "Q8_K": 256}  # activation values per int8 scale
+WIDEST_ACT_BLOCK = 256
+Q8_0Activation = namedtuple("Q8_0Activation", "q d sums")
+Q8_KActivation = namedtuple("Q8_KActivation", "q d sums")
+ACTIVATIONS = {"Q8_0": Q8_0Activation, "Q8_K": Q8_KActivation}
+
+# Bound on the fast path's error relative to the output's max-abs, against float64 products of
+# the same weights with gaussian activations (tests/test_kernels.py). Heavy-tailed activations
+# can exceed it with Q8_K, whose one scale per 256 an outlier coarsens for more values, as in
+# ggml. The measured errors are in bench/RESULTS.md.
+FAST_PATH_TOLERANCE = 1.5e-2
+FAST_ENCODINGS = tuple(DOT_TYPES)
+
+
+@_njit
+def _abs_max(values):
+    """max |values| (contiguous float32): an integer max over the bits without the sign, which
+    orders as the floats do, and which LLVM vectorizes (a float max it does not)."""
+    bits = values.view(np.int32)
+    top = np.int32(0)
+    for i in range(bits.size):  # indices from 0: no negative-index checks, vectorized
+        top = max(top, bits[i] & np.int32(0x7FFFFFFF))
+    return int_bits_to_float(top)
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _quantize_blocks(values, q, d, sums, start, stop, block):
+    """Quantize values[start:stop] (whole blocks of `block`) to int8: levels q, one scale d per
+    block, and the sum of the levels of each 16 times its block's scale (`sums`)."""
+    for b in range(start // block, stop // block):
+        x, levels = values[b * block:(b + 1) * block], q[b * block:(b + 1) * block]
+        amax = _abs_max(x)
+        d[b] = amax / F32(127.0)
+        inverse = F32(127.0) / amax if amax > 0 else F32(0.0)
+        for i in range(block):
+            levels[i] = np.int8(np.rint(x[i] * inverse))
+        for group in range(block // 16):
+            total = np.int32(0)
+            for i in range(16):
+                total += levels[16 * group + i]
+            sums[b * block // 16 + group] = d[b] * F32(total)
+
+
+def empty_activation(n, cols, dot_type):
+    """Uninitialized int8 activations of n rows of `cols` values in `dot_type`."""
+    return ACTIVATIONS[dot_type](np.empty((n, cols), np.int8), np.empty((n, cols // ACT_BLOCKS[dot_type]), np.float32),
+                                 np.empty((n, cols // 16), np.float32))
+
+
+def activation_dot_type(act) -> str | None:
+    """The dot type of a numba activation type ("Q8_0", "Q8_K"), None for float32 arrays."""
+    if isinstance(act, types.BaseNamedTuple):
+        for dot_type, activation in ACTIVATIONS.items():
+            if act.instance_class is activation:
+                return dot_type
+    return None
+
+
+def fill_activation(act, values, start, stop):
+    """Make values.flat[start:stop] usable as `act`: quantize it into an int8 tuple, or
+    nothing when `act` is `values` itself (float path)."""
+
+
+@overload(fill_activation)
+def _fill_activation_overload(act, values, start, stop):
+    if activation_dot_type(act) is not None:
+        block = ACT_BLOCKS[activation_dot_type(act)]
+
+        def quantize(act, values, start, stop):
+            q, d, sums = act
+            _quantize_blocks(values.reshape(-1), q.reshape(-1), d.reshape(-1), sums.reshape(-1), start, stop, block)
+        return quantize
+    return lambda act, values, start, stop: None
+
+
+@_njit
+def _quantize_all(act, values):
+    fill_activation(act, values, 0, values.size)
+    return act
+
+
+def activation_row(act, i):
+    """Activation i of a batch (a row of a float32 matrix, or of each int8 activation array)."""
+
+
+@overload(activation_row)
+def _activation_row_overload(act, i):
+    if activation_dot_type(act) is not None:
+        activation = act.instance_class
+        return lambda act, i: activation(act.q[i], act.d[i], act.sums[i])
+    return lambda act, i: act[i]
+
+
+def dot_type_for(encoding: str, exact: bool) -> str | None:
+    """The int8 activation format `encoding` weights are multiplied with, or None for float32
+    activations (the exact path, and float weights)."""
+    return None if exact else DOT_TYPES.get(encoding)
+
+
+def float_rows(x: np.ndarray, cols: int) -> np.ndarray:
+    """x as C-contiguous float32 [n, cols]; ValueError for any other shape."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != cols:
+        raise ValueError(f"activations must have shape [n, {cols}], got {x.shape}")
+    return x
+
+
+def make_activation(x: np.ndarray, dot_type: str | None, tiles: bool = True):
+    """float32 [n, cols] as the kernels take it: x itself (None: the exact path); rounded to
+    bfloat16 for AMX tiles when `tiles`, there are at least amx.MIN_TOKENS rows and the CPU
+    has them; else quantized to int8 `dot_type` activations."""
+    if dot_type is None:
+        return x
+    if tiles and x.shape[0] >= amx.MIN_TOKENS and amx.available():
+        return amx.TileActivation(x)
+    return _quantize_all(empty_activation(*x.shape, dot_type), x)
+
+
+def activation_rows(act, index):
+    """Rows `index` of a batch of activations (an int: one activation, its vector or vectors)."""
+    if isinstance(act, amx.TileActivation):
+        return act.take(index)
+    return act[index] if isinstance(act, np.ndarray) else type(act)(*(a[index] for a in act))

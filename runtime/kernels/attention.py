@@ -1,0 +1,143 @@
+"""Causal softmax attention over a float32 or float16 KV cache.
+
+A decode step's attention runs on one thread, long contexts on all of them, and a prompt's
+queries through `_prompt_attention`, which converts the cache to float32 once.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from colibri.runtime.kernels.emitter import half_to_float
+from colibri.runtime.kernels.numerics import softmax_in_place
+from colibri.runtime.kernels.threads import part_range
+
+F32 = np.float32
+
+
+def _as_f32(v):
+    """float32 of a KV cache element: float16 bits (uint16) or a float32."""
+
+
+@overload(_as_f32)
+def _as_f32_overload(v):
+    if isinstance(v, types.Integer):
+        return lambda v: half_to_float(v)
+    return lambda v: F32(v)
+
+
+def _attention_loops(q, keys, values, start, scale, out, nthreads):
+    """Each thread takes (query, kv head) pairs and does the query heads that share the kv
+    head together: each cached key and value is converted to float32 once for all of them."""
+    n, heads, width = q.shape
+    kv_heads, v_width = keys.shape[1], values.shape[2]
+    group = heads // kv_heads
+    for t in prange(nthreads):
+        first, stop = part_range(n * kv_heads, nthreads, t, 1)
+        scores = np.empty((group, start + n), np.float32)
+        key, value = np.empty(width, np.float32), np.empty(v_width, np.float32)
+        for work in range(first, stop):
+            i, kv = work // kv_heads, work % kv_heads
+            end, h0 = start + i + 1, kv * group  # causal: query i sees positions 0..start+i
+            for pos in range(end):
+                for d in range(width):
+                    key[d] = _as_f32(keys[pos, kv, d])
+                for g in range(group):
+                    score = F32(0.0)
+                    for d in range(width):
+                        score += q[i, h0 + g, d] * key[d]
+                    scores[g, pos] = score * scale
+            for g in range(group):
+                softmax_in_place(scores, g, end)
+                out[i, h0 + g, :] = 0.0
+            for pos in range(end):
+                for d in range(v_width):
+                    value[d] = _as_f32(values[pos, kv, d])
+                for g in range(group):
+                    weight = scores[g, pos]
+                    for d in range(v_width):
+                        out[i, h0 + g, d] += weight * value[d]
+
+
+# A decode step's attention is too small to pay for waking the threads; long contexts and
+# prompts are not.
+_attention_serial = njit(cache=True, nogil=True, fastmath=True)(_attention_loops)
+_attention_parallel = njit(cache=True, nogil=True, parallel=True, fastmath=True)(_attention_loops)
+PARALLEL_ATTENTION_WORK = 1 << 20  # multiply-adds from which attention runs on all threads
+PROMPT_ATTENTION_QUERIES = 32  # queries from which attention converts the cache once (a prompt) ...
+PROMPT_ATTENTION_BYTES = 32 << 20  # ... when the float32 copy of the cache takes at most this
+QUERY_BLOCK = 16  # queries of one head whose scores a thread computes together
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _prompt_attention(q, keys, values, start, scale, out, nthreads):
+    """`attention` for many queries. The cache is converted to float32 once (keys transposed,
+    [kv head, width, position]); then each thread takes blocks of QUERY_BLOCK queries of one
+    head, accumulates their scores one key dimension at a time (a vector of positions per
+    multiply, no horizontal sums) and their outputs one position at a time."""
+    n, heads, width = q.shape
+    kv_heads, v_width, end = keys.shape[1], values.shape[2], start + n
+    group = heads // kv_heads
+    keys_t = np.empty((kv_heads, width, end), np.float32)
+    values_f = np.empty((kv_heads, end, v_width), np.float32)
+    for t in prange(nthreads):
+        lo, hi = part_range(end, nthreads, t, 1)
+        for pos in range(lo, hi):
+            for kv in range(kv_heads):
+                for d in range(width):
+                    keys_t[kv, d, pos] = _as_f32(keys[pos, kv, d])
+                for d in range(v_width):
+                    values_f[kv, pos, d] = _as_f32(values[pos, kv, d])
+    blocks = (n + QUERY_BLOCK - 1) // QUERY_BLOCK
+    for t in prange(nthreads):
+        lo, hi = part_range(blocks * heads, nthreads, t, 1)
+        scores = np.empty((QUERY_BLOCK, end), np.float32)
+        outputs = np.empty((QUERY_BLOCK, v_width), np.float32)
+        for work in range(lo, hi):
+            first, h = work // heads * QUERY_BLOCK, work % heads
+            kv, count = h // group, min(QUERY_BLOCK, n - first)
+            seen = start + first  # positions every query of the block sees; query i sees seen + i + 1
+            for i in range(count):
+                scores[i, :seen + i + 1] = 0.0
+            for d in range(width):
+                column = keys_t[kv, d]
+                for i in range(count):
+                    row, weight = scores[i], q[first + i, h, d] * scale
+                    for pos in range(seen + i + 1):
+                        row[pos] += weight * column[pos]
+            for i in range(count):
+                softmax_in_place(scores, i, seen + i + 1)
+            outputs[:count] = 0.0
+            for pos in range(seen + count):
+                value = values_f[kv, pos]
+                for i in range(max(0, pos - seen), count):
+                    weight, result = scores[i, pos], outputs[i]
+                    for d in range(v_width):
+                        result[d] += weight * value[d]
+            for i in range(count):
+                out[first + i, h, :] = outputs[i]
+
+
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, scale: float) -> np.ndarray:
+    """Causal softmax attention of the n queries at positions start..start+n-1.
+
+    q float32 [n, heads, width]; keys [start + n, kv_heads, width] and values [start + n,
+    kv_heads, v_width] as float32 or as float16 bits (uint16, read in place from an f16 KV
+    cache); query head h reads kv head h // (heads / kv_heads) -> float32 [n, heads, v_width]."""
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    n, heads, width = q.shape
+    if keys.shape[0] != start + n or values.shape[0] != start + n or keys.shape[2] != width or heads % keys.shape[1]:
+        raise ValueError(f"keys {keys.shape} / values {values.shape} do not fit queries {q.shape} at position {start}")
+    out = np.empty((n, heads, values.shape[2]), np.float32)
+    work = n * heads * (start + n) * (width + values.shape[2])
+    copy_bytes = 4 * (start + n) * (keys.shape[1] * width + values.shape[1] * values.shape[2])
+    if n >= PROMPT_ATTENTION_QUERIES and copy_bytes <= PROMPT_ATTENTION_BYTES:
+        _prompt_attention(q, keys, values, start, F32(scale), out, numba.get_num_threads())
+    elif work >= PARALLEL_ATTENTION_WORK:
+        _attention_parallel(q, keys, values, start, F32(scale), out, numba.get_num_threads())
+    else:
+        _attention_serial(q, keys, values, start, F32(scale), out, 1)
+    return out

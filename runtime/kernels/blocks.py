@@ -1,0 +1,243 @@
+"""The quantized block types in LLVM IR: block tags, unpackers, and a block's share of a dot.
+
+Each quantized block type is described once, by the function that unpacks a block into IR
+values (`UNPACKERS`); the int8 dot (`int8_dot`, `k_int8_dot`), the exact dot and the
+dequantizer (`dequantized_sub_block`) are built from it. An encoding reaches compiled code as
+a compile-time tag, the numpy dtype of one of its blocks (`BLOCK_TAGS`), so numba compiles one
+specialization per encoding, and only for the encodings a program uses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+
+from colibri.formats.encodings import ENCODINGS, block_size
+from colibri.runtime.kernels.activations import FAST_ENCODINGS
+from colibri.runtime.kernels.emitter import CONTRACT, FLOAT, I1, I8, I16, I32, I64, vec
+
+PREFETCH_BYTES = 4096  # how far ahead of the current block the weight stream is prefetched
+CACHE_LINE = 64
+
+
+def _block_tag(encoding: str) -> np.dtype:
+    """The dtype of one block of `encoding`: a record named after it."""
+    return np.dtype([(encoding, np.uint8, (block_size(encoding)[1],))])
+
+
+BLOCK_TAGS = {encoding: _block_tag(encoding) for encoding in ENCODINGS}
+
+
+def encoding_of(tag) -> str | None:
+    """The encoding named by a block tag's numba type, or None for anything else."""
+    if isinstance(tag, types.DType) and isinstance(tag.dtype, types.Record):
+        name = next(iter(tag.dtype.fields))
+        return name if name in BLOCK_TAGS else None
+    return None
+
+
+class _Block:
+    """One block unpacked to IR values. Weight i of sub-block j (32 weights each) is
+    `scale * (level - bias) + offset`: `levels[j]` a <32 x i8> (`signed` or not), `scales`
+    one float per sub-block (or per 16 weights when `per16`), `offsets` one float per
+    sub-block or None. The order of the float operations is ggml's (and gguf's).
+
+    K-quant blocks also carry their integer form, for the dot with Q8_K activations
+    (`k_int8_dot`): `d * sum_m int_scales[m // pairs_per_scale] * (level_2m x_2m + level_2m+1
+    x_2m+1)` over the 128 pairs of weights, plus `offsets16 . (the sum of x over each 16)`;
+    `int_scales` is a <16 x i16>, `offsets16` a <16 x float>."""
+
+    def __init__(self, levels, scales, signed=False, bias=0, offsets=None, per16=False,
+                 d=None, int_scales=None, pairs_per_scale=None, offsets16=None):
+        self.levels, self.scales, self.signed, self.bias = levels, scales, signed, bias
+        self.offsets, self.per16 = offsets, per16
+        self.d, self.int_scales, self.pairs_per_scale, self.offsets16 = d, int_scales, pairs_per_scale, offsets16
+
+
+def _k_scales(e, block, offset):
+    """IR: the 6-bit scales (lanes 0-7) and mins (lanes 8-15) of a Q4_K / Q5_K block as a
+    <16 x i8>, unpacked as ggml does from the 12 bytes at `offset` (sub-blocks 0-3 in the low
+    bits of bytes 0-7, sub-blocks 4-7 in bytes 8-11 and the top bits of bytes 0-7)."""
+    b = e.b
+    u0, u1, u2 = (e.load(block, offset + 4 * i, I32) for i in range(3))
+    low6, low4, top2 = (ir.Constant(I32, m) for m in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
+
+    def tops(u):  # bits 6-7 of each byte, moved to bits 4-5
+        return b.shl(b.and_(b.lshr(u, ir.Constant(I32, 6)), top2), ir.Constant(I32, 4))
+
+    words = (b.and_(u0, low6), b.or_(b.and_(u2, low4), tops(u0)),
+             b.and_(u1, low6), b.or_(b.and_(b.lshr(u2, ir.Constant(I32, 4)), low4), tops(u1)))
+    packed = ir.Constant(vec(I32, 4), None)
+    for i, word in enumerate(words):
+        packed = b.insert_element(packed, word, ir.Constant(I32, i))
+    return b.bitcast(packed, vec(I8, 16))
+
+
+def _k_block(e, block, levels):
+    """A Q4_K / Q5_K block from its `levels`: d, dmin (f16) at bytes 0 and 2, the packed
+    scales and mins at byte 4."""
+    b = e.b
+    packed = _k_scales(e, block, 4)
+    values = b.uitofp(packed, vec(FLOAT, 16))
+    d, dmin = e.half(block, 0), e.half(block, 2)
+    offsets = b.fneg(b.fmul(e.splat(dmin), e.pick(values, range(8, 16))))
+    return _Block(levels, b.fmul(e.splat(d), e.pick(values, range(8))), offsets=offsets,
+                  d=d, int_scales=b.zext(packed, vec(I16, 16)), pairs_per_scale=16,
+                  offsets16=e.pick(offsets, [j // 2 for j in range(16)]))
+
+
+def _unpack_q4_k(e, block):
+    """Q4_K (144 bytes): d, dmin (f16); 12 bytes of 6-bit scales and mins; 128 bytes of
+    nibbles, low nibbles of bytes 32g.. for sub-block 2g, high nibbles for 2g + 1."""
+    return _k_block(e, block, [q for g in range(4) for q in e.nibbles(e.load(block, 16 + 32 * g, I8, 32))])
+
+
+def _unpack_q5_k(e, block):
+    """Q5_K (176 bytes): as Q4_K with 32 bytes of fifth bits (bit j for sub-block j)
+    between the scales and the nibbles."""
+    b = e.b
+    high_bits = e.load(block, 16, I8, 32)
+    levels = []
+    for g in range(4):
+        for j, q in zip((2 * g, 2 * g + 1), e.nibbles(e.load(block, 48 + 32 * g, I8, 32))):
+            fifth = b.and_(b.lshr(high_bits, e.const(I8, 32, j)), e.const(I8, 32, 1))
+            levels.append(b.or_(q, b.shl(fifth, e.const(I8, 32, 4))))
+    return _k_block(e, block, levels)
+
+
+def _unpack_q6_k(e, block):
+    """Q6_K (210 bytes): 128 bytes of low nibbles (ql), 64 of 2-bit high parts (qh), 16 int8
+    scales (one per 16 weights), d (f16) last. Levels 0..63 stand for -32..31."""
+    b = e.b
+    levels = []
+    for h in range(2):  # 128 weights: sub-blocks from ql[0:32] low, ql[32:64] low, then high
+        a_lo, a_hi = e.nibbles(e.load(block, 64 * h, I8, 32))
+        b_lo, b_hi = e.nibbles(e.load(block, 64 * h + 32, I8, 32))
+        high = e.load(block, 128 + 32 * h, I8, 32)
+        for low, shift in ((a_lo, 0), (b_lo, 2), (a_hi, 4), (b_hi, 6)):
+            two_bits = b.and_(b.lshr(high, e.const(I8, 32, shift)), e.const(I8, 32, 3))
+            levels.append(b.or_(low, b.shl(two_bits, e.const(I8, 32, 4))))
+    d, packed = e.half(block, 208), e.load(block, 192, I8, 16)
+    scales = b.fmul(e.splat(d, 16), b.sitofp(packed, vec(FLOAT, 16)))
+    return _Block(levels, scales, bias=32, per16=True,
+                  d=d, int_scales=b.sext(packed, vec(I16, 16)), pairs_per_scale=8,
+                  offsets16=b.fmul(scales, e.splat(ir.Constant(FLOAT, -32.0), 16)))
+
+
+def _unpack_q8_0(e, block):
+    """Q8_0 (34 bytes): d (f16), 32 int8 levels."""
+    return _Block([e.load(block, 2, I8, 32)], e.splat(e.half(block, 0), 1), signed=True)
+
+
+def _q5_levels(e, block, qh_offset):
+    """The 32 levels (0..31) of a Q5_0 / Q5_1 block: fifth bits (a uint32) at `qh_offset`,
+    then 16 bytes of nibbles (low: weights 0-15, high: weights 16-31)."""
+    b = e.b
+    low, high = e.nibbles(e.load(block, qh_offset + 4, I8, 16))
+    fifth = b.zext(b.bitcast(e.load(block, qh_offset, I32), vec(I1, 32)), vec(I8, 32))
+    return b.or_(e.shuffle(low, high, range(32)), b.shl(fifth, e.const(I8, 32, 4)))
+
+
+def _unpack_q5_0(e, block):
+    """Q5_0 (22 bytes): d (f16), fifth bits, nibbles. Levels 0..31 stand for -16..15."""
+    return _Block([_q5_levels(e, block, 2)], e.splat(e.half(block, 0), 1), bias=16)
+
+
+def _unpack_q5_1(e, block):
+    """Q5_1 (24 bytes): d, m (f16), fifth bits, nibbles; weight = d * level + m."""
+    return _Block([_q5_levels(e, block, 4)], e.splat(e.half(block, 0), 1),
+                  offsets=e.splat(e.half(block, 2), 1))
+
+
+UNPACKERS = {"Q4_K": _unpack_q4_k, "Q5_K": _unpack_q5_k, "Q6_K": _unpack_q6_k,
+             "Q8_0": _unpack_q8_0, "Q5_0": _unpack_q5_0, "Q5_1": _unpack_q5_1}
+assert set(UNPACKERS) == set(FAST_ENCODINGS)
+
+
+def quantized_encoding(tag):
+    """The encoding named by a block tag's numba type when it is a quantized one, else None."""
+    encoding = encoding_of(tag)
+    return encoding if encoding in UNPACKERS else None
+
+
+def _pair_sums(e, sums):
+    """Sums of neighbouring lanes: per-16 sums -> per-32 sums."""
+    n = sums.type.count
+    return e.b.fadd(e.pick(sums, range(0, n, 2)), e.pick(sums, range(1, n, 2)))
+
+
+def int8_dot(e, block, xq, xd, xs, total):
+    """IR: `total` (<8 x float>) plus lanes that sum to the dot of an unpacked block with
+    the Q8_0 activation at xq (levels), xd (scales per 32) and xs (scaled sums per 16)."""
+    b = e.b
+    act_scales = e.load(xd, 0, FLOAT, len(block.levels))
+    if not block.per16:
+        scales = b.fmul(block.scales, act_scales)
+    terms = []
+    for j, level in enumerate(block.levels):
+        x = e.load(xq, 32 * j, I8, 32)
+        products = e.to_float(e.dot_s8s8(level, x) if block.signed else e.dot_u8s8(level, x))
+        if block.per16:  # lanes 0-3 hold the first 16 weights, lanes 4-7 the next 16
+            lanes = b.fmul(e.pick(block.scales, [2 * j] * 4 + [2 * j + 1] * 4), e.pick(act_scales, [j] * 8))
+        else:
+            lanes = e.pick(scales, [j] * 8)
+        terms.append((products, lanes))
+    total = b.fadd(total, e.weighted_sum(terms))
+    sums16 = e.load(xs, 0, FLOAT, 2 * len(block.levels))
+    sums = sums16 if block.per16 else _pair_sums(e, sums16)
+    if block.bias:  # the levels were used without their bias: take bias * scale * sum off
+        minus_bias = e.splat(ir.Constant(FLOAT, -block.bias), sums.type.count)
+        total = b.fadd(total, e.fold8(b.fmul(b.fmul(block.scales, sums), minus_bias)))
+    if block.offsets is not None:
+        total = b.fadd(total, e.fold8(b.fmul(block.offsets, sums)))
+    return total
+
+
+def k_int8_dot(e, block, xq, xd, xs, total):
+    """IR: `total` (<8 x float>, <16 x float> with AVX-512) plus lanes that sum to the dot of
+    an unpacked K-quant block with a Q8_K activation block: 256 int8 levels at xq, one
+    float32 scale at xd, the scaled sums of each 16 levels at xs. Sub-block products stay
+    integer to the end of the block; with AVX-512 two sub-blocks are multiplied at a time."""
+    b, width = e.b, e.multiply_bytes
+    per, lanes = width // 32, width // 4  # sub-blocks per multiply, int32 lanes of the sum
+    acc = e.const(I32, lanes, 0)
+    for c in range(len(block.levels) // per):
+        levels = block.levels[per * c]
+        if per == 2:
+            levels = e.shuffle(levels, block.levels[per * c + 1], range(64))
+        scales = e.pick(block.int_scales, [(c * width // 2 + m) // block.pairs_per_scale for m in range(width // 2)])
+        acc = e.add_pair_products(acc, e.pair_products(levels, e.load(xq, width * c, I8, width)), scales)
+    sums = e.load(xs, 0, FLOAT, 16)
+    if lanes == 8:
+        total = e.fma(e.pick(block.offsets16, range(8)), e.pick(sums, range(8)), total)
+        total = e.fma(e.pick(block.offsets16, range(8, 16)), e.pick(sums, range(8, 16)), total)
+    else:
+        total = e.fma(block.offsets16, sums, total)
+    # (acc * d) * xd rather than acc * (d * xd): a vector multiply by the block's d, which
+    # all activations share, and xd broadcast from memory into the FMA
+    return e.fma(b.fmul(e.to_float(acc), e.splat(block.d, lanes), flags=CONTRACT), e.splat(e.load(xd, 0, FLOAT), lanes),
+                 total)
+
+
+def dequantized_sub_block(e, block, j):
+    """IR: the 32 float32 weights of sub-block j, exactly as ggml computes them."""
+    b = e.b
+    wide = (b.sext if block.signed else b.zext)(block.levels[j], vec(I32, 32))
+    if block.bias:
+        wide = b.sub(wide, e.const(I32, 32, block.bias))
+    lanes = [2 * j] * 16 + [2 * j + 1] * 16 if block.per16 else [j] * 32
+    values = b.fmul(e.pick(block.scales, lanes), b.sitofp(wide, vec(FLOAT, 32)))
+    return values if block.offsets is None else b.fadd(values, e.pick(block.offsets, [j] * 32))
+
+
+def block_loop(e, encoding, start, count, body):
+    """IR loop over `count` blocks of `encoding` from i8* `start`, prefetching ahead:
+    body(index, unpacked block)."""
+    weights, nbytes = block_size(encoding)
+    with cgutils.for_range(e.b, count) as loop:
+        block = e.at(start, e.b.mul(loop.index, ir.Constant(I64, nbytes)))
+        for line in range(0, nbytes, CACHE_LINE):
+            e.prefetch(e.at(block, PREFETCH_BYTES + line))
+        body(loop.index, UNPACKERS[encoding](e, block))

@@ -1,0 +1,246 @@
+"""LLVM IR building blocks of the kernels' intrinsics: the `Emitter` and scalar conversions.
+
+`Emitter` wraps a numba IR builder with the vector operations the block unpackers and dot
+products are written in (`blocks.py`, `rows.py`): AVX-512, AVX-VNNI or AVX2 instructions where
+the CPU numba compiles for has them, portable vector IR otherwise. The `@intrinsic`s give
+compiled code what needs bit-level IR: half and bfloat16 to float32, integer bits to float32,
+and a cache-line prefetch.
+"""
+
+from __future__ import annotations
+
+import llvmlite.binding
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+# `Emitter.add_pair_products` emits vpdpwssd as inline assembly, which LLVM parses
+llvmlite.binding.initialize_native_asmparser()
+
+I1, I8, I16, I32, I64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
+FLOAT, _HALF = ir.FloatType(), ir.HalfType()
+_BYTE_PTR = I8.as_pointer()
+CONTRACT = ("contract",)  # lets LLVM fuse a multiply and an add into an FMA
+
+
+def vec(element, n):
+    return ir.VectorType(element, n)
+
+
+class Emitter:
+    """LLVM IR building blocks for the CPU numba compiles for: AVX-512, AVX-VNNI or AVX2 dot
+    products and F16C conversions where the target has them, portable IR otherwise."""
+
+    def __init__(self, context, builder):
+        triple, _, features = context.codegen().magic_tuple()
+        enabled = {f[1:] for f in features.split(",") if f.startswith("+")}
+        x86 = triple.startswith(("x86_64", "i386", "i686"))
+        self.context, self.b = context, builder
+        self.avx2 = x86 and "avx2" in enabled
+        self.vnni = self.avx2 and ("avxvnni" in enabled or {"avx512vnni", "avx512vl"} <= enabled)
+        self.avx512 = x86 and "avx512bw" in enabled  # 64-byte integer multiplies
+        self.vnni512 = self.avx512 and "avx512vnni" in enabled
+        self.native_half = not x86 or "f16c" in enabled
+        self.multiply_bytes = 64 if self.avx512 else 32  # bytes per vector of `pair_products`
+
+    # memory
+    def pointer(self, arraytype, array, byte_offset=None):
+        """i8* to an array's data, `byte_offset` (an int64 IR value) bytes in."""
+        data = self.context.make_array(arraytype)(self.context, self.b, array).data
+        data = self.b.bitcast(data, _BYTE_PTR)
+        return data if byte_offset is None else self.b.gep(data, [byte_offset])
+
+    def at(self, base, offset):
+        return self.b.gep(base, [offset if isinstance(offset, ir.Value) else ir.Constant(I64, offset)])
+
+    def load(self, base, offset, element, n=None):
+        kind = element if n is None else vec(element, n)
+        return self.b.load(self.b.bitcast(self.at(base, offset), kind.as_pointer()), align=1)
+
+    def prefetch(self, address):
+        fn = cgutils.get_or_insert_function(
+            self.b.module, ir.FunctionType(ir.VoidType(), [_BYTE_PTR, I32, I32, I32]), "llvm.prefetch.p0")
+        self.b.call(fn, [address, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+    def half(self, base, offset):
+        return self.half_to_float(self.load(base, offset, I16))
+
+    def half_to_float(self, bits):
+        """float32 of IEEE half bits (an i16); exact for every finite half."""
+        b = self.b
+        if self.native_half:
+            return b.fpext(b.bitcast(bits, _HALF), FLOAT)
+        # Without F16C, LLVM would call a runtime function numba does not provide: move the
+        # exponent and mantissa into float32 position and rescale the exponent by 2**112.
+        wide = b.zext(bits, I32)
+        magnitude = b.bitcast(b.shl(b.and_(wide, ir.Constant(I32, 0x7FFF)), ir.Constant(I32, 13)), FLOAT)
+        magnitude = b.bitcast(b.fmul(magnitude, ir.Constant(FLOAT, 2.0**112)), I32)
+        sign = b.shl(b.and_(wide, ir.Constant(I32, 0x8000)), ir.Constant(I32, 16))
+        return b.bitcast(b.or_(magnitude, sign), FLOAT)
+
+    def call(self, name, result, *args):
+        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(result, [a.type for a in args]), name)
+        return self.b.call(fn, args)
+
+    # vectors
+    @staticmethod
+    def const(element, n, value):
+        return ir.Constant(vec(element, n), [ir.Constant(element, value)] * n)
+
+    def shuffle(self, a, b, lanes):
+        return self.b.shuffle_vector(a, b, ir.Constant(vec(I32, len(lanes)), list(lanes)))
+
+    def pick(self, vector, lanes):
+        return self.shuffle(vector, ir.Constant(vector.type, None), lanes)
+
+    def splat(self, scalar, n=8):
+        one = self.b.insert_element(ir.Constant(vec(scalar.type, 1), None), scalar, ir.Constant(I32, 0))
+        return self.pick(one, [0] * n)
+
+    def fma(self, a, b, c):
+        return self.b.fadd(self.b.fmul(a, b, flags=CONTRACT), c, flags=CONTRACT)
+
+    def weighted_sum(self, terms):
+        """Sum of a * b over (a, b) vector pairs: a multiply and an FMA per two pairs, then a
+        tree of adds, so that no long chain of dependent FMAs limits the loop."""
+        sums = []
+        for i in range(0, len(terms), 2):
+            total = self.b.fmul(*terms[i], flags=CONTRACT)
+            sums.append(self.fma(*terms[i + 1], total) if i + 1 < len(terms) else total)
+        while len(sums) > 1:
+            pairs = [sums[i:i + 2] for i in range(0, len(sums), 2)]
+            sums = [self.b.fadd(*pair) if len(pair) == 2 else pair[0] for pair in pairs]
+        return sums[0]
+
+    def fold8(self, v):
+        """A <8 x float> whose lanes sum to the sum of v's lanes (v: 1 to 8, or a multiple of 8)."""
+        n = v.type.count
+        if n > 8:
+            return self.fold8(self.b.fadd(self.pick(v, range(n // 2)), self.pick(v, range(n // 2, n))))
+        return v if n == 8 else self.shuffle(v, ir.Constant(v.type, [0.0] * n), [min(i, n) for i in range(8)])
+
+    def to_float(self, ints):
+        return self.b.sitofp(ints, vec(FLOAT, ints.type.count))
+
+    def hsum(self, v8):
+        b = self.b
+        v4 = b.fadd(self.pick(v8, range(4)), self.pick(v8, range(4, 8)))
+        v2 = b.fadd(self.pick(v4, range(2)), self.pick(v4, range(2, 4)))
+        return b.fadd(b.extract_element(v2, ir.Constant(I32, 0)), b.extract_element(v2, ir.Constant(I32, 1)))
+
+    def _sum_quads(self, products):
+        """<32 x i32> -> <8 x i32>, lane m = products[4m] + ... + products[4m + 3]."""
+        sums = [self.pick(products, range(k, 32, 4)) for k in range(4)]
+        return self.b.add(self.b.add(sums[0], sums[1]), self.b.add(sums[2], sums[3]))
+
+    def dot_u8s8(self, unsigned, signed):
+        """<8 x i32>, lane m = sum of unsigned[j] * signed[j] over bytes j = 4m..4m+3.
+        Callers keep every pair sum within int16 (vpmaddubsw saturates)."""
+        b = self.b
+        if self.vnni:
+            as_i32 = vec(I32, 8)
+            return self.call("llvm.x86.avx512.vpdpbusd.256", as_i32, self.const(I32, 8, 0),
+                             b.bitcast(unsigned, as_i32), b.bitcast(signed, as_i32))
+        if self.avx2:
+            return self.add_pair_products(self.const(I32, 8, 0), self.pair_products(unsigned, signed),
+                                          self.const(I16, 16, 1))
+        wide = vec(I32, 32)
+        return self._sum_quads(b.mul(b.zext(unsigned, wide), b.sext(signed, wide)))
+
+    def pair_products(self, unsigned, signed):
+        """<n/2 x i16>, lane m = unsigned[2m] * signed[2m] + unsigned[2m + 1] * signed[2m + 1]
+        (n = 32 bytes, or 64 with AVX-512). Callers keep every pair sum within int16
+        (vpmaddubsw saturates)."""
+        n = unsigned.type.count
+        if self.avx2 and n == 32 or self.avx512 and n == 64:
+            name = "llvm.x86.avx2.pmadd.ub.sw" if n == 32 else "llvm.x86.avx512.pmaddubs.w.512"
+            return self.call(name, vec(I16, n // 2), unsigned, signed)
+        b, wide = self.b, vec(I16, n)
+        products = b.mul(b.zext(unsigned, wide), b.sext(signed, wide))
+        return b.add(self.pick(products, range(0, n, 2)), self.pick(products, range(1, n, 2)))
+
+    def add_pair_products(self, acc, left, right):
+        """acc <n/2 x i32> plus, in lane m, left[2m] * right[2m] + left[2m + 1] * right[2m + 1]
+        (<n x i16> each, n = 16 or 32): one vpdpwssd with VNNI, vpmaddwd + vpaddd otherwise.
+        With AVX-512 VNNI the vpdpwssd is inline assembly: from LLVM's intrinsic, its machine
+        combiner splits chains of them into vpmaddwd + vpaddd to shorten their latency, which
+        slows a throughput-bound loop like ours."""
+        b, n = self.b, left.type.count
+        as_i32 = vec(I32, n // 2)
+        operands = [acc, b.bitcast(left, as_i32), b.bitcast(right, as_i32)]
+        if self.vnni512 and n in (16, 32):
+            return b.asm(ir.FunctionType(as_i32, [as_i32] * 3), "vpdpwssd $3, $2, $0", "=v,0,v,v", operands, False)
+        if n == 16 and self.vnni:
+            return self.call("llvm.x86.avx512.vpdpwssd.256", as_i32, *operands)
+        if n == 16 and self.avx2 or n == 32 and self.avx512:
+            name = "llvm.x86.avx2.pmadd.wd" if n == 16 else "llvm.x86.avx512.pmaddw.d.512"
+            return b.add(acc, self.call(name, as_i32, left, right))
+        products = b.mul(b.sext(left, vec(I32, n)), b.sext(right, vec(I32, n)))
+        return b.add(acc, b.add(self.pick(products, range(0, n, 2)), self.pick(products, range(1, n, 2))))
+
+    def dot_s8s8(self, left, right):
+        """As dot_u8s8 for two signed vectors (|left| <= 128, |right| <= 127): |left| times
+        right with left's sign."""
+        if self.avx2:
+            magnitude = self.call("llvm.abs.v32i8", left.type, left, ir.Constant(I1, 0))
+            return self.dot_u8s8(magnitude, self.call("llvm.x86.avx2.psign.b", left.type, right, left))
+        wide = vec(I32, 32)
+        return self._sum_quads(self.b.mul(self.b.sext(left, wide), self.b.sext(right, wide)))
+
+    def nibbles(self, packed):
+        """(low, high) 4-bit halves of a byte vector."""
+        n = packed.type.count
+        return self.b.and_(packed, self.const(I8, n, 0x0F)), self.b.lshr(packed, self.const(I8, n, 4))
+
+
+@intrinsic
+def half_to_float(typingctx, bits):
+    """float32 of the IEEE half whose bits are the low 16 of an integer."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return Emitter(context, builder).half_to_float(builder.trunc(args[0], I16))
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def bf16_to_float(typingctx, bits):
+    """float32 of the bfloat16 whose bits are the low 16 of an integer."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        wide = builder.zext(builder.trunc(args[0], I16), I32)
+        return builder.bitcast(builder.shl(wide, ir.Constant(I32, 16)), FLOAT)
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def int_bits_to_float(typingctx, bits):
+    """The float32 whose bits are the low 32 of an integer."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.trunc(args[0], I32) if bits.bitwidth > 32 else args[0], FLOAT)
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def prefetch_line(typingctx, array, byte_offset):
+    """Prefetch the cache line of `array`'s byte `byte_offset` into all cache levels."""
+    if not isinstance(array, types.Array) or not isinstance(byte_offset, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        e = Emitter(context, builder)
+        offset = context.cast(builder, args[1], signature.args[1], types.int64)
+        e.prefetch(e.pointer(signature.args[0], args[0], offset))
+        return context.get_dummy_value()
+
+    return types.void(array, byte_offset), codegen

@@ -1,0 +1,160 @@
+"""The routed experts of a layer: `ExpertKernel`, its checked wrappers, and the weighted sum.
+
+A decoded token goes through its k experts in one parallel call (gate and up rows of all of
+them at once, then the down rows); a prompt's tokens go through one expert at a time
+(`ExpertKernel.batch`), each expert's outputs added to its tokens' sums (`add_weighted_rows`).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from colibri.formats.encodings import row_bytes
+from colibri.runtime.kernels.activations import (
+    WIDEST_ACT_BLOCK, activation_row, activation_rows, dot_type_for, empty_activation, fill_activation, float_rows,
+    make_activation,
+)
+from colibri.runtime.kernels.blocks import BLOCK_TAGS
+from colibri.runtime.kernels.matrices import matrix_times
+from colibri.runtime.kernels.numerics import silu
+from colibri.runtime.kernels.rows import row_dot
+from colibri.runtime.kernels.threads import part_range
+
+_njit = njit(cache=True, nogil=True)
+_parallel = njit(cache=True, nogil=True, parallel=True)
+
+
+@_parallel
+def _moe_kernel(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes, ffn, hidden,
+                gate_act, up_act, h, h_act, weights, out, nthreads):
+    k = slots.shape[0]
+    # 1. h[j, i] = silu(gate_j[i] . x) * (up_j[i] . x), over all k * ffn rows at once; each
+    #    thread then quantizes its own (256-aligned) part of h for the down projection.
+    for t in prange(nthreads):
+        first, stop = part_range(k * ffn, nthreads, t, WIDEST_ACT_BLOCK)
+        for index in range(first, stop):
+            j, i = index // ffn, index % ffn
+            record = records[slots[j]]
+            gate = row_dot(gate_tag, record, offsets[0] + i * row_nbytes[0], hidden, gate_act)
+            up = row_dot(up_tag, record, offsets[1] + i * row_nbytes[1], hidden, up_act)
+            h[j, i] = silu(gate) * up
+        fill_activation(h_act, h, first, stop)
+    # 2. out[r] = sum_j weights[j] * (down_j[r] . h[j]), one expert's rows at a time.
+    for t in prange(nthreads):
+        first, stop = part_range(hidden, nthreads, t, 1)
+        out[first:stop] = 0.0
+        for j in range(k):
+            act = activation_row(h_act, j)
+            record = records[slots[j]]
+            for r in range(first, stop):
+                out[r] += weights[j] * row_dot(down_tag, record, offsets[2] + r * row_nbytes[2], ffn, act)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _silu_times(gate, up, nthreads):
+    """gate <- silu(gate) * up, elementwise ([n, ffn] each)."""
+    for t in prange(nthreads):
+        first, stop = part_range(gate.shape[0], nthreads, t, 1)
+        for i in range(first, stop):
+            g, u = gate[i], up[i]
+            for j in range(g.size):
+                g[j] = silu(g[j]) * u[j]
+    return gate
+
+
+class ExpertKernel:
+    """sum_j weights[j] * down_j(silu(gate_j @ x) * (up_j @ x)) for the k routed experts of one
+    layer in one call (decode); encodings, offsets and sizes are checked once, here.
+
+    An expert is a row of `records` (uint8 [m, record_bytes]) with gate [ffn, hidden], up
+    [ffn, hidden] and down [hidden, ffn] at byte `offsets` in `encodings`. With int8
+    activations (exact=False), x is quantized once for every gate and up, and each expert's
+    hidden state once for its down."""
+
+    def __init__(self, record_bytes: int, encodings: tuple[str, str, str], offsets: tuple[int, int, int], ffn: int,
+                 hidden: int, exact: bool = False):
+        shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
+        self.sizes = tuple(row_bytes(encoding, cols) for encoding, (_, cols) in zip(encodings, shapes))
+        for name, offset, (rows, _), size in zip(("gate", "up", "down"), offsets, shapes, self.sizes):
+            if offset < 0 or offset + rows * size > record_bytes:
+                raise ValueError(f"{name} [{rows} rows of {size} bytes] at offset {offset} does not fit "
+                                 f"in a record of {record_bytes} bytes")
+        self.record_bytes, self.ffn, self.hidden = record_bytes, ffn, hidden
+        self.tags = tuple(BLOCK_TAGS[encoding] for encoding in encodings)
+        self.offsets = tuple(int(o) for o in offsets)
+        self.dot_types = tuple(dot_type_for(encoding, exact) for encoding in encodings)
+
+    def activations(self, x: np.ndarray) -> dict:
+        """x float32 [n, hidden] as the gate and the up kernels take it (by dot type: quantized
+        once when they share one), for `batch`; quantize a layer's tokens once for all its experts."""
+        return {dot_type: make_activation(x, dot_type) for dot_type in set(self.dot_types[:2])}
+
+    @staticmethod
+    def rows_of(acts: dict, rows: np.ndarray) -> dict:
+        """The activations of tokens `rows` (an index array) of `activations`' result."""
+        return {dot_type: activation_rows(act, rows) for dot_type, act in acts.items()}
+
+    def __call__(self, records: np.ndarray, slots: np.ndarray, x: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """records uint8 [m, >= record_bytes] (C-contiguous, e.g. a cache slab used in place),
+        slots int64 [k] (the experts' rows), x float32 [hidden], weights float32 [k] -> float32 [hidden]."""
+        k, ffn = slots.shape[0], self.ffn
+        acts = self.activations(x.reshape(1, self.hidden))
+        gate_act, up_act = (activation_rows(acts[dot_type], 0) for dot_type in self.dot_types[:2])
+        h = np.empty((k, ffn), np.float32)
+        h_act = h if self.dot_types[2] is None else empty_activation(k, ffn, self.dot_types[2])
+        out = np.empty(self.hidden, np.float32)
+        _moe_kernel(*self.tags, records, slots, self.offsets, self.sizes, ffn, self.hidden, gate_act, up_act, h, h_act,
+                    weights, out, numba.get_num_threads())
+        return out
+
+    def batch(self, record: np.ndarray, acts: dict, n: int) -> np.ndarray:
+        """One expert (its record, contiguous uint8 [>= record_bytes]) applied to each of n
+        tokens, given as `activations` of them -> float32 [n, hidden], without a routing
+        weight (prefill)."""
+        gate, up = (self._project(record, m, self.ffn, self.hidden, acts[dot_type], n)
+                    for m, dot_type in enumerate(self.dot_types[:2]))
+        h = _silu_times(gate, up, numba.get_num_threads())
+        return self._project(record, 2, self.hidden, self.ffn, make_activation(h, self.dot_types[2]), n)
+
+    def _project(self, record: np.ndarray, m: int, rows: int, cols: int, act, n: int) -> np.ndarray:
+        return matrix_times(self.tags[m], record[self.offsets[m]:], rows, cols, self.sizes[m], act, n)
+
+
+def moe_experts(records: np.ndarray, encodings: tuple[str, str, str], offsets: tuple[int, int, int], ffn: int,
+                hidden: int, x: np.ndarray, weights: np.ndarray, exact: bool = False,
+                slots: np.ndarray | None = None) -> np.ndarray:
+    """`ExpertKernel` on experts `slots` of `records` (default: all of its rows), with checks of
+    every argument: x float32 [hidden], weights float32 [k] -> float32 [hidden]."""
+    if records.dtype != np.uint8 or records.ndim != 2 or not records.flags.c_contiguous:
+        raise ValueError(f"records must be C-contiguous uint8 [m, record_bytes], got {records.dtype} {records.shape}")
+    slots = np.arange(records.shape[0]) if slots is None else np.asarray(slots, dtype=np.int64).reshape(-1)
+    if slots.size and (slots.min() < 0 or slots.max() >= records.shape[0]):
+        raise ValueError(f"slots {slots.tolist()} out of range for {records.shape[0]} records")
+    weights = np.ascontiguousarray(weights, dtype=np.float32).reshape(-1)
+    if weights.shape != slots.shape:
+        raise ValueError(f"weights must have shape ({slots.shape[0]},), got {weights.shape}")
+    x = float_rows(np.asarray(x).reshape(1, -1), hidden)[0]
+    return ExpertKernel(records.shape[1], encodings, offsets, ffn, hidden, exact)(records, slots, x, weights)
+
+
+def moe_experts_batch(record: np.ndarray, encodings: tuple[str, str, str], offsets: tuple[int, int, int],
+                      ffn: int, hidden: int, x: np.ndarray, exact: bool = False) -> np.ndarray:
+    """`ExpertKernel.batch` with checks of every argument: one expert (`record`, its bytes as a
+    row of moe_experts') applied to each row of x float32 [n, hidden] -> float32 [n, hidden]."""
+    record = np.ascontiguousarray(record).reshape(-1)
+    if record.dtype != np.uint8:
+        raise ValueError(f"record must be uint8 bytes, got {record.dtype}")
+    kernel = ExpertKernel(record.size, encodings, offsets, ffn, hidden, exact)
+    return kernel.batch(record, kernel.activations(float_rows(x, hidden)), x.shape[0])
+
+
+@_njit
+def add_weighted_rows(out: np.ndarray, rows: np.ndarray, y: np.ndarray, weights: np.ndarray) -> None:
+    """out[rows[i]] += weights[i] * y[i] for each i (rows distinct): an expert's outputs
+    added to its tokens' sums."""
+    for i in range(rows.size):
+        target, source, weight = out[rows[i]], y[i], weights[i]
+        for j in range(source.size):
+            target[j] += weight * source[j]

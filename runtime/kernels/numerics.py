@@ -1,0 +1,69 @@
+"""float32 math the kernels share, in loops that vectorize: softmax and silu on an exp without
+libm calls, and the RMS norm.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from colibri.runtime.kernels.emitter import int_bits_to_float
+
+F32 = np.float32
+
+
+@njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _exp_nonpositive(x):
+    """exp(x) for x <= 0 to 4e-6 relative (x clamped at -87), without a libm call, so that a
+    loop of them vectorizes: 2**(x log2 e) as 2**floor times a degree-8 Taylor polynomial of
+    the fraction."""
+    t = max(x, F32(-87.0)) * F32(1.4426950408889634)
+    whole = np.floor(t)
+    f = (t - whole) * F32(0.6931471805599453)
+    p = F32(1.0 / 40320.0)
+    for c in (1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
+        p = p * f + F32(c)
+    return p * int_bits_to_float((np.int32(whole) + np.int32(127)) << np.int32(23))
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def softmax_in_place(scores, i, end):
+    """scores[i, :end] (float32) <- their softmax, with `_exp_nonpositive`. Not inlined: inlined
+    into the decode attention's parallel loop, it took away the second thread's gain."""
+    best = F32(-3.0e38)
+    for pos in range(end):
+        best = max(best, scores[i, pos])
+    total = F32(0.0)
+    for pos in range(end):
+        scores[i, pos] = _exp_nonpositive(scores[i, pos] - best)
+        total += scores[i, pos]
+    inverse = F32(1.0) / total
+    for pos in range(end):
+        scores[i, pos] *= inverse
+
+
+@njit(cache=True, nogil=True, fastmath=True, inline="always")
+def silu(v):
+    """v * sigmoid(v), from exp(-|v|): no overflow, and a loop of them vectorizes."""
+    e = _exp_nonpositive(-abs(v))
+    return v * (F32(1.0) if v >= 0 else e) / (F32(1.0) + e)
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def rms_norm_into(x, weight, eps, out):
+    """out[i] = x[i] / rms(x[i]) * weight for each row of x (float32 [n, width])."""
+    for i in range(x.shape[0]):
+        total = F32(0.0)
+        for j in range(x.shape[1]):
+            total += x[i, j] * x[i, j]
+        inverse = F32(1.0) / np.sqrt(total / F32(x.shape[1]) + eps)
+        for j in range(x.shape[1]):
+            out[i, j] = x[i, j] * inverse * weight[j]
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x / rms(x) * weight over the last axis (float32)."""
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+    out = np.empty_like(rows)
+    rms_norm_into(rows, np.ascontiguousarray(weight, dtype=np.float32), F32(eps), out)
+    return out.reshape(x.shape)

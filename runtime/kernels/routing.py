@@ -1,0 +1,74 @@
+"""The router's top-k choice of experts: softmax or sigmoid scores, DeepSeek-V3's bias and groups."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+F32 = np.float32
+_njit = njit(cache=True, nogil=True)
+
+
+@_njit
+def route_into(logits, bias, sigmoid, groups, topk_groups, top2_sum, norm, scale, ids, weights):
+    """`route` into ids int64 [n, k] and weights float32 [n, k] (bias: float32 [experts])."""
+    n, experts = logits.shape
+    k, per_group = ids.shape[1], experts // groups
+    scores, choice = np.empty(experts, np.float32), np.empty(experts, np.float32)
+    group_scores = np.empty(groups, np.float32)
+    for i in range(n):
+        row = logits[i]
+        if sigmoid:
+            for e in range(experts):
+                scores[e] = F32(1.0) / (F32(1.0) + np.exp(-row[e]))
+        else:
+            top, total = row.max(), F32(0.0)
+            for e in range(experts):
+                scores[e] = np.exp(row[e] - top)
+                total += scores[e]
+            for e in range(experts):
+                scores[e] = scores[e] / total
+        for e in range(experts):
+            choice[e] = scores[e] + bias[e]
+        if groups > 1:
+            for g in range(groups):
+                part = choice[g * per_group:(g + 1) * per_group]
+                first = np.argmax(part)
+                if top2_sum:
+                    second = F32(-np.inf) if per_group > 1 else F32(0.0)
+                    for e in range(per_group):
+                        if e != first and part[e] > second:
+                            second = part[e]
+                    group_scores[g] = second + part[first]
+                else:
+                    group_scores[g] = part[first]
+            for _ in range(topk_groups):  # the kept groups' scores become +inf
+                group_scores[np.argmax(np.where(group_scores == np.inf, -np.inf, group_scores))] = np.inf
+            for g in range(groups):
+                if group_scores[g] != np.inf:
+                    choice[g * per_group:(g + 1) * per_group] = -np.inf
+        total = F32(0.0)
+        for j in range(k):  # the highest choice first; of equal ones, the lowest id
+            e = np.argmax(choice)
+            ids[i, j], weights[i, j] = e, scores[e]
+            choice[e] = -np.inf
+            total += scores[e]
+        for j in range(k):
+            if norm:
+                weights[i, j] = weights[i, j] / (total + (F32(1e-20) if sigmoid else F32(0.0)))
+            weights[i, j] = weights[i, j] * scale
+
+
+def route(logits: np.ndarray, bias: np.ndarray | None, k: int, sigmoid: bool = False, groups: int = 1,
+          topk_groups: int = 1, top2_sum: bool = True, norm: bool = False, scale: float = 1.0):
+    """The k experts each row of router logits [n, experts] picks -> (ids int64 [n, k],
+    weights float32 [n, k]). Scores are the softmax or the sigmoid of the logits; the choice
+    adds `bias` (DeepSeek-V3's correction) and, with `groups` > 1, keeps only the experts of
+    the `topk_groups` groups that score best (sum of their top two choices, or the max);
+    weights are the chosen scores, renormalized to sum 1 when `norm`, times `scale`."""
+    n, experts = logits.shape
+    ids, weights = np.empty((n, k), np.int64), np.empty((n, k), np.float32)
+    bias = np.zeros(experts, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+    route_into(np.ascontiguousarray(logits, dtype=np.float32), bias, sigmoid, groups, topk_groups, top2_sum, norm,
+                F32(scale), ids, weights)
+    return ids, weights

@@ -1,0 +1,287 @@
+"""A row of weights times activations: the dot intrinsics and the row operations kernels call.
+
+The int8 dot of a whole row is one `@intrinsic` that emits LLVM IR: `vpmaddubsw` + `vpdpwssd`
+on 64 bytes at a time with AVX-512 (K-quants), `vpdpbusd` with AVX-VNNI, `vpmaddubsw` +
+`vpmaddwd` with AVX2, and portable vector IR on other CPUs; it unpacks each weight block once
+for up to GROUP activations. The exact path dequantizes each weight to the float32 that
+`gguf.quants.dequantize` gives (bit for bit). `row_dot`, `rows_times` and `dequantize_into`
+are generic over the encoding (a block tag) and the activation, and prefetch the weight
+stream PREFETCH_BYTES ahead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from colibri.formats.encodings import block_size
+from colibri.runtime.kernels.activations import ACT_BLOCKS, DOT_TYPES, activation_dot_type
+from colibri.runtime.kernels.blocks import (
+    CACHE_LINE, PREFETCH_BYTES, UNPACKERS, block_loop, dequantized_sub_block, encoding_of, int8_dot, k_int8_dot,
+    quantized_encoding,
+)
+from colibri.runtime.kernels.emitter import Emitter, FLOAT, I64, bf16_to_float, half_to_float, prefetch_line, vec
+
+F32 = np.float32
+_njit = njit(cache=True, nogil=True)
+
+CHUNK = 256  # weights dequantized at a time by the exact path (a multiple of every block size)
+GROUP = 8  # activations multiplied together by the int8 matmul (each weight block unpacked once);
+# a remainder of at least GROUP // 2 rows is done as one half group
+ROW_TILE = 32  # weight rows the int8 matmul passes each group of activations over (kept in L2)
+
+
+@_njit
+def _prefetch_ahead(w, offset, nbytes):
+    """Prefetch the `nbytes` that follow `offset` + PREFETCH_BYTES, a line at a time."""
+    for line in range(0, nbytes, CACHE_LINE):
+        prefetch_line(w, offset + PREFETCH_BYTES + line)
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _dot(a, b, n):
+    """float32 dot of a[:n] and b[:n] (vectorized: fastmath lets the sum be reordered)."""
+    total = F32(0.0)
+    for i in range(n):
+        total += a[i] * b[i]
+    return total
+
+
+def _int8_rows_codegen(encoding, count):
+    """codegen of the int8 dot of a row of blocks with `count` activations at once: each
+    block is unpacked once for all of them (one loop of vector IR, vector accumulators)."""
+    weights = block_size(encoding)[0]
+    k_quant = DOT_TYPES[encoding] == "Q8_K"
+    # bytes per block of an activation's int8 values, scales and sums (per 16)
+    strides = (weights, weights // ACT_BLOCKS[DOT_TYPES[encoding]] * 4, weights // 16 * 4)
+    dot = k_int8_dot if k_quant else int8_dot
+
+    def codegen(context, builder, sig, args):
+        e = Emitter(context, builder)
+        start, nblocks = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3))
+        bases = [e.pointer(sig.args[i], args[i]) for i in (4, 5, 6)]
+        row_bytes = [builder.mul(nblocks, ir.Constant(I64, stride)) for stride in strides]
+        lanes = e.multiply_bytes // 4 if k_quant else 8  # of the vector a block's dot returns
+        totals = [cgutils.alloca_once_value(builder, ir.Constant(vec(FLOAT, lanes), [0.0] * lanes)) for _ in range(count)]
+
+        def body(index, block):
+            for k, total in enumerate(totals):
+                q, d, s = (e.at(base, builder.add(builder.mul(ir.Constant(I64, k), size),
+                                                  builder.mul(index, ir.Constant(I64, stride))))
+                           for base, size, stride in zip(bases, row_bytes, strides))
+                builder.store(dot(e, block, q, d, s, builder.load(total)), total)
+
+        block_loop(e, encoding, e.pointer(sig.args[1], args[1], start), nblocks, body)
+        dots = [e.hsum(e.fold8(builder.load(total))) for total in totals]
+        return dots[0] if count == 1 else context.make_tuple(builder, sig.return_type, dots)
+
+    return codegen
+
+
+@intrinsic
+def _row_dot_int8(typingctx, tag, w, offset, nblocks, xq, xd, xs):
+    """float32 dot of the `nblocks` blocks at byte `offset` of `w` with one int8 activation
+    (xq, xd, xs)."""
+    encoding = quantized_encoding(tag)
+    if encoding is None:
+        return None
+    return types.float32(tag, w, offset, nblocks, xq, xd, xs), _int8_rows_codegen(encoding, 1)
+
+
+def _row_dots_int8_intrinsic(count):
+    @intrinsic
+    def row_dots_int8(typingctx, tag, w, offset, nblocks, xq, xd, xs):
+        """As _row_dot_int8 for the first `count` rows of int8 activations [n, ...] at once:
+        a tuple of `count` float32."""
+        encoding = quantized_encoding(tag)
+        if encoding is None:
+            return None
+        signature = types.UniTuple(types.float32, count)(tag, w, offset, nblocks, xq, xd, xs)
+        return signature, _int8_rows_codegen(encoding, count)
+
+    return row_dots_int8
+
+
+_row_dots_int8 = _row_dots_int8_intrinsic(GROUP)
+_row_dots_int8_half = _row_dots_int8_intrinsic(GROUP // 2)
+
+
+@intrinsic
+def _row_dot_float(typingctx, tag, w, offset, nblocks, x):
+    """float32 dot of the `nblocks` blocks at byte `offset` of `w` with float32 x, each
+    weight dequantized exactly (exact path, one activation)."""
+    encoding = quantized_encoding(tag)
+    if encoding is None:
+        return None
+    weights = block_size(encoding)[0]
+
+    def codegen(context, builder, sig, args):
+        e = Emitter(context, builder)
+        start, count = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3))
+        act = e.pointer(sig.args[4], args[4])
+        total = cgutils.alloca_once_value(builder, ir.Constant(vec(FLOAT, 32), [0.0] * 32))
+
+        def body(index, block):
+            first = e.at(act, builder.mul(index, ir.Constant(I64, weights * 4)))
+            terms = [(dequantized_sub_block(e, block, j), e.load(first, 128 * j, FLOAT, 32))
+                     for j in range(len(block.levels))]
+            builder.store(builder.fadd(builder.load(total), e.weighted_sum(terms)), total)
+
+        block_loop(e, encoding, e.pointer(sig.args[1], args[1], start), count, body)
+        return e.hsum(e.fold8(builder.load(total)))
+
+    return types.float32(tag, w, offset, nblocks, x), codegen
+
+
+@intrinsic
+def _dequantize_blocks(typingctx, tag, w, offset, nblocks, out):
+    """Dequantize the `nblocks` blocks at byte `offset` of `w` into out[:nblocks * block weights]."""
+    encoding = quantized_encoding(tag)
+    if encoding is None:
+        return None
+
+    def codegen(context, builder, sig, args):
+        e = Emitter(context, builder)
+        start, count = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3))
+        values = e.pointer(sig.args[4], args[4])
+        block_floats = block_size(encoding)[0] * 4
+
+        def body(index, block):
+            first = builder.mul(index, ir.Constant(I64, block_floats))
+            for j in range(len(block.levels)):
+                target = builder.bitcast(e.at(values, builder.add(first, ir.Constant(I64, 128 * j))),
+                                         vec(FLOAT, 32).as_pointer())
+                builder.store(dequantized_sub_block(e, block, j), target, align=4)
+
+        block_loop(e, encoding, e.pointer(sig.args[1], args[1], start), count, body)
+        return context.get_dummy_value()
+
+    return types.void(tag, w, offset, nblocks, out), codegen
+
+
+@_njit
+def _identity(value):
+    return value
+
+
+# float encodings: (how numpy views the bytes, float32 of one element)
+_FLOAT_ELEMENTS = {"F32": (np.float32, _identity), "F16": (np.uint16, half_to_float),
+                   "BF16": (np.uint16, bf16_to_float)}
+
+
+def _dequantize_impl(encoding):
+    """numba implementation of dequantize_into for one encoding."""
+    if encoding in _FLOAT_ELEMENTS:
+        dtype, convert = _FLOAT_ELEMENTS[encoding]
+        itemsize = np.dtype(dtype).itemsize
+
+        def impl(tag, w, offset, count, out):
+            _prefetch_ahead(w, offset, itemsize * count)
+            elements = w[offset:offset + itemsize * count].view(dtype)
+            for i in range(count):
+                out[i] = convert(elements[i])
+    else:
+        weights = block_size(encoding)[0]
+
+        def impl(tag, w, offset, count, out):
+            _dequantize_blocks(tag, w, offset, count // weights, out)
+    return impl
+
+
+def dequantize_into(tag, w, offset, count, out):
+    """Dequantize `count` weights (whole blocks) from byte `offset` of `w` into out[:count]."""
+
+
+@overload(dequantize_into)
+def _dequantize_into_overload(tag, w, offset, count, out):
+    encoding = encoding_of(tag)
+    return None if encoding is None else _dequantize_impl(encoding)
+
+
+def row_dot(tag, w, offset, cols, act):
+    """float32 dot of the row of `cols` weights at byte `offset` of `w` with one activation
+    (a float32 vector, or an int8 (q, d, sums) tuple)."""
+
+
+@overload(row_dot, jit_options={"fastmath": True})
+def _row_dot_overload(tag, w, offset, cols, act):
+    encoding = encoding_of(tag)
+    if encoding is None:
+        return None
+    if encoding in UNPACKERS:
+        weights = block_size(encoding)[0]
+        if activation_dot_type(act) is not None:
+            if activation_dot_type(act) != DOT_TYPES[encoding]:
+                return None
+            return lambda tag, w, offset, cols, act: _row_dot_int8(tag, w, offset, cols // weights, act.q, act.d, act.sums)
+        return lambda tag, w, offset, cols, act: _row_dot_float(tag, w, offset, cols // weights, act)
+    dtype, convert = _FLOAT_ELEMENTS[encoding]
+    itemsize = np.dtype(dtype).itemsize
+
+    def float_weights(tag, w, offset, cols, act):
+        elements = w[offset:offset + itemsize * cols].view(dtype)
+        total = F32(0.0)
+        for first in range(0, cols, CHUNK):
+            _prefetch_ahead(w, offset + itemsize * first, itemsize * CHUNK)
+            chunk, x = elements[first:first + CHUNK], act[first:first + CHUNK]
+            for i in range(chunk.size):
+                total += convert(chunk[i]) * x[i]
+        return total
+    return float_weights
+
+
+def rows_times(tag, w, first, stop, row_nbytes, cols, act, out, buf):
+    """out[:, first:stop] = rows first..stop-1 of `w` times each of the n activations `act`
+    (float32 [n, cols], or an int8 activation of [n, ...] arrays)."""
+
+
+@overload(rows_times)
+def _rows_times_overload(tag, w, first, stop, row_nbytes, cols, act, out, buf):
+    encoding = encoding_of(tag)
+    if encoding is None:
+        return None
+    weights, nbytes = block_size(encoding)
+    if activation_dot_type(act) is not None:
+        if activation_dot_type(act) != DOT_TYPES[encoding]:
+            return None
+
+        def int8_impl(tag, w, first, stop, row_nbytes, cols, act, out, buf):
+            q, d, s = act
+            n, nblocks = out.shape[0], cols // weights
+            grouped = n - n % GROUP
+            half = n - grouped >= GROUP // 2
+            # A tile of rows stays in L2 while each group of activations, in L1, passes over it.
+            for tile in range(first, stop, ROW_TILE):
+                end = min(tile + ROW_TILE, stop)
+                for i in range(0, grouped, GROUP):  # each block unpacked once for GROUP activations
+                    for r in range(tile, end):
+                        dots = _row_dots_int8(tag, w, r * row_nbytes, nblocks, q[i:], d[i:], s[i:])
+                        for k in range(GROUP):
+                            out[i + k, r] = dots[k]
+                if half:
+                    for r in range(tile, end):
+                        dots = _row_dots_int8_half(tag, w, r * row_nbytes, nblocks, q[grouped:], d[grouped:],
+                                                   s[grouped:])
+                        for k in range(GROUP // 2):
+                            out[grouped + k, r] = dots[k]
+                for i in range(grouped + half * (GROUP // 2), n):
+                    for r in range(tile, end):
+                        out[i, r] = _row_dot_int8(tag, w, r * row_nbytes, nblocks, q[i], d[i], s[i])
+        return int8_impl
+
+    def float_impl(tag, w, first, stop, row_nbytes, cols, act, out, buf):
+        for r in range(first, stop):
+            offset = r * row_nbytes
+            if out.shape[0] == 1:
+                out[0, r] = row_dot(tag, w, offset, cols, act[0])
+                continue
+            out[:, r] = 0.0
+            for start in range(0, cols, CHUNK):  # each chunk is dequantized once for all n
+                count = min(CHUNK, cols - start)
+                dequantize_into(tag, w, offset + start // weights * nbytes, count, buf)
+                for i in range(out.shape[0]):
+                    out[i, r] += _dot(buf, act[i, start:], count)
+    return float_impl
