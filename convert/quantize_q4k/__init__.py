@@ -1,0 +1,97 @@
+"""GGML block quantizers, byte-identical to ggml's reference C code (ggml-quants.c).
+
+Each numba function ports its namesake in ggml-quants.c: `quantize_<type>(x, nrows, n,
+imatrix)`, which runs `quantize_row_<type>_ref` without an imatrix and the `_impl` variant
+with one. Bit-exactness rests on doing every float operation as C does: in float32 (operands
+are cast explicitly, as numba would promote int * float32 to float64), sums left to right,
+no fastmath (a fused multiply-add rounds differently). Where a loop is restructured for
+speed, the float32 operations and their order per sum are unchanged.
+
+`quantize` and `dequantize` (here) take every type; the block types live in `k_quants`
+(Q4_K, Q5_K, Q6_K) and `q32` (Q8_0, Q5_0, Q5_1), built on ggml's scale searches (`searches`)
+and C's scalar conversions (`scalars`).
+"""
+
+import gguf
+import numpy as np
+
+from colibri.convert.quantize_q4k.k_quants import (
+    dequantize_q4_k, dequantize_q5_k, dequantize_q6_k, quantize_q4_k, quantize_q5_k, quantize_q6_k,
+)
+from colibri.convert.quantize_q4k.q32 import (
+    dequantize_q5_0, dequantize_q5_1, dequantize_q8_0, quantize_q5_0, quantize_q5_1, quantize_q8_0,
+)
+
+_BLOCK_CODECS = {
+    "Q4_K": (quantize_q4_k, dequantize_q4_k),
+    "Q5_K": (quantize_q5_k, dequantize_q5_k),
+    "Q6_K": (quantize_q6_k, dequantize_q6_k),
+    "Q8_0": (quantize_q8_0, dequantize_q8_0),
+    "Q5_0": (quantize_q5_0, dequantize_q5_0),
+    "Q5_1": (quantize_q5_1, dequantize_q5_1),
+}
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def _row_layout(qtype: str, n: int) -> int:
+    """Bytes per row of n weights; ValueError for an unknown type or a ragged row."""
+    if qtype not in _BLOCK_CODECS and qtype not in _FLOAT_TYPES:
+        raise ValueError(f"unsupported quantization type {qtype!r}; "
+                         f"expected one of {sorted(_BLOCK_CODECS) + list(_FLOAT_TYPES)}")
+    block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    if n % block_size:
+        raise ValueError(f"{qtype} quantizes rows in blocks of {block_size} weights, "
+                         f"but the row length {n} is not a multiple of {block_size}")
+    return n // block_size * type_size
+
+
+def _fp32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """ggml_compute_fp32_to_bf16: quiet NaNs, otherwise round to nearest even."""
+    u = x.view(np.uint32)
+    rounded = (u + (np.uint32(0x7FFF) + ((u >> 16) & 1))) >> 16
+    quiet_nan = (u >> 16) | 64
+    return np.where((u & 0x7FFFFFFF) > 0x7F800000, quiet_nan, rounded).astype(np.uint16)
+
+
+def quantize(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """Encode float rows [..., n] as GGML qtype bytes [..., row_bytes], exactly as ggml's
+    quantize_<qtype>(x, nrows, n, imatrix) does. imatrix: importance weights [n] or None
+    (ignored by F32, F16, BF16 and Q8_0, as in ggml)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n = x.shape[-1]
+    row_bytes = _row_layout(qtype, n)
+    if imatrix is None:
+        imatrix = np.empty(0, np.float32)
+    else:
+        imatrix = np.ascontiguousarray(imatrix, dtype=np.float32)
+        if imatrix.shape != (n,):
+            raise ValueError(f"imatrix must have shape ({n},) to match the rows, got {imatrix.shape}")
+    if qtype == "F32":
+        return x.view(np.uint8).reshape(*x.shape[:-1], row_bytes).copy()
+    if qtype == "F16":
+        return x.astype(np.float16).view(np.uint8).reshape(*x.shape[:-1], row_bytes)
+    if qtype == "BF16":
+        return _fp32_to_bf16(x).view(np.uint8).reshape(*x.shape[:-1], row_bytes)
+    out = np.empty((*x.shape[:-1], row_bytes), np.uint8)
+    quantize_rows, _ = _BLOCK_CODECS[qtype]
+    quantize_rows(x.reshape(-1, n), imatrix, out.reshape(-1, row_bytes))
+    return out
+
+
+def dequantize(data: np.ndarray, qtype: str, n: int) -> np.ndarray:
+    """Decode GGML qtype bytes [..., row_bytes] into float32 rows [..., n]."""
+    data = np.ascontiguousarray(data, dtype=np.uint8)
+    row_bytes = _row_layout(qtype, n)
+    if data.shape[-1] != row_bytes:
+        raise ValueError(f"a row of {n} {qtype} weights takes {row_bytes} bytes, got {data.shape[-1]}")
+    lead = data.shape[:-1]
+    if qtype == "F32":
+        return data.view(np.float32).reshape(*lead, n).copy()
+    if qtype == "F16":
+        return data.view(np.float16).astype(np.float32).reshape(*lead, n)
+    if qtype == "BF16":
+        return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(*lead, n)
+    out = np.empty((*lead, n), np.float32)
+    _, dequantize_rows = _BLOCK_CODECS[qtype]
+    dequantize_rows(data.reshape(-1, row_bytes), out.reshape(-1, n))
+    return out

@@ -1,0 +1,251 @@
+"""The K-quant blocks of 256 weights: Q4_K and Q5_K (with their shared 6-bit scales and mins), Q6_K.
+
+`quantize_<type>(rows f32[r, n], imatrix f32[n] or empty, out u8[r, row_bytes])` and
+`dequantize_<type>(blocks u8[r, row_bytes], out f32[r, n])` loop over rows and blocks. The
+comment above each pair gives ggml's block layout (fp16 fields little-endian).
+"""
+
+import gguf
+import numpy as np
+
+from colibri.convert.quantize_q4k.scalars import as_int8, block_bytes, load_fp16, nearest_int, njit_c, store_fp16
+from colibri.convert.quantize_q4k.searches import (
+    GROUP_MAX_EPS, IMATRIX_SEARCH, Q4_K_SEARCH, Q5_K_SEARCH, make_qkx_quants, make_qp_quants, make_qx_quants,
+)
+
+F32 = np.float32
+QK_K = gguf.QK_K
+Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES = block_bytes("Q4_K"), block_bytes("Q5_K"), block_bytes("Q6_K")
+
+
+@njit_c
+def _get_scale_min_k4(j, q):
+    """The 6-bit (scale, min) of sub-block j from the 12 packed bytes q."""
+    if j < 4:
+        return np.int64(q[j] & 63), np.int64(q[j + 4] & 63)
+    return (np.int64((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4)),
+            np.int64((q[j + 4] >> 4) | ((q[j] >> 6) << 4)))
+
+
+@njit_c
+def _quantize_scale_min_k4(x, qw, nmax, y, L):
+    """The common half of quantize_row_q{4,5}_K_ref / _impl: writes d, dmin and the 12 packed
+    6-bit scale/min bytes to y[0:16] and the levels (0..nmax) of the 256 weights to L."""
+    scales = np.empty(8, np.float32)
+    mins = np.empty(8, np.float32)
+    weights = np.empty(32, np.float32)
+    Ls = np.empty(8, np.uint8)
+    Lm = np.empty(8, np.uint8)
+    if qw.size == 0:  # quantize_row_qX_K_ref
+        for j in range(8):
+            xs = x[32 * j:32 * j + 32]
+            sum_x2 = F32(0.0)
+            for v in xs:
+                sum_x2 += v * v
+            av_x = np.sqrt(sum_x2 / F32(32))
+            for i in range(32):
+                weights[i] = av_x + abs(xs[i])
+            if nmax == 15:
+                scales[j], mins[j] = make_qkx_quants(15, xs, weights, L[32 * j:], Q4_K_SEARCH)
+            else:
+                scales[j], mins[j] = make_qkx_quants(31, xs, weights, L[32 * j:], Q5_K_SEARCH)
+        max_scale = F32(0.0)
+        max_min = F32(0.0)
+        for j in range(8):
+            if scales[j] > max_scale:
+                max_scale = scales[j]
+            if mins[j] > max_min:
+                max_min = mins[j]
+        inv_scale = F32(63.0) / max_scale if max_scale > 0 else F32(0.0)
+        inv_min = F32(63.0) / max_min if max_min > 0 else F32(0.0)
+        for j in range(8):
+            Ls[j] = min(63, nearest_int(inv_scale * scales[j]) & 0xFF)
+            Lm[j] = min(63, nearest_int(inv_min * mins[j]) & 0xFF)
+        d_block = max_scale / F32(63.0)
+        m_block = max_min / F32(63.0)
+    else:  # quantize_row_qX_K_impl with quant_weights
+        sw = np.empty(8, np.float32)
+        sum_x2 = F32(0.0)
+        for v in x:
+            sum_x2 += v * v
+        sigma2 = F32(2.0) * sum_x2 / F32(QK_K)
+        for j in range(8):
+            xs = x[32 * j:32 * j + 32]
+            for i in range(32):
+                weights[i] = qw[32 * j + i] * np.sqrt(sigma2 + xs[i] * xs[i])
+            sumw = F32(0.0)
+            for w in weights:
+                sumw += w
+            sw[j] = sumw
+            scales[j], mins[j] = make_qkx_quants(nmax, xs, weights, L[32 * j:], IMATRIX_SEARCH)
+        d_block = make_qp_quants(63, scales, Ls, sw)
+        m_block = make_qp_quants(63, mins, Lm, sw)
+        if nmax == 31:  # only quantize_row_q5_K_impl clamps (a no-op unless a scale is negative)
+            for j in range(8):
+                Ls[j] = min(63, Ls[j])
+                Lm[j] = min(63, Lm[j])
+    packed = y[4:16]
+    for j in range(8):
+        if j < 4:
+            packed[j] = Ls[j]
+            packed[j + 4] = Lm[j]
+        else:
+            packed[j + 4] = (Ls[j] & 0xF) | ((Lm[j] & 0xF) << 4)
+            packed[j - 4] |= ((Ls[j] >> 4) << 6) & 0xFF
+            packed[j] |= ((Lm[j] >> 4) << 6) & 0xFF
+    store_fp16(y, 0, d_block)
+    store_fp16(y, 2, m_block)
+    d_all = load_fp16(y, 0)
+    m_all = load_fp16(y, 2)
+    for j in range(8):
+        sc, m = _get_scale_min_k4(j, packed)
+        d = d_all * F32(sc)
+        if d == 0:
+            continue
+        dm = m_all * F32(m)
+        for i in range(32):
+            L[32 * j + i] = max(0, min(nmax, nearest_int((x[32 * j + i] + dm) / d)))
+
+
+@njit_c
+def _dequantize_scale_min_k4(y, j):
+    """(d * scale, dmin * min) of sub-block j of a Q4_K / Q5_K block."""
+    sc, m = _get_scale_min_k4(j, y[4:16])
+    return load_fp16(y, 0) * F32(sc), load_fp16(y, 2) * F32(m)
+
+
+# block_q4_K: d, dmin (fp16), scales[12] (packed 6-bit scale/min), qs[128] (nibbles)
+@njit_c
+def quantize_q4_k(rows, imatrix, out):
+    L = np.empty(QK_K, np.uint8)
+    for r in range(rows.shape[0]):
+        for b in range(rows.shape[1] // QK_K):
+            x = rows[r, QK_K * b:QK_K * (b + 1)]
+            y = out[r, Q4_K_BYTES * b:Q4_K_BYTES * (b + 1)]
+            _quantize_scale_min_k4(x, imatrix[QK_K * b:QK_K * (b + 1)], 15, y, L)
+            for j in range(0, QK_K, 64):
+                for i in range(32):
+                    y[16 + j // 2 + i] = L[j + i] | (L[j + i + 32] << 4)
+
+
+@njit_c
+def dequantize_q4_k(blocks, out):
+    for r in range(blocks.shape[0]):
+        for b in range(out.shape[1] // QK_K):
+            y = blocks[r, Q4_K_BYTES * b:Q4_K_BYTES * (b + 1)]
+            x = out[r, QK_K * b:QK_K * (b + 1)]
+            for j in range(0, QK_K, 64):
+                d1, m1 = _dequantize_scale_min_k4(y, j // 32)
+                d2, m2 = _dequantize_scale_min_k4(y, j // 32 + 1)
+                for i in range(32):
+                    q = y[16 + j // 2 + i]
+                    x[j + i] = d1 * F32(q & 0xF) - m1
+                    x[j + 32 + i] = d2 * F32(q >> 4) - m2
+
+
+# block_q5_K: d, dmin (fp16), scales[12], qh[32] (fifth bits), qs[128] (low nibbles)
+@njit_c
+def quantize_q5_k(rows, imatrix, out):
+    L = np.empty(QK_K, np.uint8)
+    for r in range(rows.shape[0]):
+        for b in range(rows.shape[1] // QK_K):
+            x = rows[r, QK_K * b:QK_K * (b + 1)]
+            y = out[r, Q5_K_BYTES * b:Q5_K_BYTES * (b + 1)]
+            _quantize_scale_min_k4(x, imatrix[QK_K * b:QK_K * (b + 1)], 31, y, L)
+            qh = y[16:48]
+            qh[:] = 0
+            for j in range(0, QK_K, 64):
+                low_bit = 1 << (j // 32)
+                for i in range(32):
+                    l1 = L[j + i]
+                    l2 = L[j + i + 32]
+                    if l1 > 15:
+                        l1 -= 16
+                        qh[i] |= low_bit
+                    if l2 > 15:
+                        l2 -= 16
+                        qh[i] |= low_bit << 1
+                    y[48 + j // 2 + i] = l1 | (l2 << 4)
+
+
+@njit_c
+def dequantize_q5_k(blocks, out):
+    for r in range(blocks.shape[0]):
+        for b in range(out.shape[1] // QK_K):
+            y = blocks[r, Q5_K_BYTES * b:Q5_K_BYTES * (b + 1)]
+            x = out[r, QK_K * b:QK_K * (b + 1)]
+            for j in range(0, QK_K, 64):
+                d1, m1 = _dequantize_scale_min_k4(y, j // 32)
+                d2, m2 = _dequantize_scale_min_k4(y, j // 32 + 1)
+                low_bit = 1 << (j // 32)
+                for i in range(32):
+                    q = y[48 + j // 2 + i]
+                    h = y[16 + i]
+                    x[j + i] = d1 * F32((q & 0xF) + (16 if h & low_bit else 0)) - m1
+                    x[j + 32 + i] = d2 * F32((q >> 4) + (16 if h & (low_bit << 1) else 0)) - m2
+
+
+# block_q6_K: ql[128] (low nibbles), qh[64] (2-bit high parts), scales[16] (int8), d (fp16)
+@njit_c
+def quantize_q6_k(rows, imatrix, out):
+    L = np.empty(QK_K, np.uint8)
+    scales = np.empty(16, np.float32)
+    weights = np.empty(16, np.float32)
+    for r in range(rows.shape[0]):
+        for b in range(rows.shape[1] // QK_K):
+            x = rows[r, QK_K * b:QK_K * (b + 1)]
+            y = out[r, Q6_K_BYTES * b:Q6_K_BYTES * (b + 1)]
+            max_scale = F32(0.0)
+            max_abs_scale = F32(0.0)
+            for j in range(16):
+                xs = x[16 * j:16 * j + 16]
+                if imatrix.size:
+                    weights[:] = imatrix[QK_K * b + 16 * j:QK_K * b + 16 * j + 16]
+                else:
+                    for i in range(16):
+                        weights[i] = xs[i] * xs[i]
+                scales[j] = make_qx_quants(32, xs, weights, L[16 * j:])
+                if abs(scales[j]) > max_abs_scale:
+                    max_abs_scale = abs(scales[j])
+                    max_scale = scales[j]
+            if max_abs_scale < GROUP_MAX_EPS:
+                y[:] = 0
+                continue
+            iscale = F32(-128.0) / max_scale
+            store_fp16(y, 208, F32(1.0) / iscale)
+            d_all = load_fp16(y, 208)
+            for j in range(16):
+                scale = min(127, nearest_int(iscale * scales[j]))
+                y[192 + j] = scale & 0xFF
+                d = d_all * F32(as_int8(scale))
+                if d == 0:
+                    continue
+                for i in range(16):
+                    L[16 * j + i] = max(-32, min(31, nearest_int(x[16 * j + i] / d))) + 32
+            for j in range(0, QK_K, 128):
+                for i in range(32):
+                    q1, q2, q3, q4 = L[j + i], L[j + i + 32], L[j + i + 64], L[j + i + 96]
+                    y[j // 2 + i] = (q1 & 0xF) | ((q3 & 0xF) << 4)
+                    y[j // 2 + i + 32] = (q2 & 0xF) | ((q4 & 0xF) << 4)
+                    y[128 + j // 4 + i] = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6)
+
+
+@njit_c
+def dequantize_q6_k(blocks, out):
+    for r in range(blocks.shape[0]):
+        for b in range(out.shape[1] // QK_K):
+            y = blocks[r, Q6_K_BYTES * b:Q6_K_BYTES * (b + 1)]
+            x = out[r, QK_K * b:QK_K * (b + 1)]
+            d = load_fp16(y, 208)
+            for j in range(0, QK_K, 128):
+                for i in range(32):
+                    ql1 = y[j // 2 + i]
+                    ql2 = y[j // 2 + i + 32]
+                    qh = y[128 + j // 4 + i]
+                    quants = ((ql1 & 0xF) | (((qh >> 0) & 3) << 4),
+                              (ql2 & 0xF) | (((qh >> 2) & 3) << 4),
+                              (ql1 >> 4) | (((qh >> 4) & 3) << 4),
+                              (ql2 >> 4) | (((qh >> 6) & 3) << 4))
+                    for k in range(4):
+                        scale = as_int8(np.int64(y[192 + j // 16 + i // 16 + 2 * k]))
+                        x[j + 32 * k + i] = d * F32(scale) * F32(quants[k] - 32)
