@@ -28,11 +28,11 @@ import numpy as np
 from tqdm import tqdm
 
 from colibri.convert.gguf_arch import (
-    EXPERT_MATRICES, expert_tensor_name, gguf_arch_name, layer_of, permuted_heads, tensor_chunks, write_arch_metadata,
+    expert_tensor_name, gguf_arch_name, gguf_tensor_name, layer_of, permuted_heads, tensor_chunks, write_arch_metadata,
 )
 from colibri.convert.gguf_source import ByteReader, read_ahead
 from colibri.convert.pipeline import ConvertError, check_free_space
-from colibri.formats.layout import ModelLayout, fsync_dir
+from colibri.formats.layout import EXPERT_MATRICES, ModelLayout, fsync_dir
 
 # the llama.cpp file type named by the encoding that holds most of the weights
 FILE_TYPES = {
@@ -64,7 +64,8 @@ def export_tensors(layout: ModelLayout) -> list[ExportTensor]:
     by_layer: dict[int | None, list[ExportTensor]] = defaultdict(list)
     for t in layout.tensors.values():
         by_layer[layer_of(t.name)].append(
-            ExportTensor(t.name, t.shape, t.encoding, t.nbytes, ((path(t.file), t.offset, t.nbytes),), permuted_heads(c, t.name)))
+            ExportTensor(gguf_tensor_name(c, t.name), t.shape, t.encoding, t.nbytes, ((path(t.file), t.offset, t.nbytes),),
+                         permuted_heads(c, t.name)))
     for table in layout.expert_layers.values():
         for m in EXPERT_MATRICES:
             matrix = table.matrices[m]

@@ -1,7 +1,10 @@
 """GGUF ↔ colibri: llama.cpp's architectures, metadata keys and tensor names.
 
-Our resident tensors already carry gguf's canonical names, so nearly every tensor is its
-own GGUF name. What differs, as llama.cpp's converter (`convert_hf_to_gguf.py`, each
+The generic part; what is particular to one architecture its adapter declares
+(`convert.arch`: `gguf_*` attributes, `from_gguf`, `to_gguf`, `gguf_problems`). Our
+resident tensors carry gguf's canonical names, so nearly every tensor is its own GGUF
+name (GLM-4.5's pre-FFN norm is `post_attention_norm` in llama.cpp, `ffn_norm` in
+colibri). What differs, as llama.cpp's converter (`convert_hf_to_gguf.py`, each
 model's `set_gguf_parameters` / `modify_tensors`) writes it and its loader
 (`src/models/<arch>.cpp`) reads it:
 
@@ -29,26 +32,16 @@ from typing import Iterator
 import gguf
 import numpy as np
 
-from colibri.convert.arch import ADAPTERS
+from colibri.convert.arch import ADAPTERS, GGUF_ADAPTERS
+from colibri.convert.arch.base import Adapter
 from colibri.convert.gguf_source import ByteReader, GGUFError
 from colibri.formats.model_config import ModelConfig
 
 K, A, R, T = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope, gguf.Keys.Tokenizer
 
-ARCHITECTURES = {
-    gguf.MODEL_ARCH_NAMES[a]: a
-    for a in (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.QWEN2MOE, gguf.MODEL_ARCH.QWEN3MOE, gguf.MODEL_ARCH.OLMOE,
-              gguf.MODEL_ARCH.DEEPSEEK2, gguf.MODEL_ARCH.GLM4_MOE)
-}
-MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "glm4moe": "glm4_moe"}
-# llama.cpp's top-k renormalisation where its graph hard-codes it (deepseek2/glm4moe read expert_weights_norm)
-NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "deepseek2": False, "glm4moe": False}
-FFN_IS_EXPERT = ("llama", "olmoe")  # feed_forward_length is the routed experts' width (no dense layers)
-LEADING_DENSE = ("deepseek2", "glm4moe")  # dense layers only before the MoE ones (leading_dense_block_count)
-EXPERT_MATRICES = ("gate", "up", "down")
 CHUNK_BYTES = 32 << 20
 _LAYER = re.compile(r"^blk\.(\d+)\.")
-_LLAMA_QK = re.compile(r"^blk\.\d+\.attn_(q|k)\.(weight|bias)$")
+_QK = re.compile(r"^blk\.\d+\.attn_(q|k)\.(weight|bias)$")
 
 
 def f32_value(x: float) -> float:
@@ -69,6 +62,11 @@ def gguf_arch_name(config: ModelConfig) -> str:
     return gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[config.gguf_architecture]]
 
 
+def gguf_tensor_name(config: ModelConfig, name: str) -> str:
+    """llama.cpp's name for colibri's resident tensor `name`."""
+    return ADAPTERS[config.architecture].gguf_name(name)
+
+
 # --- metadata → ModelConfig -----------------------------------------------------------
 
 
@@ -78,8 +76,9 @@ class GGUFMetadata:
     def __init__(self, source):
         self.source, self.file = source, source.name
         self.arch = source.get(gguf.Keys.General.ARCHITECTURE)
-        if self.arch not in ARCHITECTURES:
-            raise GGUFError(f"{self.file}: unsupported architecture {self.arch!r} (supported: {', '.join(ARCHITECTURES)})")
+        if self.arch not in GGUF_ADAPTERS:
+            raise GGUFError(f"{self.file}: unsupported architecture {self.arch!r} (supported: {', '.join(GGUF_ADAPTERS)})")
+        self.adapter = GGUF_ADAPTERS[self.arch]
 
     def get(self, template: str, default=None):
         value = self.source.get(template.format(arch=self.arch), default)
@@ -98,7 +97,7 @@ class GGUFMetadata:
 
 def config_from_gguf(meta: GGUFMetadata, shapes: dict[str, tuple]) -> ModelConfig:
     """The normalized config of a GGUF model from its metadata and which tensors it has."""
-    a, file = meta.arch, meta.file
+    a, file, adapter = meta.arch, meta.file, meta.adapter
     if "token_embd.weight" not in shapes:
         raise GGUFError(f"{file}: lacks tensor token_embd.weight")
     n_experts = meta.get(K.EXPERT_COUNT, 0)
@@ -107,39 +106,17 @@ def config_from_gguf(meta: GGUFMetadata, shapes: dict[str, tuple]) -> ModelConfi
     n_layers = meta.require(K.BLOCK_COUNT) - meta.get(K.NEXTN_PREDICT_LAYERS, 0)
     hidden, heads = meta.require(K.EMBEDDING_LENGTH), meta.require(A.HEAD_COUNT)
     ffn = meta.get(K.FEED_FORWARD_LENGTH, 0)
-    expert_ffn = meta.get(K.EXPERT_FEED_FORWARD_LENGTH) or (ffn if a in FFN_IS_EXPERT else None)
+    expert_ffn = meta.get(K.EXPERT_FEED_FORWARD_LENGTH) or (ffn if adapter.gguf_ffn_is_expert else None)
     if not expert_ffn:
         raise GGUFError(f"{file}: lacks metadata key {K.EXPERT_FEED_FORWARD_LENGTH.format(arch=a)}")
     head_dim = meta.get(A.KEY_LENGTH, hidden // heads)
-    fields = {}
-    if a == "deepseek2":
-        rope = meta.require(R.DIMENSION_COUNT)
-        head_dim = meta.get(A.KEY_LENGTH_MLA) or meta.require(A.KEY_LENGTH)
-        fields = dict(
-            attention="mla", n_kv_heads=heads, head_dim=head_dim, v_head_dim=meta.get(A.VALUE_LENGTH_MLA) or meta.require(A.VALUE_LENGTH),
-            q_lora_rank=meta.get(A.Q_LORA_RANK) or None, kv_lora_rank=meta.require(A.KV_LORA_RANK),
-            qk_nope_head_dim=head_dim - rope, qk_rope_head_dim=rope,
-        )
-    gating = meta.get(K.EXPERT_GATING_FUNC)
-    if a == "glm4moe":
-        router = "softmax" if gating == gguf.ExpertGatingFuncType.SOFTMAX else "sigmoid"
-    else:
-        router = "sigmoid" if a == "deepseek2" and gating == gguf.ExpertGatingFuncType.SIGMOID else "softmax"
-    architecture = MODEL_TYPES.get(a) or ("deepseek_v3" if router == "sigmoid" else "deepseek_v2")
-    moe_layers = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in shapes]
-    if a == "qwen2moe":
-        first_moe = moe_layers[0] if moe_layers else 0
-        shared_ffn = meta.get(K.EXPERT_SHARED_FEED_FORWARD_LENGTH) or shapes.get(f"blk.{first_moe}.ffn_up_shexp.weight", (0,))[0]
-        n_shared = 1 if shared_ffn else 0
-    else:
-        n_shared = meta.get(K.EXPERT_SHARED_COUNT, 0)
-        shared_ffn = expert_ffn * n_shared
+    n_shared = meta.get(K.EXPERT_SHARED_COUNT, 0)
     q_norm = shapes.get("blk.0.attn_q_norm.weight")
     eos = [meta.source.get(key) for key in (T.EOS_ID, T.EOT_ID, T.EOM_ID)]
     clip = meta.get(A.CLAMP_KQV)
-    return ModelConfig(**{
-        "architecture": architecture,
-        "gguf_architecture": ARCHITECTURES[a].name,
+    fields = {
+        "architecture": adapter.model_types[0],
+        "gguf_architecture": adapter.gguf_arch.name,
         "vocab_size": shapes["token_embd.weight"][0],
         "hidden_size": hidden,
         "n_layers": n_layers,
@@ -155,28 +132,28 @@ def config_from_gguf(meta: GGUFMetadata, shapes: dict[str, tuple]) -> ModelConfi
         "clip_qkv": None if clip is None else f32_value(clip),
         "rope_theta": f32_value(meta.get(R.FREQ_BASE, 10000.0)),
         "rope_dim": meta.get(R.DIMENSION_COUNT, head_dim),
-        "rope_interleaved": a == "deepseek2",  # llama.cpp's rope for deepseek2 rotates pairs; Q/K of llama are un-permuted
+        "rope_interleaved": adapter.gguf_rope_interleaved,  # Q/K of llama are un-permuted: halves, as transformers rotates
         "rope_scaling": rope_scaling(meta),
-        "dense_ffn": 0 if a in FFN_IS_EXPERT else ffn,
-        "moe_layers": moe_layers,
+        "dense_ffn": 0 if adapter.gguf_ffn_is_expert else ffn,
+        "moe_layers": [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in shapes],
         "n_experts": n_experts,
         "n_experts_used": meta.require(K.EXPERT_USED_COUNT),
         "expert_ffn": expert_ffn,
-        "router": router,
-        "router_norm_topk": bool(meta.get(K.EXPERT_WEIGHTS_NORM, NORM_TOPK[a])),
+        "router": "softmax",
+        "router_norm_topk": bool(meta.get(K.EXPERT_WEIGHTS_NORM, adapter.gguf_norm_topk)),
         "router_bias": any(n.endswith(".exp_probs_b.bias") for n in shapes),
         "router_groups": meta.get(K.EXPERT_GROUP_COUNT) or 1,
         "router_topk_groups": meta.get(K.EXPERT_GROUP_USED_COUNT) or 1,
-        "router_group_score": "max" if architecture == "deepseek_v2" else "top2_sum",  # transformers' DeepSeek-V2 scores a group by its best expert
+        "router_group_score": "top2_sum",
         "routed_scaling_factor": f32_value(meta.get(K.EXPERT_WEIGHTS_SCALE) or 1.0),
         "n_shared_experts": n_shared,
-        "shared_expert_ffn": shared_ffn,
+        "shared_expert_ffn": expert_ffn * n_shared,
         "shared_expert_gate": any(n.endswith(".ffn_gate_inp_shexp.weight") for n in shapes),
         "mtp_layers_skipped": meta.get(K.NEXTN_PREDICT_LAYERS, 0),
         "bos_token_id": meta.source.get(T.BOS_ID),
         "eos_token_ids": list(dict.fromkeys(i for i in eos if i is not None)),
-        **fields,
-    })
+    }
+    return ModelConfig(**{**fields, **adapter.from_gguf(meta, shapes, fields)})
 
 
 def rope_scaling(meta: GGUFMetadata) -> dict | None:
@@ -191,10 +168,6 @@ def rope_scaling(meta: GGUFMetadata) -> dict | None:
     for name, key in (("beta_fast", R.SCALING_YARN_BETA_FAST), ("beta_slow", R.SCALING_YARN_BETA_SLOW), ("attention_factor", R.SCALING_YARN_ATTN_FACTOR)):
         if (value := meta.get(key)) is not None:
             scaling[name] = f32_value(value)
-    log_mul = meta.get(R.SCALING_YARN_LOG_MUL)
-    if meta.arch == "deepseek2" and log_mul is not None:  # llama.cpp's converter stores 0.1 × mscale_all_dim
-        mscale = float(f"{log_mul * 10:.6g}")
-        scaling.update(mscale=mscale, mscale_all_dim=mscale)
     return scaling
 
 
@@ -203,16 +176,15 @@ def rope_scaling(meta: GGUFMetadata) -> dict | None:
 
 def write_arch_metadata(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
     """Add the `{arch}.*` keys llama.cpp's loader reads for `c` (GGUFError when llama.cpp cannot run `c`)."""
-    a = gguf_arch_name(c)
-    check_expressible(c, a)
-    mla = c.attention == "mla"
+    adapter = ADAPTERS[c.architecture]
+    check_expressible(c, adapter)
     writer.add_block_count(c.n_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     writer.add_vocab_size(c.vocab_size)
-    writer.add_feed_forward_length(c.expert_ffn if a in FFN_IS_EXPERT else c.dense_ffn)
+    writer.add_feed_forward_length(c.expert_ffn if adapter.gguf_ffn_is_expert else c.dense_ffn)
     writer.add_head_count(c.n_heads)
-    writer.add_head_count_kv(c.n_heads if mla else c.n_kv_heads)
+    writer.add_head_count_kv(c.n_heads if c.attention == "mla" else c.n_kv_heads)
     writer.add_key_length(c.head_dim)  # MLA: llama.cpp's legacy layout, attn_kv_b unsplit (no key_length_mla)
     writer.add_value_length(c.v_head_dim)
     writer.add_layer_norm_rms_eps(c.norm_eps)
@@ -230,34 +202,29 @@ def write_arch_metadata(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
     if c.router_groups > 1:
         writer.add_expert_group_count(c.router_groups)
         writer.add_expert_group_used_count(c.router_topk_groups)
-    if a in LEADING_DENSE:
+    if adapter.gguf_leading_dense:
         writer.add_leading_dense_block_count(c.moe_layers[0])
         writer.add_expert_shared_count(c.n_shared_experts)
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if c.router == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX)
-    if a == "qwen2moe" and c.n_shared_experts:
-        writer.add_expert_shared_feed_forward_length(c.shared_expert_ffn)
-    if a == "glm4moe":
+    if adapter.gguf_keeps_mtp:
         writer.add_nextn_predict_layers(0)  # MTP layers were dropped on conversion
-    if mla:
-        writer.add_kv_lora_rank(c.kv_lora_rank)
-        writer.add_q_lora_rank(c.q_lora_rank or 0)  # 0: q projected directly (llama.cpp requires the key unless it guesses "Lite")
+    adapter.to_gguf(writer, c)
 
 
-def check_expressible(c: ModelConfig, a: str) -> None:
-    """Refuse a config llama.cpp's `a` cannot run as colibri does (one line)."""
-    problems = []
-    if a in LEADING_DENSE:
+def check_expressible(c: ModelConfig, adapter: Adapter) -> None:
+    """Refuse a config llama.cpp's architecture cannot run as colibri does (one line)."""
+    a, problems = adapter.gguf_arch_name, []
+    if adapter.gguf_leading_dense:
         if c.moe_layers != list(range(c.moe_layers[0] if c.moe_layers else c.n_layers, c.n_layers)):
             problems.append(f"MoE layers {c.moe_layers} are not all layers after the dense ones")
     elif c.moe_layers != list(range(c.n_layers)):
         problems.append(f"llama.cpp's {a} has routed experts in every layer, this model only in {c.moe_layers}")
-    if c.rope_interleaved != (a == "deepseek2"):
+    if c.rope_interleaved != adapter.gguf_rope_interleaved:
         problems.append(f"its rope {'rotates pairs' if c.rope_interleaved else 'rotates halves'}, llama.cpp's {a} does not")
     scaling = c.rope_scaling or {}
     if scaling.get("mscale") and scaling.get("mscale_all_dim") and scaling["mscale"] != scaling["mscale_all_dim"]:
         problems.append("YaRN mscale differs from mscale_all_dim (GGUF has one yarn_log_multiplier)")
-    if a == "llama" and c.rope_dim != c.head_dim:
-        problems.append(f"llama needs rope over the whole head ({c.rope_dim} of {c.head_dim} dims)")
+    problems += adapter.gguf_problems(c)
     if problems:
         raise GGUFError(f"{c.architecture} cannot be exported as GGUF {a}: {'; '.join(problems)}")
 
@@ -285,7 +252,7 @@ def write_rope_scaling(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
 
 
 def resident_shapes(c: ModelConfig) -> dict[str, tuple]:
-    """Every resident tensor `c` implies, canonical name → row-major shape, in the converter's order."""
+    """Every resident tensor `c` implies, colibri's name → row-major shape, in the converter's order."""
     adapter = ADAPTERS[c.architecture]
     source = dict(adapter.global_tensors(c))
     for layer in range(c.n_layers):
@@ -299,8 +266,8 @@ def expert_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def permuted_heads(c: ModelConfig, name: str) -> int:
     """The heads over which llama.cpp's converter permuted the rows of `name` (0: not permuted)."""
-    match = _LLAMA_QK.match(name)
-    if c.gguf_architecture != "LLAMA" or not match:
+    match = _QK.match(name)
+    if not ADAPTERS[c.architecture].gguf_permuted_qk or not match:
         return 0
     return c.n_heads if match.group(1) == "q" else c.n_kv_heads
 

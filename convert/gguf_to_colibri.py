@@ -24,7 +24,7 @@ import numpy as np
 
 from colibri.convert.expert_layout import expert_file_bytes, write_expert_layer
 from colibri.convert.gguf_arch import (
-    EXPERT_MATRICES, GGUFMetadata, config_from_gguf, expert_shapes, expert_tensor_name, kv_b_from_split, layer_of,
+    GGUFMetadata, config_from_gguf, expert_shapes, expert_tensor_name, gguf_tensor_name, kv_b_from_split, layer_of,
     permuted_heads, resident_shapes, tensor_chunks,
 )
 from colibri.convert.gguf_source import ByteReader, GGUFError, GGUFSource, GGUFTensor, read_ahead
@@ -32,6 +32,7 @@ from colibri.convert.pipeline import ConvertOptions, Job
 from colibri.convert.quantize_q4k import dequantize
 from colibri.convert.resident_layout import ResidentTensorData, resident_file_bytes, write_resident_file
 from colibri.formats.encodings import ENCODINGS, row_bytes
+from colibri.formats.layout import EXPERT_MATRICES
 from colibri.formats.messages import some
 from colibri.formats.model_config import ModelConfig
 
@@ -186,7 +187,7 @@ class ImportPlan:
             return RebuiltKvB(name, shape, k_b, v_b) if k_b and v_b else None
         if name.endswith(".attn_kv_b.weight"):  # a GGUF holding both forms: attn_k_b/attn_v_b are redundant
             self.skipped += [n for n in split if self.present.pop(n, None)]
-        t = self._tensor(name, shape)
+        t = self._tensor(gguf_tensor_name(self.config, name), shape)
         return t and CopiedTensor(name, t.type, shape, str(t.file), t.offset, t.nbytes, permuted_heads(self.config, name))
 
     def _experts(self, layer: int) -> ExpertImport | None:

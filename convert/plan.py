@@ -11,8 +11,9 @@ import re
 from dataclasses import dataclass
 
 from colibri.convert.arch import Adapter, adapter_for
-from colibri.convert.arch.base import EXPERT_MATRICES, ExpertNames
+from colibri.convert.arch.base import ExpertNames
 from colibri.formats.checkpoint import FLOAT_DTYPES, Checkpoint, CheckpointError
+from colibri.formats.layout import EXPERT_MATRICES
 from colibri.formats.messages import some
 from colibri.formats.model_config import ModelConfig
 

@@ -293,9 +293,7 @@ class Decoder:
         for i in range(c.n_layers):
             attention = (LatentAttention if c.attention == "mla" else Attention)(c, w, i, rope)
             ffn = MoE(c, w, i, store) if c.is_moe_layer(i) else DenseFFN(w, f"blk.{i}.ffn")
-            # llama.cpp names GLM-4.5's pre-FFN norm `post_attention_norm`; every other architecture's is `ffn_norm`
-            ffn_norm = f"blk.{i}.ffn_norm.weight" if w.has(f"blk.{i}.ffn_norm.weight") else f"blk.{i}.post_attention_norm.weight"
-            self.layers.append((w.vector(f"blk.{i}.attn_norm.weight"), attention, w.vector(ffn_norm), ffn))
+            self.layers.append((w.vector(f"blk.{i}.attn_norm.weight"), attention, w.vector(f"blk.{i}.ffn_norm.weight"), ffn))
         # a decoded token's attention + routing in two numba calls where the layer allows
         self.decode_layers = [fused.DecodeLayer(attention, attn_norm, ffn_norm, ffn)
                               if isinstance(attention, Attention) and isinstance(ffn, MoE) else None

@@ -15,6 +15,10 @@ llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm}.py``):
 * GLM-4.5: the MTP layer kept, ``block_count`` counting it, ``nextn_predict_layers``;
 * optionally (``fuse_gate_up``, the converter's ``fuse_gate_up_exps``) each layer's gate and
   up experts in one ``ffn_gate_up_exps`` tensor [experts, 2·ffn, hidden].
+
+The architecture's facts (llama.cpp's architecture, permuted Q/K, MTP layers kept, where
+the experts live) come from its adapter; each llama.cpp model class's own keys are one
+function below, found by the architecture llama.cpp stores it as.
 """
 
 from __future__ import annotations
@@ -27,14 +31,10 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
+from colibri.convert.arch import ADAPTERS
 from colibri.convert.gguf_tokenizer import add_tokenizer_metadata
 
-ARCH = {
-    "mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
-    "olmoe": gguf.MODEL_ARCH.OLMOE, "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2, "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
-    "kimi_k2": gguf.MODEL_ARCH.DEEPSEEK2, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
-}
-EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
+EXPERT = re.compile(r"^model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.weight$")
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -49,16 +49,16 @@ def read_checkpoint(src: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def add_metadata(w: gguf.GGUFWriter, hp: dict, model_type: str, block_count: int) -> None:
+def add_metadata(w: gguf.GGUFWriter, hp: dict, block_count: int) -> None:
     """TextModel.set_gguf_parameters, then the model class's own keys."""
-    deepseek = model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2")
+    arch = ADAPTERS[hp["model_type"]].gguf_arch
     rope = dict(hp.get("rope_scaling") or {})
     w.add_block_count(block_count)
     w.add_context_length(hp["max_position_embeddings"])
     w.add_embedding_length(hp["hidden_size"])
     w.add_feed_forward_length(hp["intermediate_size"])
     w.add_head_count(hp["num_attention_heads"])
-    w.add_head_count_kv(1 if deepseek else hp["num_key_value_heads"])
+    w.add_head_count_kv(1 if "kv_lora_rank" in hp else hp["num_key_value_heads"])  # MLA: DeepseekV2Model sets 1
     if rope.get("type", rope.get("rope_type")) == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
@@ -79,57 +79,76 @@ def add_metadata(w: gguf.GGUFWriter, hp: dict, model_type: str, block_count: int
         w.add_key_length(hp["head_dim"])
         w.add_value_length(hp["head_dim"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    if model_type == "mixtral":
-        w.add_vocab_size(hp["vocab_size"])
-        w.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"])
-    elif model_type in ("qwen2_moe", "qwen3_moe"):
-        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
-        if hp.get("shared_expert_intermediate_size") is not None:
-            w.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
-    elif model_type == "olmoe":
-        w.add_layer_norm_rms_eps(1e-5)
-    elif deepseek:
-        rank, rope_dim = hp["kv_lora_rank"], hp["qk_rope_head_dim"]
-        w.add_leading_dense_block_count(hp["first_k_dense_replace"])
-        w.add_vocab_size(hp["vocab_size"])
-        if hp.get("q_lora_rank") is not None:
-            w.add_q_lora_rank(hp["q_lora_rank"])
-        w.add_kv_lora_rank(rank)
-        w.add_key_length(rank + rope_dim)
-        w.add_value_length(rank)
-        w.add_key_length_mla(hp["qk_nope_head_dim"] + rope_dim)
-        w.add_value_length_mla(hp["v_head_dim"])
-        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
-        w.add_expert_count(hp["n_routed_experts"])
-        w.add_expert_shared_count(hp.get("n_shared_experts", 0))
-        w.add_expert_weights_scale(hp["routed_scaling_factor"])
-        if hp.get("norm_topk_prob"):
-            w.add_expert_weights_norm(True)
-        w.add_rope_dimension_count(rope_dim)
-        if rope.get("mscale_all_dim") is not None:
-            w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
-    elif model_type == "glm4_moe":
-        head_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
-        w.add_rope_dimension_count(int(head_dim * hp.get("partial_rotary_factor", 0.5)))
-        w.add_expert_count(hp["n_routed_experts"])
-        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
-        w.add_expert_shared_count(hp["n_shared_experts"])
-        w.add_leading_dense_block_count(hp["first_k_dense_replace"])
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-        w.add_expert_weights_scale(hp["routed_scaling_factor"])
-        w.add_expert_weights_norm(hp["norm_topk_prob"])
-        w.add_nextn_predict_layers(hp["num_nextn_predict_layers"])
+    MODEL_CLASS_KEYS[arch](w, hp, rope)
 
 
-def gguf_tensors(tensors: dict[str, np.ndarray], hp: dict, model_type: str, block_count: int, fuse_gate_up: bool = False):
+def llama_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
+    w.add_vocab_size(hp["vocab_size"])
+    w.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"])
+
+
+def qwen_moe_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    if hp.get("shared_expert_intermediate_size") is not None:
+        w.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
+
+
+def olmoe_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
+    w.add_layer_norm_rms_eps(1e-5)
+
+
+def deepseek2_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
+    rank, rope_dim = hp["kv_lora_rank"], hp["qk_rope_head_dim"]
+    w.add_leading_dense_block_count(hp["first_k_dense_replace"])
+    w.add_vocab_size(hp["vocab_size"])
+    if hp.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(hp["q_lora_rank"])
+    w.add_kv_lora_rank(rank)
+    w.add_key_length(rank + rope_dim)
+    w.add_value_length(rank)
+    w.add_key_length_mla(hp["qk_nope_head_dim"] + rope_dim)
+    w.add_value_length_mla(hp["v_head_dim"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_expert_count(hp["n_routed_experts"])
+    w.add_expert_shared_count(hp.get("n_shared_experts", 0))
+    w.add_expert_weights_scale(hp["routed_scaling_factor"])
+    if hp.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(rope_dim)
+    if rope.get("mscale_all_dim") is not None:
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def glm4moe_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
+    head_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
+    w.add_rope_dimension_count(int(head_dim * hp.get("partial_rotary_factor", 0.5)))
+    w.add_expert_count(hp["n_routed_experts"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_expert_shared_count(hp["n_shared_experts"])
+    w.add_leading_dense_block_count(hp["first_k_dense_replace"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(hp["routed_scaling_factor"])
+    w.add_expert_weights_norm(hp["norm_topk_prob"])
+    w.add_nextn_predict_layers(hp["num_nextn_predict_layers"])
+
+
+# llama.cpp's converter: one model class per architecture it writes
+MODEL_CLASS_KEYS = {
+    gguf.MODEL_ARCH.LLAMA: llama_keys, gguf.MODEL_ARCH.QWEN2MOE: qwen_moe_keys, gguf.MODEL_ARCH.QWEN3MOE: qwen_moe_keys,
+    gguf.MODEL_ARCH.OLMOE: olmoe_keys, gguf.MODEL_ARCH.DEEPSEEK2: deepseek2_keys, gguf.MODEL_ARCH.GLM4_MOE: glm4moe_keys,
+}
+
+
+def gguf_tensors(tensors: dict[str, np.ndarray], hp: dict, block_count: int, fuse_gate_up: bool = False):
     """(gguf name, array) pairs in checkpoint order, as the converter's modify_tensors yields them."""
-    name_map = gguf.get_tensor_name_map(ARCH[model_type], block_count)
+    adapter = ADAPTERS[hp["model_type"]]
+    name_map = gguf.get_tensor_name_map(adapter.gguf_arch, block_count)
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for name, data in tensors.items():
         layer = re.match(r"model\.layers\.(\d+)\.", name)
-        if model_type != "glm4_moe" and layer and int(layer.group(1)) >= hp["num_hidden_layers"]:
+        if not adapter.gguf_keeps_mtp and layer and int(layer.group(1)) >= hp["num_hidden_layers"]:
             continue  # DeepSeek's converter skips MTP layers
-        if model_type == "mixtral" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if adapter.gguf_permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = hp["num_attention_heads"] if "q_proj" in name else hp["num_key_value_heads"]
             data = permute(data, heads)
         if m := EXPERT.match(name):
@@ -145,9 +164,7 @@ def gguf_tensors(tensors: dict[str, np.ndarray], hp: dict, model_type: str, bloc
         yield name_map.get_name(name, try_suffixes=(".weight", ".bias")), data
     stacked = {}
     for (layer, leaf), by_expert in experts.items():
-        # LlamaModel merges Mixtral's w1/w3/w2 under llama's own names; the others keep theirs
-        merged = f"layers.{layer}.feed_forward.experts.{leaf}" if model_type == "mixtral" else f"model.layers.{layer}.mlp.experts.{leaf}"
-        stacked[name_map.get_name(merged) + ".weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
+        stacked[name_map.get_name(f"{adapter.experts(layer).prefix}.{leaf}") + ".weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
     for name, data in stacked.items():
         if fuse_gate_up and "ffn_gate_exps" in name:
             yield name.replace("ffn_gate_exps", "ffn_gate_up_exps"), np.concatenate([data, stacked[name.replace("gate", "up")]], axis=1)
@@ -159,12 +176,12 @@ def write_reference_gguf(src: Path, out: Path, split_max_size: int = 0, fuse_gat
     """Write `out` from the F32 checkpoint `src` as llama.cpp's converter would; returns `out`."""
     src = Path(src)
     hp = json.loads((src / "config.json").read_text())
-    model_type = hp["model_type"]
-    block_count = hp["num_hidden_layers"] + (hp.get("num_nextn_predict_layers") or 0) * (model_type == "glm4_moe")
-    writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[ARCH[model_type]], split_max_size=split_max_size)
-    add_metadata(writer, hp, model_type, block_count)
+    adapter = ADAPTERS[hp["model_type"]]
+    block_count = hp["num_hidden_layers"] + (hp.get("num_nextn_predict_layers") or 0) * adapter.gguf_keeps_mtp
+    writer = gguf.GGUFWriter(out, adapter.gguf_arch_name, split_max_size=split_max_size)
+    add_metadata(writer, hp, block_count)
     add_tokenizer_metadata(writer, src)
-    for name, data in gguf_tensors(read_checkpoint(src), hp, model_type, block_count, fuse_gate_up):
+    for name, data in gguf_tensors(read_checkpoint(src), hp, block_count, fuse_gate_up):
         writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

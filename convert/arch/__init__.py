@@ -1,14 +1,29 @@
-"""Architecture adapters: one small module per checkpoint family."""
+"""Architecture adapters: one module per checkpoint family, found by `pkgutil`.
 
-from colibri.convert.arch.base import Adapter, ConfigError
-from colibri.convert.arch.deepseek import Deepseek
-from colibri.convert.arch.glm4_moe import Glm4Moe
-from colibri.convert.arch.mixtral import Mixtral
-from colibri.convert.arch.olmoe import Olmoe
-from colibri.convert.arch.qwen_moe import Qwen2Moe, Qwen3Moe
+Every `Adapter` subclass a module here defines with `model_types` is registered; adding an
+architecture is adding its module (README.md, "Adding an architecture").
+"""
 
-ADAPTERS: dict[str, Adapter] = {t: cls() for cls in (Mixtral, Qwen2Moe, Qwen3Moe, Olmoe, Deepseek, Glm4Moe) for t in cls.model_types}
+import importlib
+import pkgutil
+
+from colibri.convert.arch.base import Adapter, ConfigError, TinyModel
+
+
+def _discover() -> list[Adapter]:
+    adapters = []
+    for module in pkgutil.iter_modules(__path__):
+        loaded = importlib.import_module(f"{__name__}.{module.name}")
+        adapters += [cls() for cls in vars(loaded).values()
+                     if isinstance(cls, type) and issubclass(cls, Adapter) and cls.__module__ == loaded.__name__ and cls.model_types]
+    return adapters
+
+
+ADAPTERS: dict[str, Adapter] = {t: adapter for adapter in _discover() for t in adapter.model_types}
 SUPPORTED = tuple(sorted(ADAPTERS))
+# llama.cpp's architecture name (`general.architecture`) → the one adapter stored as it
+GGUF_ADAPTERS: dict[str, Adapter] = {a.gguf_arch_name: a for a in dict.fromkeys(ADAPTERS.values())}
+TINY_MODELS: dict[str, TinyModel] = {t: m for adapter in dict.fromkeys(ADAPTERS.values()) for t, m in adapter.tiny_models.items()}
 
 
 def adapter_for(hf_config: dict) -> Adapter:
@@ -18,4 +33,11 @@ def adapter_for(hf_config: dict) -> Adapter:
     return ADAPTERS[model_type]
 
 
-__all__ = ["ADAPTERS", "SUPPORTED", "Adapter", "ConfigError", "adapter_for"]
+def tiny_model(model_type: str) -> TinyModel:
+    """The tiny synthetic model of `model_type` (ValueError for one without)."""
+    if model_type not in TINY_MODELS:
+        raise ValueError(f"unknown architecture {model_type!r}; expected one of {tuple(TINY_MODELS)}")
+    return TINY_MODELS[model_type]
+
+
+__all__ = ["ADAPTERS", "GGUF_ADAPTERS", "SUPPORTED", "TINY_MODELS", "Adapter", "ConfigError", "TinyModel", "adapter_for", "tiny_model"]

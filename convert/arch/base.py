@@ -1,8 +1,10 @@
-"""What every architecture adapter shares: the expected tensors of a decoder layer.
+"""What every architecture adapter shares.
 
-An adapter maps one checkpoint family onto the normalized `ModelConfig` and says which
-tensors (Hugging Face names and shapes) the checkpoint must hold. Canonical names come
-from the `gguf` package's tensor name map, never from a table of our own.
+An adapter is everything colibri knows about one checkpoint family: how its config.json
+maps onto the normalized `ModelConfig`, which tensors (Hugging Face names and shapes) the
+checkpoint must hold, how llama.cpp stores it as GGUF, and a tiny synthetic model of it.
+Canonical names come from the `gguf` package's tensor name map, never from a table of our
+own; `gguf_names` renames the few where colibri uses one name for all architectures.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import gguf
 
 from colibri.formats.model_config import ModelConfig
 
-EXPERT_MATRICES = ("gate", "up", "down")
+ACTIVATIONS = ("silu", "swish")  # the runtime's FFNs apply SiLU (= swish) and nothing else
 
 
 @lru_cache(maxsize=8)
@@ -56,8 +58,16 @@ def require(hf: dict, *keys):
     return values
 
 
+def check_activation(hf: dict) -> None:
+    """Refuse an FFN activation the runtime does not compute (transformers' default is SiLU)."""
+    for key in ("hidden_act", "hidden_activation"):
+        if hf.get(key) is not None and hf[key] not in ACTIVATIONS:
+            raise ConfigError(f"config.json: {key} {hf[key]!r} is not supported (colibri computes {', '.join(ACTIVATIONS)})")
+
+
 def common_fields(hf: dict, architecture: str, gguf_arch: gguf.MODEL_ARCH) -> dict:
     """The ModelConfig fields every architecture reads the same way."""
+    check_activation(hf)
     vocab, hidden, layers, heads = require(hf, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
     head_dim = hf.get("head_dim") or hidden // heads
     theta, scaling, partial = rope_settings(hf)
@@ -98,14 +108,38 @@ class ExpertNames:
         return f"{self.prefix}.gate_up_proj", f"{self.prefix}.down_proj"
 
 
+@dataclass(frozen=True)
+class TinyModel:
+    """A tiny model of one model type: its config.json, keys named as the real hub config
+    names them, and its tokenizer family (a key of convert.synthetic.tokenizer.FAMILIES)."""
+
+    config: dict
+    tokenizer: str
+
+
 class Adapter:
-    """Base of the architecture adapters; subclasses set the names and `normalize`."""
+    """Base of the architecture adapters; subclasses set the names, data and `normalize`."""
 
     model_types: tuple[str, ...] = ()
+    tiny_models: dict[str, TinyModel] = {}  # model type → its tiny synthetic model
     gguf_arch: gguf.MODEL_ARCH
     moe_block = "mlp"  # module holding router and experts
     expert_leaves = ("gate_proj", "up_proj", "down_proj")
     shared_block = "shared_experts"
+    o_proj_bias = False  # the hub's o_proj has a bias too when attention_bias is set
+    # llama.cpp's `gguf_arch`, as its converter writes it and its loader reads it
+    gguf_names: dict[str, str] = {}  # colibri's tensor name part → llama.cpp's, where they differ
+    gguf_ffn_is_expert = False  # feed_forward_length is the routed experts' width (no dense layers)
+    gguf_leading_dense = False  # dense layers only before the MoE ones (leading_dense_block_count)
+    gguf_norm_topk = False  # top-k renormalisation where llama.cpp's graph hard-codes it
+    gguf_rope_interleaved = False  # llama.cpp's rope rotates pairs (2i, 2i+1), not halves
+    gguf_permuted_qk = False  # Q/K rows permuted per head (LlamaModel.permute)
+    gguf_keeps_mtp = False  # multi-token-prediction layers kept, counted in block_count
+
+    @property
+    def gguf_arch_name(self) -> str:
+        """llama.cpp's name of `gguf_arch`, e.g. "qwen3moe"."""
+        return gguf.MODEL_ARCH_NAMES[self.gguf_arch]
 
     def normalize(self, hf: dict) -> ModelConfig:
         raise NotImplementedError
@@ -192,5 +226,35 @@ class Adapter:
             if hf_name.endswith(suffix):
                 base = _name_map(self.gguf_arch, n_layers).get_name(hf_name[: -len(suffix)])
                 if base is not None:
-                    return base + canonical_suffix
+                    return self.colibri_name(base + canonical_suffix)
         return None
+
+    def gguf_name(self, name: str) -> str:
+        """llama.cpp's name for the colibri tensor `name`."""
+        return _renamed(name, self.gguf_names)
+
+    def colibri_name(self, gguf_name: str) -> str:
+        """colibri's name for llama.cpp's tensor `gguf_name`."""
+        return _renamed(gguf_name, {theirs: ours for ours, theirs in self.gguf_names.items()})
+
+    # --- GGUF metadata ----------------------------------------------------------------
+
+    def from_gguf(self, meta, shapes: dict[str, tuple], fields: dict) -> dict:
+        """The ModelConfig fields this architecture's GGUF gives otherwise than `fields`, the
+        generic reading (`meta`: convert.gguf_arch.GGUFMetadata; `shapes`: its tensors)."""
+        return {}
+
+    def to_gguf(self, writer: gguf.GGUFWriter, c: ModelConfig) -> None:
+        """Add the `{arch}.*` keys only this architecture's llama.cpp loader reads."""
+
+    def gguf_problems(self, c: ModelConfig) -> list[str]:
+        """Why llama.cpp's `gguf_arch` cannot run `c` as colibri does, beyond the generic checks."""
+        return []
+
+
+def _renamed(name: str, parts: dict[str, str]) -> str:
+    """`blk.N.part.weight` with `part` replaced as `parts` says."""
+    pieces = name.split(".")
+    if len(pieces) == 4 and pieces[2] in parts:
+        pieces[2] = parts[pieces[2]]
+    return ".".join(pieces)
