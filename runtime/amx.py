@@ -3,8 +3,8 @@
 A prompt multiplies every weight with many tokens, so its products are bound by arithmetic,
 not by memory. Sapphire Rapids and later Xeons have AMX: eight tile registers of 16 rows x
 64 bytes and `tdpbf16ps`, which adds a 16 x 32 bfloat16 tile times a 32 x 16 one into a 16 x 16
-float32 tile (8192 multiply-adds per instruction: a peak of ~1.3 T/s per core here, against
-~0.07 T/s for the AVX-512 int8 kernels). The kernels in `runtime/kernels/matrices.py`
+float32 tile (8192 multiply-adds per instruction, many times what the AVX-512 int8 kernels do;
+bench/RESULTS.md has the measured rates). The kernels in `runtime/kernels/matrices.py`
 dequantize a block of 32 weight rows to bfloat16 once and pass every token over it with
 `block_product`.
 

@@ -21,7 +21,7 @@ from colibri.runtime import fused, kernels
 from colibri.runtime.expert_store import ExpertStore
 from colibri.runtime.kv_cache import KVCache
 from colibri.runtime.memory import huge_page_buffer
-from colibri.runtime.rope import Rope, _yarn_mscale
+from colibri.runtime.rope import Rope, yarn_mscale
 
 
 rms_norm = kernels.rms_norm
@@ -150,7 +150,7 @@ class LatentAttention:
         scale = c.head_dim**-0.5
         scaling = c.rope_scaling or {}
         if scaling.get("mscale_all_dim"):
-            mscale = _yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+            mscale = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
             scale *= mscale * mscale
         self.scale = np.float32(scale)
 

@@ -14,7 +14,8 @@ from numba import njit
 from colibri.formats.model_config import ModelConfig
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context stretched `scale` times (transformers' get_mscale)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -34,9 +35,9 @@ def inverse_frequencies(config: ModelConfig) -> tuple[np.ndarray, float]:
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
     if attention_factor is None:
         if mscale and mscale_all_dim:
-            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
         else:
-            attention_factor = _yarn_mscale(factor)
+            attention_factor = yarn_mscale(factor)
     beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
     original = scaling["original_max_position_embeddings"]
 

@@ -25,7 +25,7 @@ def set_threads(n: int) -> None:
     numba.set_num_threads(n)
     if numba.threading_layer() == "workqueue" and not _warned_workqueue:
         _warned_workqueue = True
-        warnings.warn("numba is using its 'workqueue' threading layer: every kernel call costs ~0.1 ms. "
+        warnings.warn("numba is using its 'workqueue' threading layer: every kernel call pays for starting its threads. "
                       "Install an OpenMP runtime or tbb (pip install tbb) and set NUMBA_THREADING_LAYER=omp "
                       "or tbb.", RuntimeWarning, stacklevel=2)
 

@@ -1,0 +1,116 @@
+"""The layers the design draws hold: an ast walk over every source file fails the suite when an
+import crosses a line, or when a module reaches for another module's private names.
+
+    formats   imports nothing of ours
+    convert   formats
+    runtime   formats
+    verify    formats, runtime, and the converter's architecture knowledge (see VERIFY_USES)
+    colibri   (the command line) everything
+
+`colibri.version` is a leaf every layer may read.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FOLDERS = {"formats": "colibri.formats", "convert": "colibri.convert", "runtime": "colibri.runtime",
+           "verify": "colibri.verify", "colibri": "colibri"}
+LEAF = "colibri.version"
+
+# verify-source asks "would this checkpoint convert?" and verify asks "are these the tensors this
+# config implies?": both answer with the converter's own adapters and planner, so that what a model
+# must hold is defined once.
+VERIFY_USES = ("colibri.convert.arch", "colibri.convert.plan")
+
+ALLOWED = {
+    "colibri.formats": ("colibri.formats",),
+    "colibri.convert": ("colibri.formats", "colibri.convert"),
+    "colibri.runtime": ("colibri.formats", "colibri.runtime"),
+    "colibri.verify": ("colibri.formats", "colibri.runtime", "colibri.verify") + VERIFY_USES,
+}
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def module_name(path: pathlib.Path) -> str:
+    """The import name of a source file: runtime/kernels.py -> colibri.runtime.kernels."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    package = FOLDERS[parts[0]]
+    rest = [p for p in parts[1:] if p != "__init__"]
+    return ".".join([package, *rest])
+
+
+def sources() -> list[pathlib.Path]:
+    return sorted(p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py"))
+
+
+def imports(path: pathlib.Path, module: str):
+    """(line, imported module, names) for every import of ours in `path`, relative ones resolved."""
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, ()
+        elif isinstance(node, ast.ImportFrom):
+            target = node.module or ""
+            if node.level:
+                base = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                target = ".".join(base + ([target] if target else []))
+            yield node.lineno, target, tuple(a.name for a in node.names)
+
+
+def crossings(path: pathlib.Path) -> list[str]:
+    """Why each import of `path` crosses a layer or reaches a private name ([] when none does)."""
+    module = module_name(path)
+    layer = next((p for p in ALLOWED if _within(module, p)), None)
+    problems = []
+    for line, target, names in imports(path, module):
+        if not _within(target, "colibri"):
+            continue
+        where = f"{path.relative_to(ROOT)}:{line}"
+        if module == LEAF:
+            problems.append(f"{where}: {LEAF} imports {target}")
+        elif layer and target != LEAF and not _within(target, "colibri.version"):
+            modules = [target] + [f"{target}.{n}" for n in names]
+            if not any(_within(m, allowed) for m in modules for allowed in ALLOWED[layer]):
+                problems.append(f"{where}: {layer} imports {target}")
+        private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+        if private and not _within(module, target):
+            problems.append(f"{where}: imports private {', '.join(private)} of {target}")
+    return problems
+
+
+def test_every_source_file_is_walked():
+    walked = {module_name(p) for p in sources()}
+    assert {"colibri.formats.layout", "colibri.convert.pipeline", "colibri.runtime.engine",
+            "colibri.verify.model_check", "colibri.cli"} <= walked
+
+
+@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_stay_in_their_layer(path):
+    assert crossings(path) == []
+
+
+def test_a_crossing_is_caught(tmp_path, monkeypatch):
+    """The walk itself: a runtime module importing the converter, a private name, formats importing up."""
+    for folder in ("runtime", "formats"):
+        (tmp_path / folder).mkdir()
+    bad_runtime = tmp_path / "runtime" / "bad.py"
+    bad_runtime.write_text("from colibri.convert.plan import make_plan\nfrom colibri.runtime.kernels import _share\n")
+    bad_formats = tmp_path / "formats" / "bad.py"
+    bad_formats.write_text("from ..runtime import memory\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert crossings(bad_runtime) == ["runtime/bad.py:1: colibri.runtime imports colibri.convert.plan",
+                                      "runtime/bad.py:2: imports private _share of colibri.runtime.kernels"]
+    assert crossings(bad_formats) == ["formats/bad.py:1: colibri.formats imports colibri.runtime"]
+    (tmp_path / "runtime" / "other.py").write_text("from colibri.formats.layout import _private\n")
+    assert crossings(tmp_path / "runtime" / "other.py") == [
+        "runtime/other.py:1: imports private _private of colibri.formats.layout"]
