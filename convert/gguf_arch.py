@@ -35,6 +35,7 @@ import numpy as np
 from colibri.convert.arch import ADAPTERS, GGUF_ADAPTERS
 from colibri.convert.arch.base import Adapter
 from colibri.convert.gguf_source import ByteReader, GGUFError
+from colibri.formats.config_check import config_problems
 from colibri.formats.model_config import ModelConfig
 
 K, A, R, T = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope, gguf.Keys.Tokenizer
@@ -153,7 +154,12 @@ def config_from_gguf(meta: GGUFMetadata, shapes: dict[str, tuple]) -> ModelConfi
         "bos_token_id": meta.source.get(T.BOS_ID),
         "eos_token_ids": list(dict.fromkeys(i for i in eos if i is not None)),
     }
-    return ModelConfig(**{**fields, **adapter.from_gguf(meta, shapes, fields)})
+    config = ModelConfig(**{**fields, **adapter.from_gguf(meta, shapes, fields)})
+    problems = config_problems(config)
+    if problems:
+        raise GGUFError(f"{file}: metadata gives a config the runtime cannot use: {problems[0]}"
+                        + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    return config
 
 
 def rope_scaling(meta: GGUFMetadata) -> dict | None:

@@ -241,7 +241,12 @@ def gguf_job(src: str, options: ConvertOptions) -> Job:
     if options.quant or options.overrides:
         raise GGUFError(f"{Path(src).name}: a GGUF is imported with its own types, never re-quantized; drop --quant/--override")
     source = GGUFSource(src)
-    config = config_from_gguf(GGUFMetadata(source), {n: t.shape for n, t in source.tensors.items()})
+    try:
+        config = config_from_gguf(GGUFMetadata(source), {n: t.shape for n, t in source.tensors.items()})
+    except (TypeError, ValueError, KeyError, OverflowError, ZeroDivisionError) as e:
+        if isinstance(e, GGUFError):
+            raise
+        raise GGUFError(f"{source.name}: a metadata value of the wrong type or range ({type(e).__name__}: {e})") from None
     plan = ImportPlan(source, config)
     sizes = source.file_sizes()
     rebuilt = f", attn_kv_b of {len(plan.rebuilt)} layers rebuilt in F32 from attn_k_b/attn_v_b" if plan.rebuilt else ""

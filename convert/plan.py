@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 from colibri.convert.arch import Adapter, adapter_for
-from colibri.convert.arch.base import ExpertNames
+from colibri.convert.arch.base import ExpertNames, normalized_config
 from colibri.formats.checkpoint import FLOAT_DTYPES, Checkpoint, CheckpointError
 from colibri.formats.layout import EXPERT_MATRICES
 from colibri.formats.messages import some
@@ -63,7 +63,7 @@ def expected_expert_tensors(src: ExpertLayerSource) -> dict[str, tuple]:
 def make_plan(checkpoint: Checkpoint, adapter: Adapter | None = None) -> ConversionPlan:
     """Validate `checkpoint` against its config.json and return the conversion plan."""
     adapter = adapter or adapter_for(checkpoint.config)
-    config = adapter.normalize(checkpoint.config)
+    config = normalized_config(adapter, checkpoint.config)
     present = dict(checkpoint.tensors)
     mtp_layers = range(config.n_layers, config.n_layers + adapter.mtp_layers(checkpoint.config))
     skipped = sorted(n for n in present if _layer_of(n) in mtp_layers or IGNORED.search(n))

@@ -7,6 +7,8 @@ written out in `formats/spec.md`; quantizers live in `convert/`, kernels in `run
 
 from __future__ import annotations
 
+import math
+
 from functools import cache
 
 import gguf
@@ -54,5 +56,6 @@ def row_bytes(encoding: str, row_length: int) -> int:
 def tensor_bytes(encoding: str, shape) -> int:
     """Bytes of a row-major tensor of `shape` (last dimension innermost)."""
     shape = tuple(int(d) for d in shape)
-    rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
-    return rows * row_bytes(encoding, shape[-1])
+    if not shape or min(shape) < 0:
+        raise EncodingError(f"shape {list(shape)} has no rows of weights")
+    return math.prod(shape[:-1]) * row_bytes(encoding, shape[-1])

@@ -17,7 +17,8 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 
-from colibri.formats.encodings import tensor_bytes
+from colibri.formats.config_check import config_problems, tensor_problems
+from colibri.formats.encodings import EncodingError, tensor_bytes
 from colibri.formats.model_config import ModelConfig
 
 FORMAT_NAME = "colibri"
@@ -40,6 +41,18 @@ SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
 
 class FormatError(Exception):
     """A layout that a reader must refuse; the message is one line naming the file."""
+
+
+def inside(directory: Path, name: str) -> Path:
+    """`directory / name`, refused (FormatError) when the name or a symlink on the way leads
+    outside the folder: every file a model holds is its own, never /etc/passwd."""
+    directory = Path(directory)
+    path = directory / name
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        raise FormatError(f"{path}: file names must stay inside the model folder")
+    if os.path.lexists(path) and not path.resolve().is_relative_to(directory.resolve()):
+        raise FormatError(f"{path}: a link to {path.resolve()}, outside the model folder; refused")
+    return path
 
 
 def align_up(offset: int, alignment: int) -> int:
@@ -231,6 +244,13 @@ def write_manifest(directory: Path, manifest: dict) -> None:
     write_atomic(path, manifest_bytes(manifest))
 
 
+def _bytes_of(encoding: str, shape) -> int | None:
+    try:
+        return tensor_bytes(encoding, shape)
+    except (EncodingError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
@@ -291,9 +311,52 @@ class ModelLayout:
             for e in self.manifest["expert_layers"]
         }
         self._maps: dict[str, np.memmap] = {}
+        problems = self.problems()
+        if problems and strict:
+            raise FormatError(f"{self.directory / MANIFEST_NAME}: {problems[0]}"
+                              + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
+
+    def problems(self) -> list[str]:
+        """What the manifest says that no reader may trust: a config out of range or
+        contradicting its tensors, records whose bytes disagree with their encoding and
+        shape, or that reach outside their files."""
+        problems = [f"config: {p}" for p in config_problems(self.config)]
+        if problems:
+            return problems
+        shapes = {name: t.shape for name, t in self.tensors.items()}
+        expert_shapes = {layer: {m: x.shape for m, x in e.matrices.items()} for layer, e in self.expert_layers.items()}
+        problems += [f"config: {p}" for p in tensor_problems(self.config, shapes, expert_shapes)]
+        problems += self._record_problems()
+        return problems
+
+    def _record_problems(self) -> list[str]:
+        files = self.manifest["files"]
+        problems = []
+        for t in self.tensors.values():
+            size = files.get(t.file, {}).get("size")
+            if _bytes_of(t.encoding, t.shape) != t.nbytes:
+                problems.append(f"tensor {t.name}: {t.nbytes} bytes, but {t.encoding} {list(t.shape)} takes "
+                                f"{_bytes_of(t.encoding, t.shape)}")
+            elif size is None or t.offset + t.nbytes > size:
+                problems.append(f"tensor {t.name}: bytes {t.offset}..{t.offset + t.nbytes} lie outside {t.file}")
+        for e in self.expert_layers.values():
+            size, end = files.get(e.file, {}).get("size"), 0
+            for name in EXPERT_MATRICES:
+                m = e.matrices.get(name)
+                if m is None or _bytes_of(m.encoding, m.shape) != m.nbytes or m.offset < end:
+                    problems.append(f"layer {e.layer} experts: matrix {name} is not where its encoding and shape put it")
+                    break
+                end = m.offset + m.nbytes
+            if end > e.expert_bytes or e.expert_bytes > e.stride or e.count != self.config.n_experts:
+                problems.append(f"layer {e.layer} experts: {e.count} records of {e.expert_bytes} bytes every {e.stride} "
+                                f"do not hold the matrices of {self.config.n_experts} experts")
+            elif size is None or e.offset + (e.count - 1) * e.stride + e.expert_bytes > size:
+                problems.append(f"layer {e.layer} experts: records reach past the end of {e.file}")
+        return problems
 
     def path(self, file: str) -> Path:
-        return self.directory / file
+        """A file of the model; FormatError when it would lie outside the model folder."""
+        return inside(self.directory, file)
 
     def check_size(self, file: str) -> Path:
         """The file's path, after checking it has the size the manifest records."""

@@ -22,6 +22,7 @@ from jinja2.exceptions import SecurityError
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from colibri.formats.layout import FormatError, inside
 from colibri.formats.messages import one_line
 from colibri.formats.safe_json import read_json_object
 from colibri.runtime.template_sandbox import environment, render
@@ -40,6 +41,13 @@ class TokenizerError(Exception):
 
 class ChatTemplateError(TokenizerError):
     """A chat template that is missing, failed or was refused; the message names the template."""
+
+
+def _inside(directory: pathlib.Path, name: str) -> pathlib.Path:
+    try:
+        return inside(directory, name)
+    except FormatError as e:
+        raise TokenizerError(str(e)) from None
 
 
 def _token_text(value) -> str | None:
@@ -83,18 +91,19 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir) -> Tokenizer:
-        """Load ``tokenizer.json`` and its companion files from a (converted) model folder."""
+        """Load ``tokenizer.json`` and its companion files from a (converted) model folder; a
+        file that links outside the folder is refused."""
         d = pathlib.Path(model_dir)
-        path = d / "tokenizer.json"
+        path = _inside(d, "tokenizer.json")
         if not path.is_file():
             raise TokenizerError(f"{path}: missing (the model folder needs the checkpoint's tokenizer.json)")
         try:
             tok = _HFTokenizer.from_file(str(path))
         except Exception as e:  # the tokenizers library raises plain Exception on bad files
             raise TokenizerError(f"{path}: not a valid tokenizer.json ({one_line(e)})") from None
-        config = read_json_object(d / "tokenizer_config.json", TokenizerError)
-        config = {**read_json_object(d / "special_tokens_map.json", TokenizerError), **config}
-        jinja_path = d / "chat_template.jinja"
+        config = read_json_object(_inside(d, "tokenizer_config.json"), TokenizerError)
+        config = {**read_json_object(_inside(d, "special_tokens_map.json"), TokenizerError), **config}
+        jinja_path = _inside(d, "chat_template.jinja")
         if jinja_path.is_file():
             try:
                 template, source = jinja_path.read_text(encoding="utf-8"), str(jinja_path)
@@ -102,8 +111,8 @@ class Tokenizer:
                 raise TokenizerError(f"{jinja_path}: cannot read ({one_line(e)})") from None
         else:
             template, source = config.get("chat_template"), f"{d / 'tokenizer_config.json'} (chat_template)"
-        return cls(tok, config, read_json_object(d / "generation_config.json", TokenizerError), read_json_object(d / "config.json", TokenizerError),
-                   template, source)
+        return cls(tok, config, read_json_object(_inside(d, "generation_config.json"), TokenizerError),
+                   read_json_object(_inside(d, "config.json"), TokenizerError), template, source)
 
     # ----------------------------------------------------------------------------- tokens
 

@@ -1,6 +1,7 @@
 """The layout's reader refuses what the spec says it must refuse; parsers survive fuzzing."""
 
 import json
+import math
 import struct
 
 import numpy as np
@@ -10,24 +11,42 @@ from hypothesis import strategies as st
 
 from colibri.formats.checkpoint import CheckpointError, read_header
 from colibri.formats.encodings import EncodingError, row_bytes, tensor_bytes
+from colibri.formats.config_check import expected_tensors
 from colibri.formats.layout import FORMAT_VERSION, FormatError, ModelLayout, load_manifest, validate_manifest, write_manifest
+from colibri.formats.model_config import ModelConfig
 
 SHA = "0" * 64
 
 
+CONFIG = {"architecture": "mixtral", "gguf_architecture": "LLAMA", "vocab_size": 8, "hidden_size": 256,
+          "n_layers": 1, "n_heads": 4, "n_kv_heads": 4, "head_dim": 64, "v_head_dim": 64, "norm_eps": 1e-5,
+          "max_position_embeddings": 64, "tie_word_embeddings": False, "rope_dim": 64, "moe_layers": [0],
+          "n_experts": 2, "n_experts_used": 1, "expert_ffn": 1}
+MATRIX_BYTES = 256 * 4  # each expert matrix is F32 [1, 256] or [256, 1]
+
+
 def minimal_manifest():
+    """A complete one-layer model: output_norm first in resident.bin (F32 [256]), then every
+    other tensor its config implies, and two experts of three F32 matrices in one layer."""
+    tensors, offset = {}, 0
+    names = sorted(expected_tensors(ModelConfig.from_dict(CONFIG)).items(), key=lambda kv: kv[0] != "output_norm.weight")
+    for name, shape in names:
+        nbytes = 4 * math.prod(shape)
+        tensors[name] = {"file": "resident.bin", "offset": offset, "nbytes": nbytes, "encoding": "F32",
+                         "shape": list(shape), "sha256": SHA}
+        offset += -(-nbytes // 64) * 64
+    shapes = {"gate": [1, 256], "up": [1, 256], "down": [256, 1]}
     return {
         "format": "colibri", "format_version": FORMAT_VERSION, "converter": {"name": "t", "version": "0"},
-        "config": {"architecture": "mixtral", "gguf_architecture": "LLAMA", "vocab_size": 8, "hidden_size": 256,
-                   "n_layers": 1, "n_heads": 4, "n_kv_heads": 4, "head_dim": 64, "v_head_dim": 64, "norm_eps": 1e-5,
-                   "max_position_embeddings": 64, "tie_word_embeddings": False, "moe_layers": [0], "n_experts": 2, "n_experts_used": 1},
+        "config": dict(CONFIG),
         "quant": {"recipe": "Q4_K_M", "overrides": [], "imatrix": None},
         "provenance": {"source": "x", "revision": None, "source_files": {}, "skipped_tensors": []},
-        "files": {"resident.bin": {"size": 1024}, "experts/blk.000.bin": {"size": 8192}},
-        "tensors": {"output_norm.weight": {"file": "resident.bin", "offset": 0, "nbytes": 1024, "encoding": "F32", "shape": [256], "sha256": SHA}},
+        "files": {"resident.bin": {"size": offset}, "experts/blk.000.bin": {"size": 8192}},
+        "tensors": tensors,
         "expert_layers": [{
-            "layer": 0, "file": "experts/blk.000.bin", "offset": 0, "stride": 4096, "count": 2, "expert_bytes": 3 * 144,
-            "matrices": {m: {"encoding": "Q4_K", "shape": [1, 256], "offset": i * 144, "nbytes": 144} for i, m in enumerate(("gate", "up", "down"))},
+            "layer": 0, "file": "experts/blk.000.bin", "offset": 0, "stride": 4096, "count": 2, "expert_bytes": 3 * MATRIX_BYTES,
+            "matrices": {m: {"encoding": "F32", "shape": shapes[m], "offset": i * MATRIX_BYTES, "nbytes": MATRIX_BYTES}
+                         for i, m in enumerate(("gate", "up", "down"))},
             "sha256": [SHA, SHA],
         }],
         "tokenizer_files": [],
@@ -108,15 +127,17 @@ def test_format_1_manifest_is_read(tmp_path):
 def test_reader_locates_experts_and_checks_file_sizes(tmp_path):
     manifest = minimal_manifest()
     (tmp_path / "experts").mkdir()
-    (tmp_path / "resident.bin").write_bytes(np.arange(256, dtype=np.float32).tobytes())
+    resident = np.zeros(manifest["files"]["resident.bin"]["size"], np.uint8)
+    resident[:1024] = np.arange(256, dtype=np.float32).view(np.uint8)
+    (tmp_path / "resident.bin").write_bytes(resident.tobytes())
     data = np.zeros(8192, np.uint8)
-    data[4096:4096 + 432] = 7
+    data[4096:4096 + 3 * MATRIX_BYTES] = 7
     (tmp_path / "experts/blk.000.bin").write_bytes(data.tobytes())
     write_manifest(tmp_path, manifest)
     layout = ModelLayout(tmp_path)
     assert np.array_equal(layout.tensor_data("output_norm.weight").view(np.float32), np.arange(256, dtype=np.float32))
-    assert (layout.expert_data(0, 1) == 7).all() and layout.expert_data(0, 1).size == 432
-    assert layout.expert_matrix_data(0, 1, "down").size == 144
+    assert (layout.expert_data(0, 1) == 7).all() and layout.expert_data(0, 1).size == 3 * MATRIX_BYTES
+    assert layout.expert_matrix_data(0, 1, "down").size == MATRIX_BYTES
     with pytest.raises(IndexError):
         layout.expert_data(0, 2)
     (tmp_path / "experts/blk.000.bin").write_bytes(data[:5000].tobytes())

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri.convert.arch import ADAPTERS
 from colibri.formats.encodings import SCALE_OFFSETS, block_size
 from colibri.formats.layout import (
     EXPERT_MATRICES, JOURNAL_NAME, MANIFEST_NAME, FormatError, ModelLayout, data_files, expert_file_name, manifest_digest_problem,
@@ -116,7 +115,11 @@ def check_files(layout: ModelLayout, report: Report) -> set[str]:
     intact = set()
     files = layout.manifest["files"]
     for name, info in files.items():
-        path = layout.path(name)
+        try:
+            path = layout.path(name)
+        except FormatError as e:
+            report.add(ERROR, name, str(e).partition(": ")[2])
+            continue
         size = path.stat().st_size if path.is_file() else None
         report.files[name] = {"size": size, "expected_size": info["size"]}
         if size is None:
@@ -137,9 +140,11 @@ def check_listing(layout: ModelLayout, report: Report) -> None:
     listed = set(layout.manifest["files"]) | {MANIFEST_NAME}
     if layout.manifest["format_version"] < 2:
         listed.add(JOURNAL_NAME)  # format 1 leaves it unlisted; `check_coverage` names it
-    for path in sorted(p for p in layout.directory.rglob("*") if p.is_file()):
+    for path in sorted(p for p in layout.directory.rglob("*") if p.is_file() or p.is_symlink()):
         name = path.relative_to(layout.directory).as_posix()
-        if name not in listed:
+        if name not in listed and not path.resolve().is_relative_to(layout.directory.resolve()):
+            report.add(ERROR, name, f"a link to {path.resolve()}, outside the model folder")
+        elif name not in listed:
             if reserved_name(name):
                 report.add(ERROR, name, "not listed in the manifest, so not checked, yet a file the runtime opens by this name")
             else:
@@ -162,38 +167,6 @@ def file_tasks(layout: ModelLayout, intact: set[str]) -> list[Task]:
     return [Task(name, "whole file", (Segment(0, info["size"], RAW, ""),), info["sha256"])
             for name, info in layout.manifest["files"].items()
             if "sha256" in info and name in intact and name not in covered]
-
-
-def check_architecture(layout: ModelLayout, report: Report) -> None:
-    """The tensors and expert layers are those the config implies for its architecture."""
-    c = layout.config
-    adapter = ADAPTERS.get(c.architecture)
-    if adapter is None:
-        report.add(ERROR, MANIFEST_NAME, f"config: unsupported architecture {c.architecture!r}")
-        return
-    try:
-        source = dict(adapter.global_tensors(c))
-        for layer in range(c.n_layers):
-            source.update(adapter.layer_tensors(c, layer))
-        expert_shapes = adapter.expert_shapes(c)
-    except (TypeError, ValueError) as e:
-        report.add(ERROR, MANIFEST_NAME, f"config: inconsistent ({e})")
-        return
-    expected = {adapter.canonical_name(n, c.n_layers): tuple(shape) for n, shape in source.items()}
-    missing = [n for n in expected if n not in layout.tensors]
-    unexpected = [n for n in layout.tensors if n not in expected]
-    misshapen = [f"{n} {list(layout.tensors[n].shape)}" for n, s in expected.items() if n in layout.tensors and layout.tensors[n].shape != s]
-    for problem, names in (("lacks tensor", missing), ("has unexpected tensor", unexpected), ("has misshapen tensor", misshapen)):
-        if names:
-            report.add(ERROR, MANIFEST_NAME, f"{problem} {some(names)} for {c.architecture} as its config describes it")
-    layers = [e["layer"] for e in layout.manifest["expert_layers"]]
-    if layers != list(c.moe_layers):
-        report.add(ERROR, MANIFEST_NAME, f"expert layers {layers}, the config's MoE layers are {list(c.moe_layers)}")
-    for table in layout.expert_layers.values():
-        wrong = [f"{m} {list(table.matrices[m].shape)}" for m in EXPERT_MATRICES if table.matrices[m].shape != tuple(expert_shapes[m])]
-        if table.count != c.n_experts or wrong:
-            report.add(ERROR, MANIFEST_NAME, f"layer {table.layer}: {table.count} experts ({c.n_experts} in the config)"
-                       + (f", misshapen {', '.join(wrong)}" if wrong else ""))
 
 
 def check_recipe(layout: ModelLayout, report: Report) -> None:
@@ -289,10 +262,15 @@ def verify_model(out, *, jobs: int | None = None, quick: bool = False, progress:
         return report
     if layout.manifest_problem:
         report.add(ERROR, MANIFEST_NAME, layout.manifest_problem)
+    problems = layout.problems()  # the config and records against what the runtime relies on
+    for problem in problems:
+        report.add(ERROR, MANIFEST_NAME, problem)
+    if problems:  # records that contradict their config or their files: nothing further is safe to read
+        report.summary = "the manifest describes a model the runtime cannot trust; contents not read"
+        return report
     intact = check_files(layout, report)
     check_listing(layout, report)
     check_coverage(layout, report)
-    check_architecture(layout, report)
     check_recipe(layout, report)
     tasks = resident_tasks(layout, intact, report) + expert_tasks(layout, intact, report) + file_tasks(layout, intact)
     experts = sum(t.count for t in layout.expert_layers.values())

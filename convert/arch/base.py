@@ -14,6 +14,7 @@ from functools import lru_cache
 
 import gguf
 
+from colibri.formats.config_check import config_problems
 from colibri.formats.model_config import ModelConfig
 
 ACTIVATIONS = ("silu", "swish")  # the runtime's FFNs apply SiLU (= swish) and nothing else
@@ -65,9 +66,21 @@ def check_activation(hf: dict) -> None:
             raise ConfigError(f"config.json: {key} {hf[key]!r} is not supported (colibri computes {', '.join(ACTIVATIONS)})")
 
 
+def check_features(hf: dict) -> None:
+    """Refuse config.json features the runtime does not implement, naming the key."""
+    if hf.get("use_sliding_window") or (hf.get("use_sliding_window") is None and hf.get("sliding_window") is not None
+                                        and hf["sliding_window"] < hf.get("max_position_embeddings", 0)):
+        raise ConfigError(f"config.json: sliding_window {hf.get('sliding_window')!r} is not supported "
+                          "(colibri attends to the whole context)")
+    partial = rope_settings(hf)[2]
+    if not 0 < partial <= 1:
+        raise ConfigError(f"config.json: partial_rotary_factor {partial!r} is not in (0, 1]")
+
+
 def common_fields(hf: dict, architecture: str, gguf_arch: gguf.MODEL_ARCH) -> dict:
     """The ModelConfig fields every architecture reads the same way."""
     check_activation(hf)
+    check_features(hf)
     vocab, hidden, layers, heads = require(hf, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
     head_dim = hf.get("head_dim") or hidden // heads
     theta, scaling, partial = rope_settings(hf)
@@ -91,6 +104,21 @@ def common_fields(hf: dict, architecture: str, gguf_arch: gguf.MODEL_ARCH) -> di
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids(hf),
     )
+
+
+def normalized_config(adapter, hf: dict) -> ModelConfig:
+    """`adapter.normalize(hf)`, then formats' one validation of the result: a config.json whose
+    values have the wrong type or range is a ConfigError naming the key, never a traceback."""
+    try:
+        config = adapter.normalize(hf)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, KeyError, OverflowError, ZeroDivisionError, AttributeError) as e:
+        raise ConfigError(f"config.json: a value of the wrong type or range ({type(e).__name__}: {e})") from None
+    problems = config_problems(config)
+    if problems:
+        raise ConfigError(f"config.json: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    return config
 
 
 @dataclass(frozen=True)

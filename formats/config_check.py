@@ -1,0 +1,212 @@
+"""One validation of a normalized config, and of the tensors it implies, for every reader.
+
+The converter, `colibri verify` and `open_model` all call `config_problems` and
+`tensor_problems`: every dimension, count, enum and float of a `ModelConfig` is checked for
+type and range, for agreement with the others (heads and KV heads, rotary width and head width,
+top-k and experts), and the stored tensor shapes against the shapes the config implies, so no
+value in a manifest or a config.json can make a kernel index outside its arrays. The shapes are
+named as the runtime reads them (gguf's canonical names, `blk.3.attn_q.weight`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from colibri.formats.messages import some
+from colibri.formats.model_config import ModelConfig
+
+__all__ = ["IMPLEMENTED", "MAX_DIM", "config_problems", "expected_expert_shapes", "expected_tensors",
+           "tensor_problems"]
+
+MAX_DIM = 1 << 24  # no width, count or vocabulary of a real model comes near this
+MAX_POSITIONS = 1 << 26
+IMPLEMENTED = {  # what the runtime computes; anything else is refused naming the key
+    "attention": ("gqa", "mla"),
+    "qk_norm": ("none", "head", "full"),
+    "hidden_act": ("silu",),
+    "router": ("softmax", "sigmoid"),
+    "router_group_score": ("top2_sum", "max"),
+    "rope_scaling": ("default", "yarn"),
+}
+_YARN_NUMBERS = ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def config_problems(c: ModelConfig) -> list[str]:
+    """Everything wrong with `c` on its own, one phrase each naming the field ([] when sound)."""
+    problems = []
+
+    def need(ok: bool, text: str) -> bool:
+        if not ok:
+            problems.append(text)
+        return ok
+
+    def dim(name: str, low: int = 1, high: int = MAX_DIM) -> bool:
+        value = getattr(c, name)
+        return need(_is_int(value) and low <= value <= high, f"{name} is {value!r}, not a whole number in {low}..{high}")
+
+    for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "v_head_dim"):
+        dim(name)
+    dim("max_position_embeddings", 1, MAX_POSITIONS)
+    dim("mtp_layers_skipped", 0)
+    for name, kinds in IMPLEMENTED.items():
+        if name != "rope_scaling":
+            value = getattr(c, name)
+            need(isinstance(value, str) and value in kinds,
+                 f"{name} {value!r} is not implemented (the runtime has {', '.join(kinds)})")
+    need(_is_finite(c.norm_eps) and 0 < c.norm_eps < 1, f"norm_eps is {c.norm_eps!r}, not a number in (0, 1)")
+    need(_is_finite(c.rope_theta) and c.rope_theta > 0, f"rope_theta is {c.rope_theta!r}, not a positive number")
+    need(c.clip_qkv is None or (_is_finite(c.clip_qkv) and c.clip_qkv > 0), f"clip_qkv is {c.clip_qkv!r}, not a positive number")
+    for name in ("tie_word_embeddings", "attn_bias", "rope_interleaved", "router_norm_topk", "router_bias", "shared_expert_gate"):
+        need(isinstance(getattr(c, name), bool), f"{name} is {getattr(c, name)!r}, not true or false")
+    if problems:  # the checks below combine the fields above
+        return problems
+    need(c.n_heads % c.n_kv_heads == 0, f"n_heads {c.n_heads} is not a multiple of n_kv_heads {c.n_kv_heads}")
+    width = c.qk_rope_head_dim if c.attention == "mla" else c.head_dim
+    need(_is_int(c.rope_dim) and 0 <= c.rope_dim <= (width if _is_int(width) else 0) and c.rope_dim % 2 == 0,
+         f"rope_dim is {c.rope_dim!r}, not an even number of rotated features within the head's {width}")
+    if c.attention == "mla":
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"):
+            dim(name)
+        if c.q_lora_rank is not None:
+            dim("q_lora_rank")
+        if not problems:
+            need(c.head_dim == c.qk_nope_head_dim + c.qk_rope_head_dim,
+                 f"head_dim {c.head_dim} is not qk_nope_head_dim + qk_rope_head_dim")
+            need(c.n_kv_heads == c.n_heads, f"n_kv_heads {c.n_kv_heads} differs from n_heads {c.n_heads} in MLA")
+    problems += _rope_scaling_problems(c.rope_scaling)
+    problems += _moe_problems(c, dim, need)
+    for name, ids in (("bos_token_id", [] if c.bos_token_id is None else [c.bos_token_id]), ("eos_token_ids", c.eos_token_ids)):
+        need(isinstance(ids, list) and all(_is_int(i) and 0 <= i < c.vocab_size for i in ids),
+             f"{name} {ids!r} is not a token of the {c.vocab_size}-token vocabulary")
+    return problems
+
+
+def _rope_scaling_problems(scaling) -> list[str]:
+    if scaling is None:
+        return []
+    if not isinstance(scaling, dict):
+        return [f"rope_scaling is {scaling!r}, not an object"]
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in IMPLEMENTED["rope_scaling"]:
+        return [f"rope_scaling type {kind!r} is not implemented (the runtime has {', '.join(IMPLEMENTED['rope_scaling'])})"]
+    if kind == "default":
+        return []
+    problems = [f"rope_scaling {key} is {scaling[key]!r}, not a finite number"
+                for key in _YARN_NUMBERS if scaling.get(key) is not None and not _is_finite(scaling[key])]
+    original = scaling.get("original_max_position_embeddings")
+    if not (_is_int(original) and 1 <= original <= MAX_POSITIONS):
+        problems.append(f"rope_scaling original_max_position_embeddings is {original!r}, not a positive whole number")
+    factor = scaling.get("factor")
+    if factor is not None and _is_finite(factor) and factor <= 0:
+        problems.append(f"rope_scaling factor is {factor!r}, not positive")
+    return problems
+
+
+def _moe_problems(c: ModelConfig, dim, need) -> list[str]:
+    before = []
+    layers = c.moe_layers
+    if not need(isinstance(layers, list) and all(_is_int(i) for i in layers)
+                and layers == sorted(set(layers)) and all(0 <= i < c.n_layers for i in layers),
+                f"moe_layers {layers!r} are not distinct increasing layers of the {c.n_layers}"):
+        return before
+    if len(layers) < c.n_layers:
+        dim("dense_ffn")
+    if not layers:
+        return before
+    for name in ("n_experts", "expert_ffn"):
+        dim(name)
+    dim("n_experts_used", 1, c.n_experts if _is_int(c.n_experts) else 1)
+    dim("router_groups", 1, c.n_experts if _is_int(c.n_experts) else 1)
+    dim("n_shared_experts", 0)
+    if _is_int(c.n_shared_experts) and c.n_shared_experts:
+        dim("shared_expert_ffn")
+    need(_is_finite(c.routed_scaling_factor) and c.routed_scaling_factor > 0,
+         f"routed_scaling_factor is {c.routed_scaling_factor!r}, not a positive number")
+    if all(_is_int(v) and v > 0 for v in (c.n_experts, c.router_groups, c.n_experts_used)) and c.router_groups <= c.n_experts:
+        if need(c.n_experts % c.router_groups == 0, f"n_experts {c.n_experts} is not a multiple of router_groups {c.router_groups}"):
+            if dim("router_topk_groups", 1, c.router_groups):
+                kept = c.router_topk_groups * (c.n_experts // c.router_groups)
+                need(c.n_experts_used <= kept, f"n_experts_used {c.n_experts_used} is more than the {kept} experts "
+                                               f"of router_topk_groups {c.router_topk_groups} groups")
+    return before
+
+
+def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every non-expert tensor the runtime reads for `c`, by canonical name, with its shape."""
+    d, h = c.hidden_size, c.n_heads
+    tensors = {"token_embd.weight": (c.vocab_size, d), "output_norm.weight": (d,)}
+    if not c.tie_word_embeddings:
+        tensors["output.weight"] = (c.vocab_size, d)
+    for layer in range(c.n_layers):
+        p = f"blk.{layer}."
+        tensors.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,),
+                        p + "attn_output.weight": (d, h * c.v_head_dim)})
+        if c.attention == "mla":
+            tensors.update({p + "attn_kv_a_mqa.weight": (c.kv_lora_rank + c.qk_rope_head_dim, d),
+                            p + "attn_kv_a_norm.weight": (c.kv_lora_rank,),
+                            p + "attn_kv_b.weight": (h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)})
+            if c.q_lora_rank:
+                tensors.update({p + "attn_q_a.weight": (c.q_lora_rank, d), p + "attn_q_a_norm.weight": (c.q_lora_rank,),
+                                p + "attn_q_b.weight": (h * c.head_dim, c.q_lora_rank)})
+            else:
+                tensors[p + "attn_q.weight"] = (h * c.head_dim, d)
+        else:
+            q, kv = h * c.head_dim, c.n_kv_heads * c.head_dim
+            tensors.update({p + "attn_q.weight": (q, d), p + "attn_k.weight": (kv, d), p + "attn_v.weight": (kv, d)})
+            if c.attn_bias:
+                tensors.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
+            norms = {"head": (c.head_dim, c.head_dim), "full": (q, kv)}.get(c.qk_norm)
+            if norms:
+                tensors.update({p + "attn_q_norm.weight": (norms[0],), p + "attn_k_norm.weight": (norms[1],)})
+        if layer in c.moe_layers:
+            tensors[p + "ffn_gate_inp.weight"] = (c.n_experts, d)
+            if c.router_bias:
+                tensors[p + "exp_probs_b.bias"] = (c.n_experts,)
+            if c.n_shared_experts:
+                tensors.update(_mlp(p + "ffn_{}_shexp.weight", c.shared_expert_ffn, d))
+            if c.shared_expert_gate:
+                tensors[p + "ffn_gate_inp_shexp.weight"] = (1, d)
+        else:
+            tensors.update(_mlp(p + "ffn_{}.weight", c.dense_ffn, d))
+    return tensors
+
+
+def _mlp(pattern: str, ffn: int, d: int) -> dict[str, tuple[int, int]]:
+    return {pattern.format("gate"): (ffn, d), pattern.format("up"): (ffn, d), pattern.format("down"): (d, ffn)}
+
+
+def expected_expert_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The shape of each matrix of one routed expert."""
+    return {"gate": (c.expert_ffn, c.hidden_size), "up": (c.expert_ffn, c.hidden_size), "down": (c.hidden_size, c.expert_ffn)}
+
+
+def tensor_problems(c: ModelConfig, shapes: dict[str, tuple], expert_shapes: dict[int, dict[str, tuple]]) -> list[str]:
+    """Stored tensors (`shapes`: canonical name → shape; `expert_shapes`: MoE layer → matrix →
+    shape) against what the sound config `c` implies."""
+    expected = expected_tensors(c)
+    problems = []
+    missing = [n for n in expected if n not in shapes]
+    unexpected = [n for n in shapes if n not in expected]
+    misshapen = [f"{n} {list(shapes[n])} (the config implies {list(s)})"
+                 for n, s in expected.items() if n in shapes and tuple(shapes[n]) != s]
+    for problem, names in (("lacks tensor", missing), ("has unexpected tensor", unexpected), ("has misshapen tensor", misshapen)):
+        if names:
+            problems.append(f"{problem} {some(names)}")
+    if sorted(expert_shapes) != list(c.moe_layers):
+        problems.append(f"expert layers {sorted(expert_shapes)}, the config's MoE layers are {list(c.moe_layers)}")
+    want = expected_expert_shapes(c)
+    for layer, matrices in sorted(expert_shapes.items()):
+        wrong = [f"{m} {list(matrices.get(m, ()))}" for m in want if tuple(matrices.get(m, ())) != want[m]]
+        if wrong:
+            problems.append(f"layer {layer} experts have {', '.join(wrong)}, the config implies "
+                            + ", ".join(f"{m} {list(s)}" for m, s in want.items()))
+            break
+    return problems
