@@ -14,10 +14,13 @@ does for every file that holds no tensors.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import multiprocessing
+import os
 import shutil
 import threading
 import time
@@ -34,6 +37,9 @@ from colibri.formats.layout import (
     FORMAT_NAME, FORMAT_VERSION, JOURNAL_NAME, MANIFEST_NAME, RESIDENT_FILE, TOKENIZER_FILES, write_atomic, write_manifest,
 )
 from colibri.formats.model_config import ModelConfig
+
+
+LOCK_NAME = ".colibri-convert.lock"
 
 
 class ConvertError(Exception):
@@ -85,7 +91,7 @@ def our_files(out: Path) -> list[Path]:
 def prepare_output(out: Path, print_: dict, force: bool) -> dict:
     """Journalled units to keep: those of an unfinished run of this same conversion."""
     journal_path = out / JOURNAL_NAME
-    if not out.exists() or not any(out.iterdir()):
+    if not out.exists() or not any(p.name != LOCK_NAME for p in out.iterdir()):
         return {}
     journal = None
     if journal_path.is_file():
@@ -130,14 +136,66 @@ def check_free_space(out: Path, needed: int) -> None:
 
 
 def run_job(job: Job, out, options: ConvertOptions, started: float | None = None) -> dict:
-    """Carry out `job` into `out` (resuming an unfinished run of it); returns the summary."""
+    """Carry out `job` into `out` (resuming an unfinished run of it); returns the summary.
+    One conversion at a time may write into `out` (a lock names the other's pid); a failure
+    leaves no half-written file, and no OUT at all when it had nothing to resume from."""
     started = time.monotonic() if started is None else started
     out = Path(out)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    with _conversion_lock(out):
+        try:
+            done = prepare_output(out, fingerprint(job), options.force)
+        except BaseException:
+            if created:
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+        try:
+            return _run_locked(job, out, options, started, done)
+        except BaseException:
+            _clean_failed(out, created)
+            raise
+
+
+@contextlib.contextmanager
+def _conversion_lock(out: Path):
+    """An exclusive flock on `OUT/.colibri-convert.lock` (released by the OS if we die), removed when done."""
+    path = out / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise ConvertError(f"{out}: another colibri-convert (pid {other}) is converting into this folder; "
+                               "wait for it, or choose another OUT") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
+def _clean_failed(out: Path, created: bool) -> None:
+    """After a failure: temp files go; an OUT this run created and left nothing to resume in goes too."""
+    for tmp in [*out.glob("*.partial"), *out.glob("experts/*.partial")]:
+        tmp.unlink(missing_ok=True)
+    journal = out / JOURNAL_NAME
+    try:
+        kept = json.loads(journal.read_bytes()).get("units") if journal.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        kept = None
+    if created and not kept:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _run_locked(job: Job, out: Path, options: ConvertOptions, started: float, done: dict) -> dict:
     print_ = fingerprint(job)
-    done = prepare_output(out, print_, options.force)
     todo = [u for u in job.units if not _unit_done(out, u.name, done)]
     check_free_space(out, sum(job.output_bytes[u.name] for u in todo))
-    out.mkdir(parents=True, exist_ok=True)
     journal = {"fingerprint": print_, "units": {k: v for k, v in done.items() if k in {u.name for u in job.units}}}
     _write_journal(out, journal)
 

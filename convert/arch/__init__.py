@@ -28,7 +28,7 @@ TINY_MODELS: dict[str, TinyModel] = {t: m for adapter in dict.fromkeys(ADAPTERS.
 
 def adapter_for(hf_config: dict) -> Adapter:
     model_type = hf_config.get("model_type")
-    if model_type not in ADAPTERS:
+    if not isinstance(model_type, str) or model_type not in ADAPTERS:
         raise ConfigError(f"config.json: unsupported architecture {model_type!r} (supported: {', '.join(SUPPORTED)})")
     return ADAPTERS[model_type]
 
