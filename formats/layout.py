@@ -20,6 +20,7 @@ import numpy as np
 from colibri.formats.config_check import config_problems, tensor_problems
 from colibri.formats.encodings import EncodingError, tensor_bytes
 from colibri.formats.model_config import ModelConfig
+from colibri.formats.safe_json import MAX_JSON_BYTES, loads
 
 FORMAT_NAME = "colibri"
 FORMAT_VERSION = 2
@@ -206,8 +207,8 @@ def manifest_digest_problem(directory: Path) -> str | None:
     path = Path(directory) / MANIFEST_NAME
     try:
         raw = path.read_bytes()
-        manifest = json.loads(raw)
-    except (OSError, ValueError):
+        manifest = loads(raw, str(path), FormatError)
+    except (OSError, FormatError):
         return None
     return self_digest_problem(raw, manifest) if isinstance(manifest, dict) else None
 
@@ -218,11 +219,10 @@ def read_manifest(directory: Path, strict: bool = True) -> tuple[dict, str | Non
     path = Path(directory) / MANIFEST_NAME
     if not path.is_file():
         raise FormatError(f"{path}: no manifest (not a colibri model, or an unfinished conversion)")
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise FormatError(f"{path}: {path.stat().st_size} bytes, more than a manifest may have")
     raw = path.read_bytes()
-    try:
-        manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FormatError(f"{path}: manifest is not valid JSON ({e})") from None
+    manifest = loads(raw, str(path), FormatError)
     problem = self_digest_problem(raw, manifest) if isinstance(manifest, dict) else None
     if problem and strict:
         raise FormatError(f"{path}: {problem}")

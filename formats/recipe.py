@@ -11,6 +11,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+try:  # Python 3.11+
+    import re._constants as _regex_constants
+    import re._parser as _regex_parser
+except ImportError:  # Python 3.10
+    import sre_constants as _regex_constants
+    import sre_parse as _regex_parser
+
 from colibri.formats.encodings import ENCODINGS, fits
 
 RECIPES = ("Q4_K_M", "Q8_0", "BF16", "F16", "F32")
@@ -34,11 +41,49 @@ def parse_override(text: str) -> tuple[str, str]:
     encoding = encoding.upper()
     if encoding not in ENCODINGS:
         raise ValueError(f"override {text!r}: unknown type {encoding} (known: {', '.join(ENCODINGS)})")
-    try:
-        re.compile(pattern)
-    except re.error as e:
-        raise ValueError(f"override {text!r}: bad regex ({e})") from None
+    problem = pattern_problem(pattern)
+    if problem:
+        raise ValueError(f"override {text!r}: {problem}")
     return pattern, encoding
+
+
+MAX_PATTERN = 256  # characters of an override regex
+
+
+def pattern_problem(pattern) -> str | None:
+    """Why an override regex may not be used, or None. Names are matched with Python's
+    backtracking `re`, so a repetition inside a repetition (`(.*.*)*Z`), which can take
+    exponential time, is refused (so are alternatives under a repetition) along with anything that
+    does not compile."""
+    if not isinstance(pattern, str) or len(pattern) > MAX_PATTERN:
+        return f"not a regex of at most {MAX_PATTERN} characters"
+    try:
+        parsed = _regex_parser.parse(pattern)
+    except (re.error, RecursionError, OverflowError) as e:
+        return f"bad regex ({e})"
+    if _nested_repeat(parsed, inside=False):
+        return "a repetition of a repetition or of alternatives (e.g. (a+)*, (a|b)*) can take exponential time; write it without"
+    return None
+
+
+_REPEATS = {getattr(_regex_constants, n) for n in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") if hasattr(_regex_constants, n)}
+
+
+def _nested_repeat(parsed, inside: bool) -> bool:
+    for op, value in parsed:
+        if op in _REPEATS:
+            low, high, sub = value
+            if inside and high != low:
+                return True
+            if _nested_repeat(sub, inside or high > 1):
+                return True
+        elif op == _regex_constants.SUBPATTERN and _nested_repeat(value[-1], inside):
+            return True
+        elif op == _regex_constants.BRANCH and (inside or any(_nested_repeat(b, inside) for b in value[1])):
+            return True  # alternatives under a repetition backtrack as badly when they overlap
+        elif op in (_regex_constants.ASSERT, _regex_constants.ASSERT_NOT) and _nested_repeat(value[1], inside):
+            return True
+    return False
 
 
 def is_quantizable(name: str, shape) -> bool:
@@ -57,6 +102,10 @@ class Recipe:
     def __post_init__(self):
         if self.name not in RECIPES:
             raise ValueError(f"unknown quantization {self.name!r} (known: {', '.join(RECIPES)})")
+        for pattern, _ in self.overrides:
+            problem = pattern_problem(pattern)
+            if problem:
+                raise ValueError(f"override {pattern!r}: {problem}")
 
     def encoding(self, name: str, shape) -> str:
         """The encoding of tensor `name` with row-major `shape`."""

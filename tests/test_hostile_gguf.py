@@ -4,6 +4,8 @@ naming the file, before anything is written."""
 import gguf
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from llama_cpp_gguf import write_reference_gguf
 from test_gguf_import import refused
 
@@ -75,3 +77,34 @@ def test_metadata_string_that_is_not_utf8(source, tmp_path, capsys):
         f.seek(position)
         f.write(b"\xff")
     refused(capsys, tmp_path, source)
+
+
+@pytest.fixture(scope="module")
+def pristine_gguf(tmp_path_factory):
+    from colibri.convert.synthetic import write_checkpoint
+
+    root = tmp_path_factory.mktemp("gguf-fuzz")
+    return write_reference_gguf(write_checkpoint(root / "src", "mixtral", dtype="f32"), root / "model.gguf")
+
+
+@settings(max_examples=400, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzzed_gguf_header(pristine_gguf, tmp_path_factory, data):
+    """Bytes of the header (metadata and tensor infos) overwritten at random: planning the
+    import refuses with a one-line GGUFError naming the file, or succeeds; never anything else."""
+    from colibri.convert.gguf_to_colibri import gguf_job
+    from colibri.convert.pipeline import ConvertError, ConvertOptions
+
+    raw = bytearray(pristine_gguf.read_bytes())
+    header_end = int(gguf.GGUFReader(pristine_gguf).data_offset)
+    infos = header_end - 64 * 40  # the tensor infos sit at the end of the header
+    for _ in range(data.draw(st.integers(1, 6))):
+        where = data.draw(st.integers(0, 24) | st.integers(max(infos, 0), header_end - 1) | st.integers(0, header_end - 1))
+        raw[where] = data.draw(st.integers(0, 255))
+    case = tmp_path_factory.mktemp("gguf") / "model.gguf"
+    case.write_bytes(bytes(raw))
+    try:
+        gguf_job(str(case), ConvertOptions(progress=False))
+    except ConvertError as e:
+        assert "\n" not in str(e) and "model.gguf" in str(e), str(e)

@@ -7,6 +7,8 @@ import os
 import shutil
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from colibri.cli import main
 from colibri.convert.hf_to_colibri import ConvertOptions, convert
@@ -71,3 +73,73 @@ def test_links_outside_the_folder(model, tmp_path, capsys, target):
     with pytest.raises((FormatError, TokenizerError, OSError), match="outside the model folder"):
         m = open_model(model, ram_budget="1G")
         list(m.generate([{"role": "user", "content": "hi"}], max_tokens=1))
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=1000, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzzed_manifest(converted, tmp_path_factory, capsys, data):
+    """One value anywhere in a real manifest replaced (checksum made valid again, as a stranger
+    can): the reader refuses it with a FormatError, or every record it accepts is consistent;
+    verify never raises."""
+    from colibri.formats.layout import ModelLayout
+
+    manifest = load_manifest(converted)
+    node, depth = manifest, data.draw(st.integers(1, 5))
+    for _ in range(depth - 1):
+        keys = list(node) if isinstance(node, dict) else list(range(len(node))) if isinstance(node, list) else []
+        child = node[data.draw(st.sampled_from(keys))] if keys else None
+        if not isinstance(child, (dict, list)) or not child:
+            break
+        node = child
+    keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+    if not keys:
+        return
+    node[data.draw(st.sampled_from(keys))] = data.draw(json_values)
+    case = tmp_path_factory.mktemp("manifest")
+    try:
+        write_manifest(case, manifest)
+    except FormatError:
+        return  # the writer validates too: such a manifest never reaches a reader from us
+    try:
+        layout = ModelLayout(case)
+    except FormatError as e:
+        assert "\n" not in str(e) and "colibri.json" in str(e)
+    else:
+        assert layout.problems() == []
+    assert main(["verify", "--quick", str(case)]) == 1  # the data files are not there
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ['{"a": ' + "[" * 1000 + "]" * 1000 + "}", '{"format_version": ' + "7" * 5001 + "}",
+                                  '{"format": NaN}', "\xff\xfe"])
+def test_manifest_that_is_no_json_a_reader_takes(model, capsys, text):
+    (model / "colibri.json").write_bytes(text.encode("utf-8", "surrogateescape") if text != "\xff\xfe" else b"\xff\xfe")
+    with pytest.raises(FormatError, match="colibri.json"):
+        open_model(model, ram_budget="1G")
+    code, out, err = run(["verify", str(model)], capsys)
+    assert code == 1 and "colibri.json" in out + err and "Traceback" not in err
+
+
+def test_override_regex_that_backtracks_forever(model, capsys):
+    """A manifest's quant.overrides `(.*.*)*Z` hung verify; the same pattern given to the converter."""
+    import time
+
+    manifest = load_manifest(model)
+    manifest["quant"]["overrides"] = [["(.*.*)*Z", "Q8_0"]]
+    write_manifest(model, manifest)
+    started = time.monotonic()
+    code, out, err = run(["verify", "--quick", str(model)], capsys)
+    assert code == 1 and "exponential time" in out and time.monotonic() - started < 10
+    from colibri.cli import convert_main
+
+    with pytest.raises(SystemExit):
+        convert_main([str(model), str(model.parent / "out"), "--override", "(ffn_.+)+down=Q8_0"])
+    assert "exponential time" in capsys.readouterr().err

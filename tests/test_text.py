@@ -10,6 +10,8 @@ import sys
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
@@ -373,3 +375,39 @@ def test_ordinary_templates_pass_the_limits(tok_dirs, tmp_path):
     (d / "chat_template.jinja").write_text(template, "utf-8")
     chat = [{"role": "user", "content": "hi"}]
     assert Tokenizer.from_dir(d).apply_chat_template(chat) == "user  " + "hi".center(12) + "  1a, b1024ababab3"
+
+
+TEMPLATE_PIECES = [
+    "{{ messages[0].content }}", "{% for m in messages %}{{ m.role }}{% endfor %}", "{{ 'ab' * N }}",
+    "{{ N ** N }}", "{{ range(N)|list|length }}", "{% for i in range(N) %}{% for j in range(N) %}{% endfor %}{% endfor %}",
+    "{{ '{:N}'.format(1) }}", "{{ '%Nd' % 1 }}", "{{ 'x'|center(N) }}", "{{ 'x'|indent(N) }}", "{{ ('a' * N)|wordwrap(N) }}",
+    "{{ (['ab'] * N)|join('-' * N) }}", "{{ ('ab' * N).replace('a', 'bb' * N) }}", "{{ lipsum(n=N) }}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(N) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+    "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(N) }}",
+    "{{ raise_exception('no') }}", "{{ ''.__class__ }}", "{{ messages|tojson(indent=N) }}", "{{ 'a'.zfill(N) }}",
+    "{{ (N|string)|int }}", "{{ 'x' ~ N }}", "{% if N > 3 %}big{% else %}small{% endif %}",
+]
+
+
+@settings(max_examples=500, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(pieces=st.lists(st.tuples(st.sampled_from(TEMPLATE_PIECES),
+                                 st.sampled_from([0, 1, 3, 64, 1000, 10**5, 10**7, 10**9, 10**18])), min_size=1, max_size=4))
+def test_fuzzed_templates_render_or_are_refused_within_limits(tok_dirs, tmp_path_factory, monkeypatch, pieces):
+    import resource
+
+    from colibri.runtime import template_sandbox
+
+    monkeypatch.setattr(template_sandbox, "MAX_SECONDS", 0.2)
+    d = copy_dir(tok_dirs["qwen3_moe"], tmp_path_factory.mktemp("t") / "m")
+    (d / "chat_template.jinja").write_text("".join(p.replace("N", str(n)) for p, n in pieces), "utf-8")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.monotonic()
+    try:
+        text = Tokenizer.from_dir(d).apply_chat_template(CHATS[0])
+    except ChatTemplateError as e:
+        assert "\n" not in str(e)
+    else:
+        assert len(text) <= template_sandbox.MAX_OUTPUT_CHARS
+    assert time.monotonic() - started < 2.0
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 < 400 << 20
