@@ -137,11 +137,17 @@ def manifest_schema() -> dict:
     return json.loads(SCHEMA_PATH.read_text())
 
 
+@cache
+def _schema_validator() -> jsonschema.protocols.Validator:
+    schema = manifest_schema()
+    return jsonschema.validators.validator_for(schema)(schema)
+
+
 def validate_manifest(manifest: dict, where: str = MANIFEST_NAME) -> None:
     """Refuse a manifest that breaks the schema, the format version, or its own sizes."""
-    try:
-        jsonschema.validate(manifest, manifest_schema())
-    except jsonschema.ValidationError as e:
+    validator = _schema_validator()
+    if not validator.is_valid(manifest):  # the fast path; the best error is looked for only on failure
+        e = jsonschema.exceptions.best_match(validator.iter_errors(manifest))
         path = "/".join(str(p) for p in e.absolute_path) or "(top level)"
         raise FormatError(f"{where}: invalid manifest at {path}: {e.message}") from None
     if manifest["format_version"] > FORMAT_VERSION:
