@@ -169,6 +169,11 @@ class Tokenizer:
                 f"chat template {self._template_source} failed: {type(e).__name__}: {one_line(e)}"
             ) from None
 
+    def check_chat_template(self) -> None:
+        """Compile the chat template, if the model has one (ChatTemplateError if it is invalid)."""
+        if self._chat_template is not None:
+            self._compile()
+
     def _compile(self) -> jinja2.Template:
         if self._compiled is None:
             template = self._chat_template

@@ -143,3 +143,20 @@ def test_override_regex_that_backtracks_forever(model, capsys):
     with pytest.raises(SystemExit):
         convert_main([str(model), str(model.parent / "out"), "--override", "(ffn_.+)+down=Q8_0"])
     assert "exponential time" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, text, word", [
+    ("tokenizer.json", "{not json", "tokenizer.json"),
+    ("chat_template.jinja", "{% for %}", "invalid"),
+    ("tokenizer_config.json", "[1, 2]", "JSON object"),
+])
+def test_verify_loads_the_text_files_as_the_runtime_will(model, capsys, name, text, word):
+    manifest = load_manifest(model)
+    (model / name).write_text(text)
+    import hashlib
+
+    manifest["files"][name] = {"size": len(text.encode()), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+    manifest["tokenizer_files"] = sorted(set(manifest["tokenizer_files"]) | {name})
+    write_manifest(model, manifest)  # a stranger's model: consistent checksums, broken contents
+    code, out, err = run(["verify", "--quick", str(model)], capsys)
+    assert code == 1 and name in out and word in out, out

@@ -169,6 +169,17 @@ def file_tasks(layout: ModelLayout, intact: set[str]) -> list[Task]:
             if "sha256" in info and name in intact and name not in covered]
 
 
+def check_text(layout: ModelLayout, report: Report) -> None:
+    """The tokenizer files parse and the chat template compiles, as the runtime will load them."""
+    from colibri.runtime.text import Tokenizer, TokenizerError
+
+    try:
+        Tokenizer.from_dir(layout.directory).check_chat_template()
+    except TokenizerError as e:
+        file, message = split_message(str(e), "tokenizer.json")
+        report.add(ERROR, file, message)
+
+
 def check_recipe(layout: ModelLayout, report: Report) -> None:
     """Each tensor's encoding is the one the recorded recipe and overrides give (GGUF imports excepted)."""
     quant, c = layout.manifest["quant"], layout.config
@@ -272,6 +283,7 @@ def verify_model(out, *, jobs: int | None = None, quick: bool = False, progress:
     check_listing(layout, report)
     check_coverage(layout, report)
     check_recipe(layout, report)
+    check_text(layout, report)
     tasks = resident_tasks(layout, intact, report) + expert_tasks(layout, intact, report) + file_tasks(layout, intact)
     experts = sum(t.count for t in layout.expert_layers.values())
     described = f"{len(layout.tensors)} tensors, {experts} experts in {len(layout.expert_layers)} layers, {len(layout.manifest['files'])} files"
