@@ -356,7 +356,8 @@ def test_format_1_model_opens_and_verify_names_what_it_cannot_check(model, prist
     uncovered = "config.json, generation_config.json, tokenizer.json, tokenizer_config.json, .colibri-convert.json, colibri.json"
     assert report.ok and [str(f) for f in report.findings] == [
         f"warning: colibri.json: format version 1 records no checksum for {uncovered}: their contents are not checked (convert again for format 2)"]
-    flip(model / "tokenizer.json", 10, 1)
+    config = model / "tokenizer_config.json"
+    flip(config, config.read_bytes().index(b'"tokenizer_class": "') + 20, 0x20)  # a letter's case: still valid JSON
     assert model_report(model).ok  # what format 1 cannot see
     flip(model / "experts" / "blk.001.bin", 10, 1)
     assert "error: experts/blk.001.bin: layer 1 expert 0 (bytes" in errors(model_report(model))
