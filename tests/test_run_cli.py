@@ -227,7 +227,7 @@ def test_prompts_the_model_cannot_take_are_one_line_errors(model_dir, capsys):
 
     code, out, err = run(["run", "--model", str(model_dir), "--prompt", ""], capsys)
     assert code == 1 and "prompt is empty" in err and err.count("\n") == 1
-    m = open_model(model_dir, ctx=256, ram_budget="1G")
+    m = open_model(model_dir, ctx=256, ram_budget="4G")
     for ids in ([], [m.config.vocab_size], [-1]):
         with pytest.raises(PromptError):
             m.prefill(ids)
