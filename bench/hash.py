@@ -27,12 +27,9 @@ import subprocess
 import sys
 import time
 
-BENCH = pathlib.Path(__file__).resolve().parent
-if __name__ == "__main__":  # bench/convert.py would shadow the `convert` package
-    sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != BENCH]
-    sys.path.insert(0, str(BENCH.parent))
+from colibri.verify.sha_check import CHUNK_BYTES, hash_files
 
-from colibri.verify.sha_check import CHUNK_BYTES, hash_files  # noqa: E402
+BENCH = pathlib.Path(__file__).resolve().parent
 
 DEFAULT_SOURCE = pathlib.Path("/tmp/colibri-bench-mixtral")
 

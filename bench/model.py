@@ -24,18 +24,7 @@ import resource
 import sys
 import time
 
-_HERE = pathlib.Path(__file__).resolve().parent
-_ROOT = _HERE.parent
-if __name__ == "__main__":
-    # run as a script, bench/ is sys.path[0] and bench/convert.py would shadow the
-    # ``convert`` package: look modules up from the repository root instead
-    sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
-    sys.path.insert(0, str(_ROOT))
-try:
-    from colibri.convert import synthetic
-except ImportError:  # imported from a checkout that is not installed
-    sys.path.insert(0, str(_ROOT))
-    from colibri.convert import synthetic
+from colibri.convert import synthetic
 
 STAMP = ".colibri-bench.json"
 

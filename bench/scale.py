@@ -1,0 +1,196 @@
+#!/usr/bin/env python
+"""Costs as the model widens: the manifest's open time at real shapes, and (given a converted
+wide model) decode and prompt speed with the Python time per layer.
+
+    python bench/scale.py                        # manifest open times at real shapes
+    python bench/scale.py --model DIR            # and decode / prompt speed of a converted model
+
+Manifest shapes (written as manifests only: the reader opens and checks a manifest without
+reading the data files): DeepSeek-V3's layout (61 layers, 3 dense, 256 experts top-8, MLA),
+Qwen3-30B-A3B's (48 layers, 128 experts top-8, hidden 2048, expert FFN 768), and DeepSeek's
+with twice the layers, to show the cost stays linear. Encodings follow the Q4_K_M recipe.
+
+The model for `--model` is the wide DeepSeek layout at hidden 256, as the issue measured it:
+`tiny_config("deepseek_v3", num_hidden_layers=61, n_routed_experts=256, num_experts_per_tok=8,
+first_k_dense_replace=3, n_group=8, topk_group=4)` written by `convert.synthetic` and
+converted to Q4_K_M. Decode is timed in RAM (every expert cached) with 2 threads; the calls
+from Python into numba kernels are counted in a separate pass (each compiled function of the
+runtime wrapped by a counter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import pathlib
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from colibri.convert.arch import ADAPTERS, tiny_model
+from colibri.convert.arch.base import normalized_config
+from colibri.formats.config_check import expected_expert_shapes, expected_tensors
+from colibri.formats.encodings import tensor_bytes
+from colibri.formats.layout import EXPERT_ALIGN, EXPERT_MATRICES, FORMAT_VERSION, ModelLayout, write_manifest
+from colibri.formats.recipe import Recipe
+
+SHAPES = {
+    "deepseek-v3 (61 x 256)": ("deepseek_v3", {"num_hidden_layers": 61, "n_routed_experts": 256, "num_experts_per_tok": 8,
+                                               "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4,
+                                               "hidden_size": 7168, "moe_intermediate_size": 2048,
+                                               "intermediate_size": 18432, "vocab_size": 129280}),
+    "qwen3-30b-a3b (48 x 128)": ("qwen3_moe", {"num_hidden_layers": 48, "num_experts": 128, "num_experts_per_tok": 8,
+                                                "hidden_size": 2048, "moe_intermediate_size": 768, "vocab_size": 151936,
+                                                "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128}),
+    "deepseek-v3, 122 layers": ("deepseek_v3", {"num_hidden_layers": 122, "n_routed_experts": 256, "num_experts_per_tok": 8,
+                                                "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4,
+                                                "hidden_size": 7168, "moe_intermediate_size": 2048,
+                                                "intermediate_size": 18432, "vocab_size": 129280}),
+}
+DIGEST = "ab" * 32
+
+
+def write_wide_manifest(directory: pathlib.Path, arch: str, overrides: dict) -> int:
+    """A manifest of the shape, with Q4_K_M's encodings; returns the number of expert records."""
+    config = normalized_config(ADAPTERS[arch], {**tiny_model(arch).config, **overrides})
+    recipe = Recipe("Q4_K_M", config.n_layers, config.n_experts, config.tie_word_embeddings)
+    tensors, offset = {}, 0
+    for name, shape in expected_tensors(config).items():
+        encoding = recipe.encoding(name, shape)
+        nbytes = tensor_bytes(encoding, shape)
+        tensors[name] = {"file": "resident.bin", "offset": offset, "nbytes": nbytes, "encoding": encoding,
+                         "shape": list(shape), "sha256": DIGEST}
+        offset += -(-nbytes // 64) * 64
+    files, layers = {"resident.bin": {"size": offset}}, []
+    for layer in config.moe_layers:
+        matrices, record = {}, 0
+        for m, shape in zip(EXPERT_MATRICES, expected_expert_shapes(config).values()):
+            encoding = recipe.encoding(f"blk.{layer}.ffn_{m}_exps.weight", shape)
+            nbytes = tensor_bytes(encoding, shape)
+            matrices[m] = {"encoding": encoding, "shape": list(shape), "offset": record, "nbytes": nbytes}
+            record += nbytes
+        stride = -(-record // EXPERT_ALIGN) * EXPERT_ALIGN
+        file = f"experts/blk.{layer:03d}.bin"
+        layers.append({"layer": layer, "file": file, "offset": 0, "stride": stride, "count": config.n_experts,
+                       "expert_bytes": record, "matrices": matrices, "sha256": [DIGEST] * config.n_experts})
+        files[file] = {"size": stride * config.n_experts}
+    write_manifest(directory, {
+        "format": "colibri", "format_version": FORMAT_VERSION, "converter": {"name": "bench/scale.py", "version": "0"},
+        "config": config.to_dict(), "quant": {"recipe": "Q4_K_M", "overrides": [], "imatrix": None},
+        "provenance": {"source": "synthetic", "revision": None, "source_files": {}, "skipped_tensors": []},
+        "files": files, "tensors": tensors, "expert_layers": layers, "tokenizer_files": [],
+    })
+    return sum(entry["count"] for entry in layers)
+
+
+def manifest_open_times(repeat: int) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for label, (arch, overrides) in SHAPES.items():
+            directory = pathlib.Path(root) / arch / str(len(rows))
+            directory.mkdir(parents=True)
+            records = write_wide_manifest(directory, arch, overrides)
+            ModelLayout(directory)  # warm: the schema and imports
+            times = []
+            for _ in range(repeat):
+                started = time.perf_counter()
+                ModelLayout(directory)
+                times.append(time.perf_counter() - started)
+            rows.append({"shape": label, "expert_records": records,
+                         "manifest_bytes": (directory / "colibri.json").stat().st_size,
+                         "open_s_median": statistics.median(times), "open_s_min": min(times)})
+    return rows
+
+
+@contextlib.contextmanager
+def counted_numba_calls():
+    """Count the calls Python makes into numba: every compiled function of the runtime's
+    modules is wrapped while the block runs (calls between compiled functions are not calls)."""
+    import importlib
+    import pkgutil
+
+    import numba.core.registry
+
+    from colibri import runtime
+
+    calls: dict[str, int] = {}
+    patched = []
+    names = [f"colibri.runtime.{m.name}" for m in pkgutil.walk_packages(runtime.__path__)]
+    for module in (importlib.import_module(n) for n in names):
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, numba.core.registry.CPUDispatcher):
+                def wrapper(*a, _f=value, _n=f"{module.__name__}.{attr}", **k):
+                    calls[_n] = calls.get(_n, 0) + 1
+                    return _f(*a, **k)
+                patched.append((module, attr, value))
+                setattr(module, attr, wrapper)
+    try:
+        yield calls
+    finally:
+        for module, attr, value in patched:
+            setattr(module, attr, value)
+
+
+def model_speed(model: pathlib.Path, threads: int, tokens: int, prompts: tuple[int, ...]) -> dict:
+    from colibri.runtime import open_model
+
+    m = open_model(model, threads=threads, ctx=max(prompts) + tokens + 8, ram_budget="16G")
+    layers = m.config.n_layers
+    rng = np.random.default_rng(0)
+    result = {"layers": layers, "moe_layers": len(m.config.moe_layers), "prompt_tok_per_s": {}}
+    for n in prompts:
+        ids = rng.integers(0, m.config.vocab_size, n).tolist()
+        m.reset()
+        m.prefill(ids[:2], all_logits=False)  # compile and fill the cache
+        runs = []
+        for _ in range(3):
+            m.reset()
+            started = time.perf_counter()
+            m.prefill(ids, all_logits=False)
+            runs.append(time.perf_counter() - started)
+        result["prompt_tok_per_s"][n] = n / statistics.median(runs)
+    m.reset()
+    token = int(np.argmax(m.prefill([1, 2, 3], all_logits=False)[-1]))
+    for _ in range(4):
+        token = int(np.argmax(m.decode(token)))
+    started = time.perf_counter()
+    for _ in range(tokens):
+        token = int(np.argmax(m.decode(token)))
+    elapsed = time.perf_counter() - started
+    with counted_numba_calls() as calls:
+        for _ in range(4):
+            token = int(np.argmax(m.decode(token)))
+    result.update({"decode_tok_per_s": tokens / elapsed, "ms_per_token": 1e3 * elapsed / tokens,
+                   "numba_calls_per_token_per_layer": sum(calls.values()) / 4 / layers})
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=pathlib.Path, help="a converted wide model to time decode and prompts on")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=32, help="decoded tokens timed (default: %(default)s)")
+    parser.add_argument("--repeat", type=int, default=7, help="manifest opens timed per shape (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    result = {"manifest": manifest_open_times(args.repeat)}
+    if args.model:
+        result["model"] = model_speed(args.model, args.threads, args.tokens, (16, 64, 256))
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return
+    for row in result["manifest"]:
+        print(f"{row['shape']:<28} {row['expert_records']:>6} expert records, {row['manifest_bytes'] / 1e6:.2f} MB: "
+              f"open {1e3 * row['open_s_median']:.0f} ms (median of {args.repeat}, min {1e3 * row['open_s_min']:.0f})")
+    if "model" in result:
+        r = result["model"]
+        print(f"decode {r['decode_tok_per_s']:.1f} tok/s ({r['ms_per_token']:.1f} ms a token), "
+              f"{r['numba_calls_per_token_per_layer']:.1f} numba calls per layer per token")
+        print("prompt " + ", ".join(f"{n} tokens {v:.1f} tok/s" for n, v in r["prompt_tok_per_s"].items()))
+
+
+if __name__ == "__main__":
+    main()
