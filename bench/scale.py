@@ -107,31 +107,27 @@ def manifest_open_times(repeat: int) -> list[dict]:
 
 @contextlib.contextmanager
 def counted_numba_calls():
-    """Count the calls Python makes into numba: every compiled function of the runtime's
-    modules is wrapped while the block runs (calls between compiled functions are not calls)."""
-    import importlib
-    import pkgutil
-
-    import numba.core.registry
-
-    from colibri import runtime
+    """Count the calls Python makes into numba-compiled functions while the block runs (the
+    dispatcher class's call is wrapped; calls between compiled functions are not calls)."""
+    from numba.core.registry import CPUDispatcher
 
     calls: dict[str, int] = {}
-    patched = []
-    names = [f"colibri.runtime.{m.name}" for m in pkgutil.walk_packages(runtime.__path__)]
-    for module in (importlib.import_module(n) for n in names):
-        for attr, value in list(vars(module).items()):
-            if isinstance(value, numba.core.registry.CPUDispatcher):
-                def wrapper(*a, _f=value, _n=f"{module.__name__}.{attr}", **k):
-                    calls[_n] = calls.get(_n, 0) + 1
-                    return _f(*a, **k)
-                patched.append((module, attr, value))
-                setattr(module, attr, wrapper)
+    original = CPUDispatcher.__call__
+    own = "__call__" in CPUDispatcher.__dict__
+
+    def counting(self, *args, **kwargs):
+        name = self.py_func.__qualname__
+        calls[name] = calls.get(name, 0) + 1
+        return original(self, *args, **kwargs)
+
+    CPUDispatcher.__call__ = counting
     try:
         yield calls
     finally:
-        for module, attr, value in patched:
-            setattr(module, attr, value)
+        if own:
+            CPUDispatcher.__call__ = original
+        else:
+            del CPUDispatcher.__call__
 
 
 def model_speed(model: pathlib.Path, threads: int, tokens: int, prompts: tuple[int, ...]) -> dict:
@@ -164,7 +160,8 @@ def model_speed(model: pathlib.Path, threads: int, tokens: int, prompts: tuple[i
         for _ in range(4):
             token = int(np.argmax(m.decode(token)))
     result.update({"decode_tok_per_s": tokens / elapsed, "ms_per_token": 1e3 * elapsed / tokens,
-                   "numba_calls_per_token_per_layer": sum(calls.values()) / 4 / layers})
+                   "numba_calls_per_token_per_layer": sum(calls.values()) / 4 / layers,
+                   "numba_calls_per_token": {name: n / 4 for name, n in sorted(calls.items(), key=lambda kv: -kv[1])}})
     return result
 
 
