@@ -196,6 +196,13 @@ class ExpertStore:
             os.close(fd)
         self.fds.clear()
 
+    def most_per_fetch(self) -> int:
+        """How many distinct experts one `fetch` can hold at once: the cache's slots not held by
+        reads ahead, or the scratch slots when the cache is smaller."""
+        with self.lock:
+            pending = len(self.pending)
+        return max(self.index.capacity - pending, self.slab.shape[0] - self.index.capacity, 1)
+
     def fetch(self, layer: int, experts) -> np.ndarray:
         """Slab rows holding `experts` of `layer`, in the order asked (int64); misses are read
         in file order, experts being read ahead are waited for. A row stays valid until the

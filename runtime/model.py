@@ -245,15 +245,34 @@ class MoE:
             self.prefetch_next(h, ids[0])
             out = self.experts(slab, slots, h[0], weights[0])[None, :]
         else:
-            out = np.zeros_like(h)
-            acts = self.experts.activations(h)  # quantized once for all the experts
-            for expert in np.unique(ids):  # batch-union: each needed expert read once, in file order
-                tokens, choice = np.nonzero(ids == expert)
-                (slot,) = self.store.fetch(self.layer, [expert])
-                y = self.experts.batch(slab[slot], self.experts.rows_of(acts, tokens), tokens.size)
-                kernels.add_weighted_rows(out, tokens, y, weights[tokens, choice])
+            out = self.apply_rows(h, ids, weights)
         if self.shared is not None:
             out = out + self.shared(h)
+        return out
+
+    def apply_rows(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """The routed experts of many rows: the rows grouped by expert, each needed expert read
+        once, in file order, as many at a time as the cache holds, and each such run of groups
+        multiplied in one call (on AMX tiles or exactly: one call per expert); outputs added in
+        expert order."""
+        out = np.zeros_like(h)
+        acts = self.experts.activations(h)  # quantized once for all the experts
+        flat = ids.reshape(-1)
+        order = np.argsort(flat, kind="stable")  # by expert, then by row: np.nonzero's order
+        experts, starts = np.unique(flat[order], return_index=True)
+        starts = np.append(starts, order.size).astype(np.int64)
+        rows, routed = (order // ids.shape[1]).astype(np.int64), weights.reshape(-1)[order].astype(np.float32)
+        grouped = self.experts.groupable(acts)
+        at_once = self.store.most_per_fetch() if grouped else 1
+        for first in range(0, experts.size, at_once):
+            stop = min(first + at_once, experts.size)
+            slots = self.store.fetch(self.layer, experts[first:stop])
+            mine, mixed = rows[starts[first]:starts[stop]], routed[starts[first]:starts[stop]]
+            if grouped:
+                self.experts.grouped(self.store.slab, slots, starts[first:stop + 1] - starts[first], mine, mixed, acts, out)
+            else:
+                y = self.experts.batch(self.store.slab[slots[0]], self.experts.rows_of(acts, mine), mine.size)
+                kernels.add_weighted_rows(out, mine, y, mixed)
         return out
 
     def prefetch_next(self, h: np.ndarray, in_use: np.ndarray) -> None:

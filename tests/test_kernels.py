@@ -292,3 +292,35 @@ def test_route_matches_a_numpy_formulation(k, sigmoid, biased, groups, topk_grou
     assert weights.dtype == np.float32
     if groups == 1:
         assert ids[0, :2].tolist() == [10, 20]
+
+
+@pytest.mark.parametrize("encodings, ffn, hidden, exact", [e for e in EXPERTS if not e[3]],
+                         ids=["-".join(e[0]) for e in EXPERTS if not e[3]])
+@pytest.mark.parametrize("n", [2, 5, 40])
+def test_grouped_experts_equal_the_per_expert_path(encodings, ffn, hidden, exact, n):
+    """All of a layer's (expert, rows) groups in one call give, to the bit, what the per-expert
+    path gives: each expert's batch product of its rows, added to their sums in expert order."""
+    from colibri.runtime.kernels.activations import make_activation
+
+    k, experts = 2, 4
+    records, offsets, _ = expert_records(encodings, ffn, hidden, experts)
+    kernel = kernels.ExpertKernel(records.shape[1], encodings, offsets, ffn, hidden)
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((n, hidden)).astype(np.float32)
+    ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(n)])
+    weights = rng.random((n, k)).astype(np.float32)
+    acts = {dot_type: make_activation(x, dot_type, tiles=False) for dot_type in set(kernel.dot_types[:2])}
+    if None in kernel.dot_types:  # float weights multiply float activations, expert by expert
+        assert not kernel.groupable(acts)
+        return
+    want = np.zeros_like(x)
+    for expert in np.unique(ids):
+        rows, choice = np.nonzero(ids == expert)
+        y = kernel.batch(records[expert], kernel.rows_of(acts, rows), rows.size)
+        kernels.add_weighted_rows(want, rows, y, weights[rows, choice])
+    order = np.argsort(ids.reshape(-1), kind="stable")
+    used, starts = np.unique(ids.reshape(-1)[order], return_index=True)
+    got = np.zeros_like(x)
+    kernel.grouped(records, used.astype(np.int64), np.append(starts, order.size).astype(np.int64),
+                   (order // k).astype(np.int64), weights.reshape(-1)[order], acts, got)
+    assert kernel.groupable(acts) and np.array_equal(got.view(np.uint32), want.view(np.uint32))

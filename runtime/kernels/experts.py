@@ -1,8 +1,10 @@
 """The routed experts of a layer: `ExpertKernel`, its checked wrappers, and the weighted sum.
 
 A decoded token goes through its k experts in one parallel call (gate and up rows of all of
-them at once, then the down rows); a prompt's tokens go through one expert at a time
-(`ExpertKernel.batch`), each expert's outputs added to its tokens' sums (`add_weighted_rows`).
+them at once, then the down rows). Many rows (a prompt chunk) go through all of a layer's
+(expert, rows) groups in one call (`ExpertKernel.grouped`), each expert's outputs added to its
+rows' sums in expert order; `ExpertKernel.batch` is the same for one expert, and what the
+rows take when they are multiplied on AMX tiles or exactly.
 """
 
 from __future__ import annotations
@@ -10,16 +12,18 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba import njit, prange
+from numba.extending import overload
 
 from colibri.formats.encodings import row_bytes
 from colibri.runtime.kernels.activations import (
-    WIDEST_ACT_BLOCK, activation_row, activation_rows, dot_type_for, empty_activation, fill_activation, float_rows,
-    make_activation,
+    WIDEST_ACT_BLOCK, activation_dot_type, activation_row, activation_rows, dot_type_for, empty_activation,
+    fill_activation, float_rows, make_activation,
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS
+from colibri.runtime import amx
 from colibri.runtime.kernels.matrices import matrix_times
 from colibri.runtime.kernels.numerics import silu
-from colibri.runtime.kernels.rows import row_dot
+from colibri.runtime.kernels.rows import CHUNK, row_dot, rows_times
 from colibri.runtime.kernels.threads import part_range
 
 _njit = njit(cache=True, nogil=True)
@@ -52,16 +56,70 @@ def _moe_kernel(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes,
                 out[r] += weights[j] * row_dot(down_tag, record, offsets[2] + r * row_nbytes[2], ffn, act)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True)
+def silu_times_rows(gate, up, first, stop):
+    """gate[i] <- silu(gate[i]) * up[i] for rows first..stop-1 ([n, ffn] each)."""
+    for i in range(first, stop):
+        g, u = gate[i], up[i]
+        for j in range(g.size):
+            g[j] = silu(g[j]) * u[j]
+
+
+@_parallel
 def _silu_times(gate, up, nthreads):
     """gate <- silu(gate) * up, elementwise ([n, ffn] each)."""
     for t in prange(nthreads):
         first, stop = part_range(gate.shape[0], nthreads, t, 1)
-        for i in range(first, stop):
-            g, u = gate[i], up[i]
-            for j in range(g.size):
-                g[j] = silu(g[j]) * u[j]
+        silu_times_rows(gate, up, first, stop)
     return gate
+
+
+def take_rows(act, rows):
+    """Rows `rows` (an int64 array) of a batch of int8 activations, in compiled code."""
+
+
+@overload(take_rows)
+def _take_rows_overload(act, rows):
+    if activation_dot_type(act) is not None:
+        activation = act.instance_class
+        return lambda act, rows: activation(act.q[rows], act.d[rows], act.sums[rows])
+    return None
+
+
+def empty_rows(like, n):
+    """An unfilled batch of n int8 activations shaped as the rows of `like`, in compiled code."""
+
+
+@overload(empty_rows)
+def _empty_rows_overload(like, n):
+    if activation_dot_type(like) is not None:
+        activation = like.instance_class
+        return lambda like, n: activation(np.empty((n, like.q.shape[1]), np.int8), np.empty((n, like.d.shape[1]), np.float32),
+                                          np.empty((n, like.sums.shape[1]), np.float32))
+    return None
+
+
+@_parallel
+def _grouped_kernel(gate_tag, up_tag, down_tag, records, slots, starts, rows, weights, offsets, row_nbytes, ffn, hidden,
+                    gate_act, up_act, h_like, out):
+    """For each group g (expert record slots[g], rows rows[starts[g]:starts[g+1]] of the batch):
+    out[rows] += weights * down(silu(gate @ x) * (up @ x)). Groups run in parallel, each on one
+    thread with the kernels `batch` uses (a product's values do not depend on how its rows are
+    split between threads); their outputs are then added in group order."""
+    ys = np.empty((starts[-1], hidden), np.float32)
+    for g in prange(slots.size):
+        mine = rows[starts[g]:starts[g + 1]]
+        n, record = mine.size, records[slots[g]]
+        buf = np.empty(CHUNK, np.float32)
+        gate = np.empty((n, ffn), np.float32)
+        up = np.empty((n, ffn), np.float32)
+        rows_times(gate_tag, record[offsets[0]:], 0, ffn, row_nbytes[0], hidden, take_rows(gate_act, mine), gate, buf)
+        rows_times(up_tag, record[offsets[1]:], 0, ffn, row_nbytes[1], hidden, take_rows(up_act, mine), up, buf)
+        silu_times_rows(gate, up, 0, n)
+        h_act = empty_rows(h_like, n)
+        fill_activation(h_act, gate, 0, gate.size)
+        rows_times(down_tag, record[offsets[2]:], 0, hidden, row_nbytes[2], ffn, h_act, ys[starts[g]:starts[g + 1]], buf)
+    add_weighted_rows(out, rows, ys, weights)
 
 
 class ExpertKernel:
@@ -118,6 +176,22 @@ class ExpertKernel:
         h = _silu_times(gate, up, numba.get_num_threads())
         return self._project(record, 2, self.hidden, self.ffn, make_activation(h, self.dot_types[2]), n)
 
+    def groupable(self, acts: dict) -> bool:
+        """Whether `activations` are int8 ones, which `grouped` takes (AMX tiles and the exact
+        path go expert by expert through `batch`)."""
+        return None not in self.dot_types and not any(isinstance(a, amx.TileActivation) for a in acts.values())
+
+    def grouped(self, records: np.ndarray, slots: np.ndarray, starts: np.ndarray, rows: np.ndarray,
+                weights: np.ndarray, acts: dict, out: np.ndarray) -> None:
+        """Every group g (expert `records[slots[g]]`, batch rows `rows[starts[g]:starts[g+1]]`
+        with their routing weights) in one call, each added to `out` [n, hidden] in order: what
+        `batch` and `add_weighted_rows` give group by group. `acts` from `activations` of the
+        whole batch, `groupable`."""
+        gate_act, up_act = (acts[dot_type] for dot_type in self.dot_types[:2])
+        h_like = empty_activation(1, self.ffn, self.dot_types[2])
+        _grouped_kernel(*self.tags, records, slots, starts, rows, weights, self.offsets, self.sizes, self.ffn, self.hidden,
+                        gate_act, up_act, h_like, out)
+
     def _project(self, record: np.ndarray, m: int, rows: int, cols: int, act, n: int) -> np.ndarray:
         return matrix_times(self.tags[m], record[self.offsets[m]:], rows, cols, self.sizes[m], act, n)
 
@@ -152,8 +226,8 @@ def moe_experts_batch(record: np.ndarray, encodings: tuple[str, str, str], offse
 
 @_njit
 def add_weighted_rows(out: np.ndarray, rows: np.ndarray, y: np.ndarray, weights: np.ndarray) -> None:
-    """out[rows[i]] += weights[i] * y[i] for each i (rows distinct): an expert's outputs
-    added to its tokens' sums."""
+    """out[rows[i]] += weights[i] * y[i] for each i, in order: experts' outputs added to their
+    tokens' sums."""
     for i in range(rows.size):
         target, source, weight = out[rows[i]], y[i], weights[i]
         for j in range(source.size):
