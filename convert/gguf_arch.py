@@ -35,7 +35,7 @@ import numpy as np
 from colibri.convert.arch import ADAPTERS, GGUF_ADAPTERS
 from colibri.convert.arch.base import Adapter
 from colibri.convert.gguf_source import ByteReader, GGUFError
-from colibri.formats.config_check import config_problems
+from colibri.formats.config_check import MAX_EXPERTS, MAX_LAYERS, config_problems
 from colibri.formats.model_config import ModelConfig
 
 K, A, R, T = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope, gguf.Keys.Tokenizer
@@ -105,6 +105,9 @@ def config_from_gguf(meta: GGUFMetadata, shapes: dict[str, tuple]) -> ModelConfi
     if not n_experts:
         raise GGUFError(f"{file}: {a} without experts ({a}.expert_count is {n_experts}) is a dense model; colibri runs Mixture-of-Experts models")
     n_layers = meta.require(K.BLOCK_COUNT) - meta.get(K.NEXTN_PREDICT_LAYERS, 0)
+    for what, value, limit in (("block_count", n_layers, MAX_LAYERS), ("expert_count", n_experts, MAX_EXPERTS)):
+        if not isinstance(value, int) or not 0 < value <= limit:  # they size the tables built below
+            raise GGUFError(f"{file}: {a}.{what} gives {value!r}, not a whole number in 1..{limit}")
     hidden, heads = meta.require(K.EMBEDDING_LENGTH), meta.require(A.HEAD_COUNT)
     ffn = meta.get(K.FEED_FORWARD_LENGTH, 0)
     expert_ffn = meta.get(K.EXPERT_FEED_FORWARD_LENGTH) or (ffn if adapter.gguf_ffn_is_expert else None)

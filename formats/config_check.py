@@ -15,11 +15,13 @@ import math
 from colibri.formats.messages import some
 from colibri.formats.model_config import ModelConfig
 
-__all__ = ["IMPLEMENTED", "MAX_DIM", "config_problems", "expected_expert_shapes", "expected_tensors",
+__all__ = ["IMPLEMENTED", "MAX_DIM", "MAX_EXPERTS", "MAX_LAYERS", "config_problems", "expected_expert_shapes", "expected_tensors",
            "tensor_problems"]
 
-MAX_DIM = 1 << 24  # no width, count or vocabulary of a real model comes near this
+MAX_DIM = 1 << 24  # no width or vocabulary of a real model comes near this
 MAX_POSITIONS = 1 << 26
+MAX_LAYERS = 1 << 12  # layers and experts size the tables a reader builds: bounded tighter
+MAX_EXPERTS = 1 << 14
 IMPLEMENTED = {  # what the runtime computes; anything else is refused naming the key
     "attention": ("gqa", "mla"),
     "qk_norm": ("none", "head", "full"),
@@ -52,8 +54,9 @@ def config_problems(c: ModelConfig) -> list[str]:
         value = getattr(c, name)
         return need(_is_int(value) and low <= value <= high, f"{name} is {value!r}, not a whole number in {low}..{high}")
 
-    for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "v_head_dim"):
+    for name in ("vocab_size", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "v_head_dim"):
         dim(name)
+    dim("n_layers", 1, MAX_LAYERS)
     dim("max_position_embeddings", 1, MAX_POSITIONS)
     dim("mtp_layers_skipped", 0)
     for name, kinds in IMPLEMENTED.items():
@@ -121,8 +124,8 @@ def _moe_problems(c: ModelConfig, dim, need) -> list[str]:
         dim("dense_ffn")
     if not layers:
         return before
-    for name in ("n_experts", "expert_ffn"):
-        dim(name)
+    dim("n_experts", 1, MAX_EXPERTS)
+    dim("expert_ffn")
     dim("n_experts_used", 1, c.n_experts if _is_int(c.n_experts) else 1)
     dim("router_groups", 1, c.n_experts if _is_int(c.n_experts) else 1)
     dim("n_shared_experts", 0)

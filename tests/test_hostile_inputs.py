@@ -84,6 +84,9 @@ def edit_config(src, **changes):
     ({"vocab_size": "many"}, "config.json"),
     ({"num_attention_heads": 0}, "config.json"),
     ({"num_key_value_heads": [2]}, "config.json"),
+    ({"num_hidden_layers": 2**40}, "num_hidden_layers"),  # planned its tables until memory ran out
+    ({"num_experts": 10**9}, "num_experts"),
+    ({"rope_theta": 2**70}, "rope_theta"),
 ])
 def test_config_values_are_refused_naming_the_key(src, tmp_path, capsys, changes, word):
     edit_config(src, **changes)
@@ -182,12 +185,15 @@ def test_two_converts_into_one_out(src, tmp_path, capsys):
 
 @fuzz(1500)
 @given(data=st.data())
-def test_fuzzed_safetensors_header(src, tmp_path_factory, capsys, data):
+def test_fuzzed_safetensors_header(pristine, tmp_path_factory, capsys, data):
     """A shard header with one field replaced by an arbitrary JSON value, its length shifted, a
-    byte flipped or the JSON nested deep: refused in one line, or read exactly as declared."""
+    byte flipped or the JSON nested deep: the reader refuses it in one line naming the file, or
+    reads it exactly as declared; converting the folder exits 1 in one line and leaves no OUT
+    (the tensors are never those config.json asks for)."""
     from colibri.formats.checkpoint import CheckpointError, read_header
 
     case = tmp_path_factory.mktemp("header")
+    shutil.copy(pristine / "config.json", case / "config.json")
     path = case / "model.safetensors"
     header = {"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
               "b": {"dtype": "BF16", "shape": [4], "data_offsets": [16, 24]}, "__metadata__": {"format": "pt"}}
@@ -217,10 +223,11 @@ def test_fuzzed_safetensors_header(src, tmp_path_factory, capsys, data):
         entries = read_header(path)
     except CheckpointError as e:
         assert str(e).startswith(path.name) and "\n" not in str(e)
-        return
-    size = path.stat().st_size
-    ends = sorted((e.offset, e.offset + e.nbytes) for e in entries.values())
-    assert all(a[1] == b[0] for a, b in zip(ends, ends[1:])) and (not ends or ends[-1][1] == size)
+    else:
+        size = path.stat().st_size
+        ends = sorted((e.offset, e.offset + e.nbytes) for e in entries.values())
+        assert all(a[1] == b[0] for a, b in zip(ends, ends[1:])) and (not ends or ends[-1][1] == size)
+    refused(["convert", str(case), str(case / "out")], capsys, out=case / "out")
 
 
 @fuzz(500)

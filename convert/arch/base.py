@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import gguf
 
-from colibri.formats.config_check import config_problems
+from colibri.formats.config_check import MAX_EXPERTS, MAX_LAYERS, config_problems
 from colibri.formats.model_config import ModelConfig
 
 ACTIVATIONS = ("silu", "swish")  # the runtime's FFNs apply SiLU (= swish) and nothing else
@@ -106,9 +106,31 @@ def common_fields(hf: dict, architecture: str, gguf_arch: gguf.MODEL_ARCH) -> di
     )
 
 
+# config.json keys that size the loops and tables a plan builds: checked before normalizing
+SIZING_KEYS = {
+    **dict.fromkeys(("num_hidden_layers", "num_nextn_predict_layers", "first_k_dense_replace", "decoder_sparse_step",
+                     "moe_layer_freq"), MAX_LAYERS),
+    **dict.fromkeys(("num_experts", "n_routed_experts", "num_local_experts", "num_experts_per_tok", "n_shared_experts",
+                     "n_group", "topk_group"), MAX_EXPERTS),
+}
+MAX_JSON_INT = 1 << 53  # beyond this no config value is meant as an integer
+
+
+def check_sizes(hf: dict) -> None:
+    """Refuse a count that would make planning build tables without end (a layer count of 2**40)."""
+    for key, limit in SIZING_KEYS.items():
+        value = hf.get(key)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= limit):
+            raise ConfigError(f"config.json: {key} is {value!r}, not a whole number in 0..{limit}")
+    for key, value in hf.items():
+        if isinstance(value, int) and abs(value) > MAX_JSON_INT:
+            raise ConfigError(f"config.json: {key} is {value}, larger than any config value")
+
+
 def normalized_config(adapter, hf: dict) -> ModelConfig:
     """`adapter.normalize(hf)`, then formats' one validation of the result: a config.json whose
     values have the wrong type or range is a ConfigError naming the key, never a traceback."""
+    check_sizes(hf)
     try:
         config = adapter.normalize(hf)
     except ConfigError:
