@@ -149,6 +149,10 @@ def model_speed(model: pathlib.Path, threads: int, tokens: int, prompts: tuple[i
             runs.append(time.perf_counter() - started)
         result["prompt_tok_per_s"][n] = n / statistics.median(runs)
     m.reset()
+    with counted_numba_calls() as calls:
+        m.prefill(ids, all_logits=False)
+    result["numba_calls_per_layer_of_a_prompt"] = sum(calls.values()) / layers
+    m.reset()
     token = int(np.argmax(m.prefill([1, 2, 3], all_logits=False)[-1]))
     for _ in range(4):
         token = int(np.argmax(m.decode(token)))
@@ -186,7 +190,8 @@ def main() -> None:
         r = result["model"]
         print(f"decode {r['decode_tok_per_s']:.1f} tok/s ({r['ms_per_token']:.1f} ms a token), "
               f"{r['numba_calls_per_token_per_layer']:.1f} numba calls per layer per token")
-        print("prompt " + ", ".join(f"{n} tokens {v:.1f} tok/s" for n, v in r["prompt_tok_per_s"].items()))
+        print("prompt " + ", ".join(f"{n} tokens {v:.1f} tok/s" for n, v in r["prompt_tok_per_s"].items())
+              + f"; {r['numba_calls_per_layer_of_a_prompt']:.1f} numba calls per layer for the {max(r['prompt_tok_per_s'])}-token one")
 
 
 if __name__ == "__main__":
