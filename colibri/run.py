@@ -12,7 +12,6 @@ from colibri.prompt_dir import check_folders, output_path, prompt_files, read_pr
 from colibri.runtime.memory import format_size, size_argument
 
 
-
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="a converted model folder")
     source = p.add_mutually_exclusive_group(required=True)

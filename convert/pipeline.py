@@ -32,11 +32,11 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from colibri.version import __version__
 from colibri.formats.layout import (
     FORMAT_NAME, FORMAT_VERSION, JOURNAL_NAME, MANIFEST_NAME, RESIDENT_FILE, TOKENIZER_FILES, write_atomic, write_manifest,
 )
 from colibri.formats.model_config import ModelConfig
+from colibri.version import __version__
 
 
 LOCK_NAME = ".colibri-convert.lock"

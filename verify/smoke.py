@@ -30,9 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri.runtime.memory import size_argument, total_ram
 from colibri.version import __version__
-from colibri.runtime.memory import size_argument
-from colibri.runtime.memory import total_ram
 
 FORMAT = "colibri-smoke"
 VERSION = 1
