@@ -12,12 +12,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba import njit, prange
-from numba.extending import overload
 
 from colibri.formats.encodings import row_bytes
 from colibri.runtime.kernels.activations import (
-    WIDEST_ACT_BLOCK, activation_dot_type, activation_row, activation_rows, dot_type_for, empty_activation,
-    fill_activation, float_rows, make_activation,
+    WIDEST_ACT_BLOCK, activation_row, activation_rows, dot_type_for, empty_activation, empty_rows, fill_activation,
+    float_rows, make_activation, take_rows,
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS
 from colibri.runtime import amx
@@ -72,31 +71,6 @@ def _silu_times(gate, up, nthreads):
         first, stop = part_range(gate.shape[0], nthreads, t, 1)
         silu_times_rows(gate, up, first, stop)
     return gate
-
-
-def take_rows(act, rows):
-    """Rows `rows` (an int64 array) of a batch of int8 activations, in compiled code."""
-
-
-@overload(take_rows)
-def _take_rows_overload(act, rows):
-    if activation_dot_type(act) is not None:
-        activation = act.instance_class
-        return lambda act, rows: activation(act.q[rows], act.d[rows], act.sums[rows])
-    return None
-
-
-def empty_rows(like, n):
-    """An unfilled batch of n int8 activations shaped as the rows of `like`, in compiled code."""
-
-
-@overload(empty_rows)
-def _empty_rows_overload(like, n):
-    if activation_dot_type(like) is not None:
-        activation = like.instance_class
-        return lambda like, n: activation(np.empty((n, like.q.shape[1]), np.int8), np.empty((n, like.d.shape[1]), np.float32),
-                                          np.empty((n, like.sums.shape[1]), np.float32))
-    return None
 
 
 @_parallel
