@@ -32,11 +32,6 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (np.float32(1) + np.exp(-x))
 
 
-def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    e = np.exp(x - x.max(axis=axis, keepdims=True))
-    return e / e.sum(axis=axis, keepdims=True)
-
-
 class Weights:
     """Resident tensors read from the layout into RAM (`pread`, not mmap: the RSS is ours),
     back to back in one buffer on huge pages."""
@@ -170,9 +165,10 @@ class LatentAttention:
         latents, k_rope = cache.read(self.layer, "kv", end), cache.read(self.layer, "k_rope", end)
         q_nope = q[:, :, :nope].reshape(n * heads, nope)
         q_latent = self.k_absorb.times_per_head(q_nope, heads, rank, rank).reshape(n, heads, rank)
-        scores = (np.einsum("nhr,tr->hnt", q_latent, latents) + np.einsum("nhd,td->hnt", q_pe, k_rope)) * self.scale
-        scores = scores + causal_mask(positions, end)
-        context = np.einsum("hnt,tr->nhr", softmax(scores), latents).astype(np.float32).reshape(n * heads, rank)
+        # multi-query attention over the latent: keys [latent | rotated part], values the latent
+        keys = np.concatenate([latents, k_rope], axis=1)[:, None, :]
+        context = kernels.attention(np.concatenate([q_latent, q_pe], axis=2), keys, latents[:, None, :], start,
+                                    self.scale).reshape(n * heads, rank)
         out = self.kv_b.times_per_head(context, heads, c.v_head_dim, nope + c.v_head_dim, first=nope)
         return self.o(out.reshape(n, heads * c.v_head_dim))
 
@@ -188,12 +184,6 @@ def absorbed_keys(kv_b: kernels.Matrix, c: ModelConfig) -> kernels.Matrix:
     encoding = "F32" if kv_b.encoding in FLOAT_DTYPES or nope % 32 else "Q8_0"
     stored = gguf.quants.quantize(transposed, gguf.GGMLQuantizationType[encoding])
     return kernels.Matrix(stored.reshape(-1).view(np.uint8), encoding, heads * rank, nope)
-
-
-def causal_mask(positions: np.ndarray, end: int) -> np.ndarray:
-    """[n, end] additive mask: query at position p sees keys 0..p."""
-    keys = np.arange(end)
-    return np.where(keys[None, :] <= positions[:, None], np.float32(0), np.float32(-np.inf))
 
 
 class DenseFFN:
