@@ -1,8 +1,8 @@
 """The KV cache: preallocated for `ctx` positions, stored as f32, f16 or q8_0.
 
 A layer's cache holds named streams of fixed width per position: `k` and `v` (flattened
-over KV heads) for ordinary attention, or MLA's compressed latent `kv` and the shared
-rotary key `k_rope`. q8_0 stores blocks of 32 values as int8 with one f16 scale, as
+over KV heads) for ordinary attention, or MLA's `kv`: the compressed latent followed by the
+shared rotary key. q8_0 stores blocks of 32 values as int8 with one f16 scale, as
 GGML's Q8_0 does: about half the bytes of f16, nearly lossless. f32 is for exactness checks against a float32 reference.
 """
 

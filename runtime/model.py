@@ -159,15 +159,13 @@ class LatentAttention:
         latent = rms_norm(compressed[:, :rank], self.kv_a_norm, c.norm_eps)
         k_pe = self.rope.apply(compressed[:, None, rank:], positions)[:, 0]
         start = int(positions[0])
-        cache.write(self.layer, "kv", start, latent)
-        cache.write(self.layer, "k_rope", start, k_pe)
+        cache.write(self.layer, "kv", start, np.concatenate([latent, k_pe], axis=1))
         end = start + n
-        latents, k_rope = cache.read(self.layer, "kv", end), cache.read(self.layer, "k_rope", end)
+        # multi-query attention over the cache in place: keys [latent | rotated part], values the latent
+        keys = cache.stored(self.layer, "kv", end)[:, None, :]
         q_nope = q[:, :, :nope].reshape(n * heads, nope)
         q_latent = self.k_absorb.times_per_head(q_nope, heads, rank, rank).reshape(n, heads, rank)
-        # multi-query attention over the latent: keys [latent | rotated part], values the latent
-        keys = np.concatenate([latents, k_rope], axis=1)[:, None, :]
-        context = kernels.attention(np.concatenate([q_latent, q_pe], axis=2), keys, latents[:, None, :], start,
+        context = kernels.attention(np.concatenate([q_latent, q_pe], axis=2), keys, keys[:, :, :rank], start,
                                     self.scale).reshape(n * heads, rank)
         out = self.kv_b.times_per_head(context, heads, c.v_head_dim, nope + c.v_head_dim, first=nope)
         return self.o(out.reshape(n, heads * c.v_head_dim))
@@ -324,7 +322,7 @@ class Decoder:
     def cache_widths_for(c: ModelConfig) -> dict[str, int]:
         """Per-position widths of the KV cache streams of one layer."""
         if c.attention == "mla":
-            return {"kv": c.kv_lora_rank, "k_rope": c.qk_rope_head_dim}
+            return {"kv": c.kv_lora_rank + c.qk_rope_head_dim}  # the latent, then the shared rotary key
         return {"k": c.n_kv_heads * c.head_dim, "v": c.n_kv_heads * c.v_head_dim}
 
     def forward(self, tokens, cache: KVCache, all_logits: bool = True) -> np.ndarray:
