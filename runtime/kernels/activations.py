@@ -120,7 +120,7 @@ def _activation_row_overload(act, i):
 
 
 def take_rows(act, rows):
-    """Rows `rows` (an int64 array) of a batch of int8 activations, in compiled code."""
+    """Rows `rows` (an int64 array, or a slice) of a batch of int8 activations, in compiled code."""
 
 
 @overload(take_rows)
@@ -128,19 +128,6 @@ def _take_rows_overload(act, rows):
     if activation_dot_type(act) is not None:
         activation = act.instance_class
         return lambda act, rows: activation(act.q[rows], act.d[rows], act.sums[rows])
-    return None
-
-
-def empty_rows(like, n):
-    """An unfilled batch of n int8 activations shaped as the rows of `like`, in compiled code."""
-
-
-@overload(empty_rows)
-def _empty_rows_overload(like, n):
-    if activation_dot_type(like) is not None:
-        activation = like.instance_class
-        return lambda like, n: activation(np.empty((n, like.q.shape[1]), np.int8), np.empty((n, like.d.shape[1]), np.float32),
-                                          np.empty((n, like.sums.shape[1]), np.float32))
     return None
 
 

@@ -14,12 +14,12 @@ import numpy as np
 from numba import njit, prange
 
 from colibri.formats.encodings import row_bytes
+from colibri.runtime import amx
 from colibri.runtime.kernels.activations import (
-    WIDEST_ACT_BLOCK, activation_row, activation_rows, dot_type_for, empty_activation, empty_rows, fill_activation,
-    float_rows, make_activation, take_rows,
+    WIDEST_ACT_BLOCK, activation_row, activation_rows, dot_type_for, empty_activation, fill_activation, float_rows,
+    make_activation, take_rows,
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS
-from colibri.runtime import amx
 from colibri.runtime.kernels.matrices import matrix_times
 from colibri.runtime.kernels.numerics import silu
 from colibri.runtime.kernels.rows import CHUNK, row_dot, rows_times
@@ -75,7 +75,7 @@ def _silu_times(gate, up, nthreads):
 
 @_parallel
 def _grouped_kernel(gate_tag, up_tag, down_tag, records, slots, starts, rows, weights, offsets, row_nbytes, ffn, hidden,
-                    gate_act, up_act, h_like, out):
+                    gate_act, up_act, h_act, out):
     """For each group g (expert record slots[g], rows rows[starts[g]:starts[g+1]] of the batch):
     out[rows] += weights * down(silu(gate @ x) * (up @ x)). Groups run in parallel, each on one
     thread with the kernels `batch` uses (a product's values do not depend on how its rows are
@@ -90,9 +90,9 @@ def _grouped_kernel(gate_tag, up_tag, down_tag, records, slots, starts, rows, we
         rows_times(gate_tag, record[offsets[0]:], 0, ffn, row_nbytes[0], hidden, take_rows(gate_act, mine), gate, buf)
         rows_times(up_tag, record[offsets[1]:], 0, ffn, row_nbytes[1], hidden, take_rows(up_act, mine), up, buf)
         silu_times_rows(gate, up, 0, n)
-        h_act = empty_rows(h_like, n)
-        fill_activation(h_act, gate, 0, gate.size)
-        rows_times(down_tag, record[offsets[2]:], 0, hidden, row_nbytes[2], ffn, h_act, ys[starts[g]:starts[g + 1]], buf)
+        mine_h = take_rows(h_act, slice(starts[g], starts[g + 1]))
+        fill_activation(mine_h, gate, 0, gate.size)
+        rows_times(down_tag, record[offsets[2]:], 0, hidden, row_nbytes[2], ffn, mine_h, ys[starts[g]:starts[g + 1]], buf)
     add_weighted_rows(out, rows, ys, weights)
 
 
@@ -162,9 +162,9 @@ class ExpertKernel:
         `batch` and `add_weighted_rows` give group by group. `acts` from `activations` of the
         whole batch, `groupable`."""
         gate_act, up_act = (acts[dot_type] for dot_type in self.dot_types[:2])
-        h_like = empty_activation(1, self.ffn, self.dot_types[2])
+        h_act = empty_activation(rows.size, self.ffn, self.dot_types[2])  # each group quantizes its own rows
         _grouped_kernel(*self.tags, records, slots, starts, rows, weights, self.offsets, self.sizes, self.ffn, self.hidden,
-                        gate_act, up_act, h_like, out)
+                        gate_act, up_act, h_act, out)
 
     def _project(self, record: np.ndarray, m: int, rows: int, cols: int, act, n: int) -> np.ndarray:
         return matrix_times(self.tags[m], record[self.offsets[m]:], rows, cols, self.sizes[m], act, n)
