@@ -85,7 +85,7 @@ def config_problems(c: ModelConfig) -> list[str]:
                  f"head_dim {c.head_dim} is not qk_nope_head_dim + qk_rope_head_dim")
             need(c.n_kv_heads == c.n_heads, f"n_kv_heads {c.n_kv_heads} differs from n_heads {c.n_heads} in MLA")
     problems += _rope_scaling_problems(c.rope_scaling)
-    problems += _moe_problems(c, dim, need)
+    _check_moe(c, dim, need)
     for name, ids in (("bos_token_id", [] if c.bos_token_id is None else [c.bos_token_id]), ("eos_token_ids", c.eos_token_ids)):
         need(isinstance(ids, list) and all(_is_int(i) and 0 <= i < c.vocab_size for i in ids),
              f"{name} {ids!r} is not a token of the {c.vocab_size}-token vocabulary")
@@ -113,17 +113,17 @@ def _rope_scaling_problems(scaling) -> list[str]:
     return problems
 
 
-def _moe_problems(c: ModelConfig, dim, need) -> list[str]:
-    before = []
+def _check_moe(c: ModelConfig, dim, need) -> None:
+    """The MoE fields, through `config_problems`' own `dim` and `need`, which record what fails."""
     layers = c.moe_layers
     if not need(isinstance(layers, list) and all(_is_int(i) for i in layers)
                 and layers == sorted(set(layers)) and all(0 <= i < c.n_layers for i in layers),
                 f"moe_layers {layers!r} are not distinct increasing layers of the {c.n_layers}"):
-        return before
+        return
     if len(layers) < c.n_layers:
         dim("dense_ffn")
     if not layers:
-        return before
+        return
     dim("n_experts", 1, MAX_EXPERTS)
     dim("expert_ffn")
     dim("n_experts_used", 1, c.n_experts if _is_int(c.n_experts) else 1)
@@ -139,7 +139,6 @@ def _moe_problems(c: ModelConfig, dim, need) -> list[str]:
                 kept = c.router_topk_groups * (c.n_experts // c.router_groups)
                 need(c.n_experts_used <= kept, f"n_experts_used {c.n_experts_used} is more than the {kept} experts "
                                                f"of router_topk_groups {c.router_topk_groups} groups")
-    return before
 
 
 def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
