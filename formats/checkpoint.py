@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from colibri.formats.messages import some
-from colibri.formats.safe_json import loads, read_json_object
+from colibri.formats.safe_json import is_int, loads, read_json_object
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -75,10 +75,6 @@ def cache_blob_sha256(path: Path) -> str | None:
     return blob if re.fullmatch(r"[0-9a-f]{64}", blob) else None
 
 
-def _plain_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _entry(path: Path, name: str, info, base: int) -> TensorEntry:
     """One header entry, every field checked for type and range."""
     if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"}:
@@ -86,9 +82,9 @@ def _entry(path: Path, name: str, info, base: int) -> TensorEntry:
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         raise CheckpointError(f"{path.name}: tensor {name} has unsupported dtype {dtype!r}")
-    if not isinstance(shape, list) or len(shape) > 8 or not all(_plain_int(d) and 0 <= d < 1 << 40 for d in shape):
+    if not isinstance(shape, list) or len(shape) > 8 or not all(is_int(d) and 0 <= d < 1 << 40 for d in shape):
         raise CheckpointError(f"{path.name}: tensor {name} has a malformed shape {shape!r}")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_plain_int(o) and o >= 0 for o in offsets):
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(o) and o >= 0 for o in offsets):
         raise CheckpointError(f"{path.name}: tensor {name} has malformed data_offsets {offsets!r}")
     start, end = offsets
     nbytes = math.prod(shape) * DTYPE_BYTES[dtype]

@@ -14,6 +14,7 @@ import math
 
 from colibri.formats.messages import some
 from colibri.formats.model_config import ModelConfig
+from colibri.formats.safe_json import is_int
 
 __all__ = ["IMPLEMENTED", "MAX_DIM", "MAX_EXPERTS", "MAX_LAYERS", "config_problems", "expected_expert_shapes", "expected_tensors",
            "tensor_problems"]
@@ -33,10 +34,6 @@ IMPLEMENTED = {  # what the runtime computes; anything else is refused naming th
 _YARN_NUMBERS = ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -52,7 +49,7 @@ def config_problems(c: ModelConfig) -> list[str]:
 
     def dim(name: str, low: int = 1, high: int = MAX_DIM) -> bool:
         value = getattr(c, name)
-        return need(_is_int(value) and low <= value <= high, f"{name} is {value!r}, not a whole number in {low}..{high}")
+        return need(is_int(value) and low <= value <= high, f"{name} is {value!r}, not a whole number in {low}..{high}")
 
     for name in ("vocab_size", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "v_head_dim"):
         dim(name)
@@ -73,7 +70,7 @@ def config_problems(c: ModelConfig) -> list[str]:
         return problems
     need(c.n_heads % c.n_kv_heads == 0, f"n_heads {c.n_heads} is not a multiple of n_kv_heads {c.n_kv_heads}")
     width = c.qk_rope_head_dim if c.attention == "mla" else c.head_dim
-    need(_is_int(c.rope_dim) and 0 <= c.rope_dim <= (width if _is_int(width) else 0) and c.rope_dim % 2 == 0,
+    need(is_int(c.rope_dim) and 0 <= c.rope_dim <= (width if is_int(width) else 0) and c.rope_dim % 2 == 0,
          f"rope_dim is {c.rope_dim!r}, not an even number of rotated features within the head's {width}")
     if c.attention == "mla":
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"):
@@ -87,7 +84,7 @@ def config_problems(c: ModelConfig) -> list[str]:
     problems += _rope_scaling_problems(c.rope_scaling)
     _check_moe(c, dim, need)
     for name, ids in (("bos_token_id", [] if c.bos_token_id is None else [c.bos_token_id]), ("eos_token_ids", c.eos_token_ids)):
-        need(isinstance(ids, list) and all(_is_int(i) and 0 <= i < c.vocab_size for i in ids),
+        need(isinstance(ids, list) and all(is_int(i) and 0 <= i < c.vocab_size for i in ids),
              f"{name} {ids!r} is not a token of the {c.vocab_size}-token vocabulary")
     return problems
 
@@ -105,7 +102,7 @@ def _rope_scaling_problems(scaling) -> list[str]:
     problems = [f"rope_scaling {key} is {scaling[key]!r}, not a finite number"
                 for key in _YARN_NUMBERS if scaling.get(key) is not None and not _is_finite(scaling[key])]
     original = scaling.get("original_max_position_embeddings")
-    if not (_is_int(original) and 1 <= original <= MAX_POSITIONS):
+    if not (is_int(original) and 1 <= original <= MAX_POSITIONS):
         problems.append(f"rope_scaling original_max_position_embeddings is {original!r}, not a positive whole number")
     factor = scaling.get("factor")
     if factor is not None and _is_finite(factor) and factor <= 0:
@@ -116,7 +113,7 @@ def _rope_scaling_problems(scaling) -> list[str]:
 def _check_moe(c: ModelConfig, dim, need) -> None:
     """The MoE fields, through `config_problems`' own `dim` and `need`, which record what fails."""
     layers = c.moe_layers
-    if not need(isinstance(layers, list) and all(_is_int(i) for i in layers)
+    if not need(isinstance(layers, list) and all(is_int(i) for i in layers)
                 and layers == sorted(set(layers)) and all(0 <= i < c.n_layers for i in layers),
                 f"moe_layers {layers!r} are not distinct increasing layers of the {c.n_layers}"):
         return
@@ -126,14 +123,14 @@ def _check_moe(c: ModelConfig, dim, need) -> None:
         return
     dim("n_experts", 1, MAX_EXPERTS)
     dim("expert_ffn")
-    dim("n_experts_used", 1, c.n_experts if _is_int(c.n_experts) else 1)
-    dim("router_groups", 1, c.n_experts if _is_int(c.n_experts) else 1)
+    dim("n_experts_used", 1, c.n_experts if is_int(c.n_experts) else 1)
+    dim("router_groups", 1, c.n_experts if is_int(c.n_experts) else 1)
     dim("n_shared_experts", 0)
-    if _is_int(c.n_shared_experts) and c.n_shared_experts:
+    if is_int(c.n_shared_experts) and c.n_shared_experts:
         dim("shared_expert_ffn")
     need(_is_finite(c.routed_scaling_factor) and c.routed_scaling_factor > 0,
          f"routed_scaling_factor is {c.routed_scaling_factor!r}, not a positive number")
-    if all(_is_int(v) and v > 0 for v in (c.n_experts, c.router_groups, c.n_experts_used)) and c.router_groups <= c.n_experts:
+    if all(is_int(v) and v > 0 for v in (c.n_experts, c.router_groups, c.n_experts_used)) and c.router_groups <= c.n_experts:
         if need(c.n_experts % c.router_groups == 0, f"n_experts {c.n_experts} is not a multiple of router_groups {c.router_groups}"):
             if dim("router_topk_groups", 1, c.router_groups):
                 kept = c.router_topk_groups * (c.n_experts // c.router_groups)

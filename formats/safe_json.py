@@ -12,10 +12,15 @@ import pathlib
 
 from colibri.formats.messages import one_line
 
-__all__ = ["MAX_DEPTH", "MAX_JSON_BYTES", "loads", "read_json_object"]
+__all__ = ["MAX_DEPTH", "MAX_JSON_BYTES", "is_int", "loads", "read_json_object"]
 
 MAX_DEPTH = 64  # nesting deeper than any config, index, header or manifest needs
 MAX_JSON_BYTES = 256 << 20  # a JSON file larger than this is refused before it is read
+
+
+def is_int(value) -> bool:
+    """A JSON integer: Python's bool is an int too, and `true` is no count."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _refuse_constant(name: str):

@@ -16,6 +16,7 @@ import gguf
 
 from colibri.formats.config_check import MAX_EXPERTS, MAX_LAYERS, config_problems
 from colibri.formats.model_config import ModelConfig
+from colibri.formats.safe_json import is_int
 
 ACTIVATIONS = ("silu", "swish")  # the runtime's FFNs apply SiLU (= swish) and nothing else
 
@@ -120,7 +121,7 @@ def check_sizes(hf: dict) -> None:
     """Refuse a count that would make planning build tables without end (a layer count of 2**40)."""
     for key, limit in SIZING_KEYS.items():
         value = hf.get(key)
-        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= limit):
+        if value is not None and not (is_int(value) and 0 <= value <= limit):
             raise ConfigError(f"config.json: {key} is {value!r}, not a whole number in 0..{limit}")
     for key, value in hf.items():
         if isinstance(value, int) and abs(value) > MAX_JSON_INT:
