@@ -88,9 +88,12 @@ def _length(value) -> int:
     return len(value) if isinstance(value, (str, list, tuple, dict)) else len(str(value))
 
 
-def _check_join(separator: str, items) -> None:
-    items = list(items) if not isinstance(items, (list, tuple, str)) else items
+def _joined(separator: str, items):
+    """`items` as a sequence (an iterator is read once, here, and the sequence is what gets
+    joined), after refusing a join whose result would pass the cap."""
+    items = items if isinstance(items, (list, tuple, str)) else list(items)
     _too_long("a join", len(separator) * max(len(items) - 1, 0) + sum(_length(i) for i in items))
+    return items
 
 
 def _check_binop(op: str, left, right) -> None:
@@ -110,11 +113,11 @@ def _check_binop(op: str, left, right) -> None:
         _check_widths(left)
 
 
-def _check_method(obj, args) -> None:
-    """Refuse a str method call whose result would pass the cap."""
+def _check_method(obj, args) -> tuple:
+    """Refuse a str method call whose result would pass the cap; the arguments to call it with."""
     owner, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
     if not isinstance(owner, str):
-        return
+        return args
     if name in _SIZED_METHODS and args and isinstance(args[0], int):
         _too_long(f"str.{name}", args[0])
     elif name == "expandtabs" and args and isinstance(args[0], int):
@@ -122,7 +125,8 @@ def _check_method(obj, args) -> None:
     elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
         _too_long("str.replace", len(owner) + (len(owner) // max(len(args[0]), 1) + 1) * len(args[1]))
     elif name == "join" and args:
-        _check_join(owner, args[0])
+        return (_joined(owner, args[0]), *args[1:])
+    return args
 
 
 class Sandbox(ImmutableSandboxedEnvironment):
@@ -150,7 +154,7 @@ class Sandbox(ImmutableSandboxedEnvironment):
         __self._spend()
         for value in (*args, *kwargs.values()):
             _check_size(value)
-        _check_method(__obj, args)
+        args = _check_method(__obj, args)
         result = super().call(__context, __obj, *args, **kwargs)
         _check_size(result)
         return result
@@ -210,7 +214,8 @@ def _checked_filter(name: str, function):
     """A filter that refuses arguments beyond the cap and results beyond it."""
 
     def checked(*args, **kwargs):
-        values = [a for a in args if not isinstance(a, (jinja2.Environment, Context, EvalContext))]
+        first = next((i for i, a in enumerate(args) if not isinstance(a, (jinja2.Environment, Context, EvalContext))), len(args))
+        values = args[first:]  # the filtered value, then the filter's arguments
         for value in (*values[1:], *kwargs.values()):
             if isinstance(value, int) and not isinstance(value, bool):
                 _too_long(f"filter {name}'s argument", value)
@@ -219,7 +224,7 @@ def _checked_filter(name: str, function):
             _check_widths(values[0])
         if name == "join" and values:
             separator = values[1] if len(values) > 1 else kwargs.get("d", "")
-            _check_join(str(separator), values[0] if isinstance(values[0], (list, tuple, str)) else list(values[0]))
+            args = (*args[:first], _joined(str(separator), values[0]), *values[1:])
         result = function(*args, **kwargs)
         _check_size(result)
         return result

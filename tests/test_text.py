@@ -377,6 +377,15 @@ def test_ordinary_templates_pass_the_limits(tok_dirs, tmp_path):
     assert Tokenizer.from_dir(d).apply_chat_template(chat) == "user  " + "hi".center(12) + "  1a, b1024ababab3"
 
 
+def test_joins_of_iterators_are_checked_without_being_used_up(tok_dirs, tmp_path):
+    """The size check reads a `map` iterator once and joins what it read (it joined nothing)."""
+    d = copy_dir(tok_dirs["qwen3_moe"], tmp_path / "m")
+    (d / "chat_template.jinja").write_text(
+        "{{ messages|map(attribute='role')|join(', ') }}|{{ '-'.join(messages|map(attribute='content')) }}", "utf-8")
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert Tokenizer.from_dir(d).apply_chat_template(chat) == "user, assistant|a-b"
+
+
 TEMPLATE_PIECES = [
     "{{ messages[0].content }}", "{% for m in messages %}{{ m.role }}{% endfor %}", "{{ 'ab' * N }}",
     "{{ N ** N }}", "{{ range(N)|list|length }}", "{% for i in range(N) %}{% for j in range(N) %}{% endfor %}{% endfor %}",
