@@ -108,7 +108,8 @@ def _quantize_all(act, values):
 
 
 def activation_row(act, i):
-    """Activation i of a batch (a row of a float32 matrix, or of each int8 activation array)."""
+    """Activation i of a batch (a row of a float32 matrix, or of each int8 activation array), in
+    compiled code; with an index array or a slice for i, those rows as a batch."""
 
 
 @overload(activation_row)
@@ -117,18 +118,6 @@ def _activation_row_overload(act, i):
         activation = act.instance_class
         return lambda act, i: activation(act.q[i], act.d[i], act.sums[i])
     return lambda act, i: act[i]
-
-
-def take_rows(act, rows):
-    """Rows `rows` (an int64 array, or a slice) of a batch of int8 activations, in compiled code."""
-
-
-@overload(take_rows)
-def _take_rows_overload(act, rows):
-    if activation_dot_type(act) is not None:
-        activation = act.instance_class
-        return lambda act, rows: activation(act.q[rows], act.d[rows], act.sums[rows])
-    return None
 
 
 def dot_type_for(encoding: str, exact: bool) -> str | None:

@@ -17,7 +17,7 @@ from colibri.formats.encodings import row_bytes
 from colibri.runtime import amx
 from colibri.runtime.kernels.activations import (
     WIDEST_ACT_BLOCK, activation_row, activation_rows, dot_type_for, empty_activation, fill_activation, float_rows,
-    make_activation, take_rows,
+    make_activation,
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS
 from colibri.runtime.kernels.matrices import matrix_times
@@ -87,10 +87,10 @@ def _grouped_kernel(gate_tag, up_tag, down_tag, records, slots, starts, rows, we
         buf = np.empty(CHUNK, np.float32)
         gate = np.empty((n, ffn), np.float32)
         up = np.empty((n, ffn), np.float32)
-        rows_times(gate_tag, record[offsets[0]:], 0, ffn, row_nbytes[0], hidden, take_rows(gate_act, mine), gate, buf)
-        rows_times(up_tag, record[offsets[1]:], 0, ffn, row_nbytes[1], hidden, take_rows(up_act, mine), up, buf)
+        rows_times(gate_tag, record[offsets[0]:], 0, ffn, row_nbytes[0], hidden, activation_row(gate_act, mine), gate, buf)
+        rows_times(up_tag, record[offsets[1]:], 0, ffn, row_nbytes[1], hidden, activation_row(up_act, mine), up, buf)
         silu_times_rows(gate, up, 0, n)
-        mine_h = take_rows(h_act, slice(starts[g], starts[g + 1]))
+        mine_h = activation_row(h_act, slice(starts[g], starts[g + 1]))
         fill_activation(mine_h, gate, 0, gate.size)
         rows_times(down_tag, record[offsets[2]:], 0, hidden, row_nbytes[2], ffn, mine_h, ys[starts[g]:starts[g + 1]], buf)
     add_weighted_rows(out, rows, ys, weights)
