@@ -27,7 +27,7 @@ from colibri.runtime import kernels
 from colibri.runtime.kernels.activations import fill_activation
 from colibri.runtime.kernels.numerics import rms_norm_into
 from colibri.runtime.kernels.routing import route_into
-from colibri.runtime.kernels.rows import CHUNK, rows_times
+from colibri.runtime.kernels.rows import rows_times
 from colibri.runtime.kernels.threads import part_range
 from colibri.runtime.rope import rotate_into
 
@@ -66,14 +66,12 @@ def _qkv_kernel(x, attn_norm, eps, h, tags, weights, row_nbytes, q_act, k_act, v
     # one parallel region over the rows of q, k and v in turn: each thread streams its share
     for t in prange(nthreads):
         lo, hi = part_range(q_rows + k_rows + v_rows, nthreads, t, 1)
-        buf = np.empty(CHUNK, np.float32)
         if lo < q_rows:
-            rows_times(q_tag, q_w, lo, min(hi, q_rows), row_nbytes[0], cols, q_act, q, buf)
+            rows_times(q_tag, q_w, lo, min(hi, q_rows), row_nbytes[0], cols, q_act, q)
         if lo < q_rows + k_rows and hi > q_rows:
-            rows_times(k_tag, k_w, max(lo - q_rows, 0), min(hi - q_rows, k_rows), row_nbytes[1], cols, k_act, k, buf)
+            rows_times(k_tag, k_w, max(lo - q_rows, 0), min(hi - q_rows, k_rows), row_nbytes[1], cols, k_act, k)
         if hi > q_rows + k_rows:
-            rows_times(v_tag, v_w, max(lo - q_rows - k_rows, 0), hi - q_rows - k_rows, row_nbytes[2], cols, v_act, v,
-                       buf)
+            rows_times(v_tag, v_w, max(lo - q_rows - k_rows, 0), hi - q_rows - k_rows, row_nbytes[2], cols, v_act, v)
     if biases[0].size:
         _add(q[0], biases[0])
         _add(k[0], biases[1])
@@ -102,13 +100,12 @@ def _output_and_route(attended, o_tag, o_w, o_nbytes, o_act, o_out, x, ffn_norm,
     fill_activation(o_act, flat, 0, cols)
     for t in prange(nthreads):
         lo, hi = part_range(o_out.shape[1], nthreads, t, 1)
-        rows_times(o_tag, o_w, lo, hi, o_nbytes, cols, o_act, o_out, np.empty(CHUNK, np.float32))
+        rows_times(o_tag, o_w, lo, hi, o_nbytes, cols, o_act, o_out)
     for i in range(x.shape[1]):
         x[0, i] += o_out[0, i]
     rms_norm_into(x, ffn_norm, eps, h)
     fill_activation(router_act, h, 0, h.shape[1])
-    rows_times(router_tag, router_w, 0, logits.shape[1], router_nbytes, h.shape[1], router_act, logits,
-               np.empty(CHUNK, np.float32))
+    rows_times(router_tag, router_w, 0, logits.shape[1], router_nbytes, h.shape[1], router_act, logits)
     route_into(logits, bias, sigmoid, groups, topk_groups, top2_sum, norm, route_scale, ids, weights)
 
 

@@ -10,6 +10,7 @@ RAM once; routed experts come through the `ExpertStore`.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import gguf
 import numpy as np
@@ -74,6 +75,25 @@ class Weights:
         return data.astype(np.float32)
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's tokens in a forward pass: rows `first`.. of the pass, `count` of them,
+    placed at positions `start`.. of the sequence's own KV cache."""
+
+    first: int
+    count: int
+    start: int
+    cache: KVCache
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.first, self.first + self.count)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.count
+
+
 class Attention:
     """GQA / MHA with the variants of the supported architectures."""
 
@@ -87,16 +107,18 @@ class Attention:
         self.k_norm = w.vector(p + "attn_k_norm.weight") if c.qk_norm != "none" else None
         self.scale = np.float32(c.head_dim**-0.5)
 
-    def __call__(self, h: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
+    def __call__(self, h: np.ndarray, positions: np.ndarray, segments: list[Segment]) -> np.ndarray:
+        """h [n, hidden] at `positions` [n]; each segment's rows attend over its own cache."""
         c, n = self.c, h.shape[0]
-        start = int(positions[0])
         q, k, v = self.rotated_qkv(h, positions)
-        cache.write(self.layer, "k", start, k.reshape(n, -1))
-        cache.write(self.layer, "v", start, v)
-        end = start + n
-        keys = cache.stored(self.layer, "k", end).reshape(end, c.n_kv_heads, c.head_dim)
-        values = cache.stored(self.layer, "v", end).reshape(end, c.n_kv_heads, c.v_head_dim)
-        out = kernels.attention(q, keys, values, start, self.scale)
+        k = k.reshape(n, -1)
+        out = np.empty((n, c.n_heads, c.v_head_dim), np.float32)
+        for s in segments:
+            s.cache.write(self.layer, "k", s.start, k[s.rows])
+            s.cache.write(self.layer, "v", s.start, v[s.rows])
+            keys = s.cache.stored(self.layer, "k", s.end).reshape(s.end, c.n_kv_heads, c.head_dim)
+            values = s.cache.stored(self.layer, "v", s.end).reshape(s.end, c.n_kv_heads, c.v_head_dim)
+            out[s.rows] = kernels.attention(q[s.rows], keys, values, s.start, self.scale)
         return self.o(out.reshape(n, c.n_heads * c.v_head_dim))
 
     def rotated_qkv(self, h: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -149,7 +171,7 @@ class LatentAttention:
             scale *= mscale * mscale
         self.scale = np.float32(scale)
 
-    def __call__(self, h: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
+    def __call__(self, h: np.ndarray, positions: np.ndarray, segments: list[Segment]) -> np.ndarray:
         c, n = self.c, h.shape[0]
         heads, nope, rope_dim, rank = c.n_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         q = self.q_b(rms_norm(self.q_a(h), self.q_a_norm, c.norm_eps)) if c.q_lora_rank else self.q(h)
@@ -158,16 +180,18 @@ class LatentAttention:
         compressed = self.kv_a(h)
         latent = rms_norm(compressed[:, :rank], self.kv_a_norm, c.norm_eps)
         k_pe = self.rope.apply(compressed[:, None, rank:], positions)[:, 0]
-        start = int(positions[0])
-        cache.write(self.layer, "kv", start, np.concatenate([latent, k_pe], axis=1))
-        end = start + n
-        # multi-query attention over the cache in place: keys [latent | rotated part], values the latent
-        keys = cache.stored(self.layer, "kv", end)[:, None, :]
+        stored = np.concatenate([latent, k_pe], axis=1)
         q_nope = q[:, :, :nope].reshape(n * heads, nope)
         q_latent = self.k_absorb.times_per_head(q_nope, heads, rank, rank).reshape(n, heads, rank)
-        context = kernels.attention(np.concatenate([q_latent, q_pe], axis=2), keys, keys[:, :, :rank], start,
-                                    self.scale).reshape(n * heads, rank)
-        out = self.kv_b.times_per_head(context, heads, c.v_head_dim, nope + c.v_head_dim, first=nope)
+        queries = np.concatenate([q_latent, q_pe], axis=2)
+        context = np.empty((n, heads, rank), np.float32)
+        for s in segments:
+            s.cache.write(self.layer, "kv", s.start, stored[s.rows])
+            # multi-query attention over the cache in place: keys [latent | rotated part], values the latent
+            keys = s.cache.stored(self.layer, "kv", s.end)[:, None, :]
+            context[s.rows] = kernels.attention(queries[s.rows], keys, keys[:, :, :rank], s.start, self.scale)
+        out = self.kv_b.times_per_head(context.reshape(n * heads, rank), heads, c.v_head_dim, nope + c.v_head_dim,
+                                       first=nope)
         return self.o(out.reshape(n, heads * c.v_head_dim))
 
 
@@ -221,14 +245,16 @@ class MoE:
         # router would see if this layer and the next attention added nothing
         self.lookahead: tuple[MoE, np.ndarray] | None = None
 
-    def __call__(self, h: np.ndarray) -> np.ndarray:
-        return self.apply(h, *self.router(h))
+    def __call__(self, h: np.ndarray, batch_invariant: bool = False) -> np.ndarray:
+        return self.apply(h, *self.router(h), batch_invariant)
 
-    def apply(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        """The experts `ids` [n, k] chose for h [n, hidden], mixed with `weights` [n, k]."""
+    def apply(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, batch_invariant: bool = False) -> np.ndarray:
+        """The experts `ids` [n, k] chose for h [n, hidden], mixed with `weights` [n, k]. A single
+        row takes the one-token kernel unless `batch_invariant` asks for the many-row path
+        whatever the row count (their sums differ in the last bits)."""
         self.last_route = ids, weights
         slab = self.store.slab
-        if h.shape[0] == 1:
+        if h.shape[0] == 1 and not batch_invariant:
             slots = self.store.fetch(self.layer, ids[0])
             self.prefetch_next(h, ids[0])
             out = self.experts(slab, slots, h[0], weights[0])[None, :]
@@ -327,20 +353,45 @@ class Decoder:
 
     def forward(self, tokens, cache: KVCache, all_logits: bool = True) -> np.ndarray:
         """Logits [n, vocab] for `tokens` placed after the cache's contents ([1, vocab] for the
-        last token only, unless `all_logits`)."""
+        last token only, unless `all_logits`); one token takes the fused decode path."""
+        x = self.hidden_states(tokens, [Segment(0, len(tokens), cache.length, cache)], batch_invariant=False)
+        return self.logits(x if all_logits else x[-1:])
+
+    def forward_batch(self, batch: list[tuple[list[int], KVCache]]) -> np.ndarray:
+        """Logits [len(batch), vocab] of the last token of each (tokens, cache) pair, the tokens
+        placed after that cache's contents, all sequences through each layer together. Every row
+        is computed as it would be in a batch of its own (the int8 path, the many-row expert
+        kernel, attention over its own cache), so a sequence gets the same bits with any company."""
+        tokens, segments, first = [], [], 0
+        for ids, cache in batch:
+            segments.append(Segment(first, len(ids), cache.length, cache))
+            tokens += ids
+            first += len(ids)
+        with kernels.without_tiles():
+            x = self.hidden_states(tokens, segments, batch_invariant=True)
+            return self.logits(x[[s.first + s.count - 1 for s in segments]])
+
+    def hidden_states(self, tokens, segments: list[Segment], batch_invariant: bool) -> np.ndarray:
+        """The last layer's output [len(tokens), hidden]; each segment's tokens are appended to its cache."""
         c = self.config
-        start = cache.length
-        cache.check_room(start, len(tokens))
-        positions = np.arange(start, start + len(tokens))
+        for s in segments:
+            s.cache.check_room(s.start, s.count)
+        positions = np.concatenate([np.arange(s.start, s.end) for s in segments])
         x = np.concatenate([self.embed.rows_f32(int(t), 1) for t in tokens])
+        fused = len(tokens) == 1 and not batch_invariant
         for layer, (attn_norm, attention, ffn_norm, ffn) in enumerate(self.layers):
-            step = self.decode_layers[layer] if len(tokens) == 1 else None
+            step = self.decode_layers[layer] if fused else None
             if step is not None:
-                x = x + ffn.apply(*step(x, start, cache))  # step adds the attention output to x
+                x = x + ffn.apply(*step(x, segments[0].start, segments[0].cache))  # step adds the attention output to x
             else:
-                x = x + attention(rms_norm(x, attn_norm, c.norm_eps), positions, cache)
-                x = x + ffn(rms_norm(x, ffn_norm, c.norm_eps))
+                x = x + attention(rms_norm(x, attn_norm, c.norm_eps), positions, segments)
+                h = rms_norm(x, ffn_norm, c.norm_eps)
+                x = x + (ffn(h, batch_invariant) if isinstance(ffn, MoE) else ffn(h))
             if self.route_log is not None and isinstance(ffn, MoE):
                 self.route_log(layer, positions, *ffn.last_route)
-        cache.length = start + len(tokens)
-        return self.output(rms_norm(x if all_logits else x[-1:], self.output_norm, c.norm_eps))
+        for s in segments:
+            s.cache.length = s.end
+        return x
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        return self.output(rms_norm(x, self.output_norm, self.config.norm_eps))

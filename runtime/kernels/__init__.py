@@ -25,7 +25,7 @@ about it.
 
 from colibri.runtime.kernels.activations import (
     ACT_BLOCKS, ACTIVATIONS, DOT_TYPES, FAST_ENCODINGS, FAST_PATH_TOLERANCE, WIDEST_ACT_BLOCK, Q8_0Activation,
-    Q8_KActivation,
+    Q8_KActivation, without_tiles,
 )
 from colibri.runtime.kernels.attention import (
     PARALLEL_ATTENTION_WORK, PROMPT_ATTENTION_BYTES, PROMPT_ATTENTION_QUERIES, QUERY_BLOCK, attention,
@@ -40,7 +40,7 @@ from colibri.runtime.kernels.threads import measure_read_bandwidth, read_seconds
 
 __all__ = [
     "ACT_BLOCKS", "ACTIVATIONS", "DOT_TYPES", "FAST_ENCODINGS", "FAST_PATH_TOLERANCE", "WIDEST_ACT_BLOCK",
-    "Q8_0Activation", "Q8_KActivation",
+    "Q8_0Activation", "Q8_KActivation", "without_tiles",
     "PARALLEL_ATTENTION_WORK", "PROMPT_ATTENTION_BYTES", "PROMPT_ATTENTION_QUERIES", "QUERY_BLOCK", "attention",
     "BLOCK_TAGS", "CACHE_LINE", "PREFETCH_BYTES",
     "ExpertKernel", "add_weighted_rows", "moe_experts", "moe_experts_batch",

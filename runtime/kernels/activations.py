@@ -8,7 +8,9 @@ that multiplies it (q, k and v; gate and up; all the experts of a layer).
 
 from __future__ import annotations
 
+import threading
 from collections import namedtuple
+from contextlib import contextmanager
 
 import numpy as np
 from numba import njit, types
@@ -134,13 +136,28 @@ def float_rows(x: np.ndarray, cols: int) -> np.ndarray:
     return x
 
 
+_tile_switch = threading.local()
+
+
+@contextmanager
+def without_tiles():
+    """Products made inside (on this thread) take the int8 path whatever their number of rows:
+    in a batch of sequences, which path a row takes must not depend on the rows beside it."""
+    before = getattr(_tile_switch, "off", False)
+    _tile_switch.off = True
+    try:
+        yield
+    finally:
+        _tile_switch.off = before
+
+
 def make_activation(x: np.ndarray, dot_type: str | None, tiles: bool = True):
     """float32 [n, cols] as the kernels take it: x itself (None: the exact path); rounded to
-    bfloat16 for AMX tiles when `tiles`, there are at least amx.MIN_TOKENS rows and the CPU
-    has them; else quantized to int8 `dot_type` activations."""
+    bfloat16 for AMX tiles when `tiles`, there are at least amx.MIN_TOKENS rows, the CPU has
+    them and no `without_tiles` is in force; else quantized to int8 `dot_type` activations."""
     if dot_type is None:
         return x
-    if tiles and x.shape[0] >= amx.MIN_TOKENS and amx.available():
+    if tiles and x.shape[0] >= amx.MIN_TOKENS and not getattr(_tile_switch, "off", False) and amx.available():
         return amx.TileActivation(x)
     return _quantize_all(empty_activation(*x.shape, dot_type), x)
 

@@ -22,7 +22,7 @@ from colibri.runtime.kernels.activations import (
 from colibri.runtime.kernels.blocks import BLOCK_TAGS
 from colibri.runtime.kernels.matrices import matrix_times
 from colibri.runtime.kernels.numerics import silu
-from colibri.runtime.kernels.rows import CHUNK, row_dot, rows_times
+from colibri.runtime.kernels.rows import row_dot, rows_times
 from colibri.runtime.kernels.threads import part_range
 
 _njit = njit(cache=True, nogil=True)
@@ -84,15 +84,14 @@ def _grouped_kernel(gate_tag, up_tag, down_tag, records, slots, starts, rows, we
     for g in prange(slots.size):
         mine = rows[starts[g]:starts[g + 1]]
         n, record = mine.size, records[slots[g]]
-        buf = np.empty(CHUNK, np.float32)
         gate = np.empty((n, ffn), np.float32)
         up = np.empty((n, ffn), np.float32)
-        rows_times(gate_tag, record[offsets[0]:], 0, ffn, row_nbytes[0], hidden, activation_row(gate_act, mine), gate, buf)
-        rows_times(up_tag, record[offsets[1]:], 0, ffn, row_nbytes[1], hidden, activation_row(up_act, mine), up, buf)
+        rows_times(gate_tag, record[offsets[0]:], 0, ffn, row_nbytes[0], hidden, activation_row(gate_act, mine), gate)
+        rows_times(up_tag, record[offsets[1]:], 0, ffn, row_nbytes[1], hidden, activation_row(up_act, mine), up)
         silu_times_rows(gate, up, 0, n)
         mine_h = activation_row(h_act, slice(starts[g], starts[g + 1]))
         fill_activation(mine_h, gate, 0, gate.size)
-        rows_times(down_tag, record[offsets[2]:], 0, hidden, row_nbytes[2], ffn, mine_h, ys[starts[g]:starts[g + 1]], buf)
+        rows_times(down_tag, record[offsets[2]:], 0, hidden, row_nbytes[2], ffn, mine_h, ys[starts[g]:starts[g + 1]])
     add_weighted_rows(out, rows, ys, weights)
 
 

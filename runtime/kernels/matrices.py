@@ -15,7 +15,7 @@ paths, chosen per call by `exact`, the number of rows and the CPU:
   the AMX tiles (`runtime/amx.py`); bfloat16 rounding errs less than the int8 path.
 - **exact** (`exact=True`, and always for F32, F16 and BF16): each weight is dequantized to
   the float32 that `gguf.quants.dequantize` gives (bit for bit) and multiplied with the
-  float32 activation. `matmul` dequantizes each chunk of CHUNK weights once for all rows of x.
+  float32 activation, row by row as `row_dot` does for one activation.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from colibri.runtime.kernels.activations import (
     activation_row, dot_type_for, empty_activation, float_rows, make_activation,
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS
-from colibri.runtime.kernels.rows import CHUNK, dequantize_into, row_dot, rows_times
+from colibri.runtime.kernels.rows import dequantize_into, row_dot, rows_times
 from colibri.runtime.kernels.threads import part_range
 
 _parallel = njit(cache=True, nogil=True, parallel=True)
@@ -40,7 +40,7 @@ _parallel = njit(cache=True, nogil=True, parallel=True)
 def _matmul_kernel(tag, w, rows, cols, row_nbytes, act, out, nthreads):
     for t in prange(nthreads):
         first, stop = part_range(rows, nthreads, t, 1)
-        rows_times(tag, w, first, stop, row_nbytes, cols, act, out, np.empty(CHUNK, np.float32))
+        rows_times(tag, w, first, stop, row_nbytes, cols, act, out)
 
 
 @_parallel

@@ -28,7 +28,7 @@ from colibri.runtime.kernels.emitter import Emitter, FLOAT, I64, bf16_to_float, 
 F32 = np.float32
 _njit = njit(cache=True, nogil=True)
 
-CHUNK = 256  # weights dequantized at a time by the exact path (a multiple of every block size)
+CHUNK = 256  # float weights a row dot prefetches and multiplies at a time
 GROUP = 8  # activations multiplied together by the int8 matmul (each weight block unpacked once);
 # a remainder of at least GROUP // 2 rows is done as one half group
 ROW_TILE = 32  # weight rows the int8 matmul passes each group of activations over (kept in L2)
@@ -39,15 +39,6 @@ def _prefetch_ahead(w, offset, nbytes):
     """Prefetch the `nbytes` that follow `offset` + PREFETCH_BYTES, a line at a time."""
     for line in range(0, nbytes, CACHE_LINE):
         prefetch_line(w, offset + PREFETCH_BYTES + line)
-
-
-@njit(cache=True, nogil=True, fastmath=True)
-def _dot(a, b, n):
-    """float32 dot of a[:n] and b[:n] (vectorized: fastmath lets the sum be reordered)."""
-    total = F32(0.0)
-    for i in range(n):
-        total += a[i] * b[i]
-    return total
 
 
 def _int8_rows_codegen(encoding, count):
@@ -233,22 +224,22 @@ def _row_dot_overload(tag, w, offset, cols, act):
     return float_weights
 
 
-def rows_times(tag, w, first, stop, row_nbytes, cols, act, out, buf):
+def rows_times(tag, w, first, stop, row_nbytes, cols, act, out):
     """out[:, first:stop] = rows first..stop-1 of `w` times each of the n activations `act`
     (float32 [n, cols], or an int8 activation of [n, ...] arrays)."""
 
 
 @overload(rows_times)
-def _rows_times_overload(tag, w, first, stop, row_nbytes, cols, act, out, buf):
+def _rows_times_overload(tag, w, first, stop, row_nbytes, cols, act, out):
     encoding = encoding_of(tag)
     if encoding is None:
         return None
-    weights, nbytes = block_size(encoding)
+    weights = block_size(encoding)[0]
     if activation_dot_type(act) is not None:
         if activation_dot_type(act) != DOT_TYPES[encoding]:
             return None
 
-        def int8_impl(tag, w, first, stop, row_nbytes, cols, act, out, buf):
+        def int8_impl(tag, w, first, stop, row_nbytes, cols, act, out):
             q, d, s = act
             n, nblocks = out.shape[0], cols // weights
             grouped = n - n % GROUP
@@ -272,16 +263,10 @@ def _rows_times_overload(tag, w, first, stop, row_nbytes, cols, act, out, buf):
                         out[i, r] = _row_dot_int8(tag, w, r * row_nbytes, nblocks, q[i], d[i], s[i])
         return int8_impl
 
-    def float_impl(tag, w, first, stop, row_nbytes, cols, act, out, buf):
+    def float_impl(tag, w, first, stop, row_nbytes, cols, act, out):
+        # each activation through `row_dot`, as one alone would be: a row's result must not
+        # depend on the rows beside it (a batch of sequences gives each the bits it gets alone)
         for r in range(first, stop):
-            offset = r * row_nbytes
-            if out.shape[0] == 1:
-                out[0, r] = row_dot(tag, w, offset, cols, act[0])
-                continue
-            out[:, r] = 0.0
-            for start in range(0, cols, CHUNK):  # each chunk is dequantized once for all n
-                count = min(CHUNK, cols - start)
-                dequantize_into(tag, w, offset + start // weights * nbytes, count, buf)
-                for i in range(out.shape[0]):
-                    out[i, r] += _dot(buf, act[i, start:], count)
+            for i in range(out.shape[0]):
+                out[i, r] = row_dot(tag, w, r * row_nbytes, cols, act[i])
     return float_impl
