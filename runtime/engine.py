@@ -57,18 +57,23 @@ class Budget:
         return self.baseline + self.resident + self.kv + self.scratch
 
 
-def plan_budget(layout: ModelLayout, ctx: int, kv_quant: str, widths: dict, ram_budget, expert_cache) -> Budget:
+def default_ram_budget() -> int:
+    return int(total_ram() * 0.8)
+
+
+def plan_budget(layout: ModelLayout, ctx: int, kv_quant: str, widths: dict, ram_budget, expert_cache,
+                parallel: int = 1) -> Budget:
     c = layout.config
-    ram = parse_size(ram_budget) if ram_budget is not None else int(total_ram() * 0.8)
+    ram = parse_size(ram_budget) if ram_budget is not None else default_ram_budget()
     resident = Decoder.resident_bytes(layout)
-    kv = kv_bytes(c.n_layers, ctx, widths, kv_quant)
+    kv = parallel * kv_bytes(c.n_layers, ctx, widths, kv_quant)
     scratch = scratch_bytes(layout)
     budget = Budget(ram, current_rss(), resident, kv, scratch, 0)
     if budget.fixed > ram:
         raise BudgetError(
             f"--ram-budget {format_size(ram)} cannot hold the resident weights ({format_size(resident)}) + KV cache "
-            f"({format_size(kv)} for --ctx {ctx}, {kv_quant}) + scratch ({format_size(scratch)}) + the runtime itself "
-            f"({format_size(budget.baseline)}): needs at least {format_size(budget.fixed)}; lower --ctx or raise the budget"
+            f"({format_size(kv)} for {parallel} × --ctx {ctx}, {kv_quant}) + scratch ({format_size(scratch)}) + the runtime itself "
+            f"({format_size(budget.baseline)}): needs at least {format_size(budget.fixed)}; lower --ctx or --parallel, or raise the budget"
         )
     room = ram - budget.fixed
     if expert_cache is None:
@@ -83,10 +88,22 @@ def plan_budget(layout: ModelLayout, ctx: int, kv_quant: str, widths: dict, ram_
     return budget
 
 
+def fitting_parallel(layout: ModelLayout, ctx: int, kv_quant: str, ram_budget=None, most: int = 32) -> int:
+    """The most KV slots (at most `most`) whose cache takes at most a quarter of what the RAM
+    budget leaves after resident weights, scratch and the runtime: the rest stays for experts."""
+    c = layout.config
+    ram = parse_size(ram_budget) if ram_budget is not None else default_ram_budget()
+    room = ram - current_rss() - Decoder.resident_bytes(layout) - scratch_bytes(layout)
+    per_slot = kv_bytes(c.n_layers, ctx, Decoder.cache_widths_for(c), kv_quant)
+    return max(1, min(most, room // 4 // max(per_slot, 1)))
+
+
 class Model:
     def __init__(self, path, threads: int | None = None, ctx: int = 4096, ram_budget=None, expert_cache=None,
                  kv_quant: str = "f16", cache_policy: str = "lru", prefetch: bool = False,
-                 direct_io: bool = False):
+                 direct_io: bool = False, parallel: int = 1):
+        if parallel < 1:
+            raise ValueError(f"--parallel must be at least 1, got {parallel}")
         if cache_policy not in POLICIES:
             raise ValueError(f"cache policy {cache_policy!r} unknown (known: {', '.join(POLICIES)})")
         self.layout = ModelLayout(path)
@@ -94,11 +111,14 @@ class Model:
         if threads:
             kernels.set_threads(threads)
         widths = Decoder.cache_widths_for(c)
-        self.budget = plan_budget(self.layout, ctx, kv_quant, widths, ram_budget, expert_cache)
+        self.budget = plan_budget(self.layout, ctx, kv_quant, widths, ram_budget, expert_cache, parallel)
         self.store = ExpertStore(self.layout, self.budget.expert_cache, max(c.n_experts_used, 1), cache_policy,
                                  prefetch=prefetch, direct_io=direct_io)
         self.decoder = Decoder(self.layout, self.store, ctx)
-        self.cache = KVCache(c.n_layers, ctx, widths, kv_quant)
+        # one KV slot per sequence that can run at once (`generate_many`, `scheduler`); the
+        # single-sequence calls use the first
+        self.slots = [KVCache(c.n_layers, ctx, widths, kv_quant) for _ in range(parallel)]
+        self.cache = self.slots[0]
         self.ctx = ctx
         self._tokenizer = None
         self.timings = {"prompt_tokens": 0, "prompt_seconds": 0.0, "generated_tokens": 0, "generation_seconds": 0.0,
@@ -111,7 +131,7 @@ class Model:
         matrix is the largest one: generating needs just that row); the tokens are appended to
         the KV cache, PREFILL_CHUNK at a time."""
         started = time.perf_counter()
-        ids = self._checked_ids(token_ids)
+        ids = self.checked_ids(token_ids)
         chunks = [self.decoder.forward(ids[i:i + PREFILL_CHUNK], self.cache, all_logits)
                   for i in range(0, len(ids), PREFILL_CHUNK)]
         logits = np.concatenate(chunks) if all_logits else chunks[-1]
@@ -122,12 +142,13 @@ class Model:
     def decode(self, token_id: int) -> np.ndarray:
         """Logits [vocab] for the position after `token_id`."""
         started = time.perf_counter()
-        logits = self.decoder.forward(self._checked_ids([token_id]), self.cache)[0]
+        logits = self.decoder.forward(self.checked_ids([token_id]), self.cache)[0]
         self.timings["generated_tokens"] += 1
         self.timings["generation_seconds"] += time.perf_counter() - started
         return logits
 
-    def _checked_ids(self, token_ids) -> list[int]:
+    def checked_ids(self, token_ids) -> list[int]:
+        """`token_ids` as ints, refused when empty, outside the vocabulary or longer than --ctx."""
         ids = [int(i) for i in token_ids]
         if not ids:
             raise PromptError("the prompt is empty: there is no token to continue from")
@@ -135,6 +156,8 @@ class Model:
         bad = next((i for i in ids if not 0 <= i < vocab), None)
         if bad is not None:
             raise PromptError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        if len(ids) > self.ctx:
+            raise ContextOverflow(f"context full: the prompt's {len(ids)} tokens exceed --ctx {self.ctx}")
         return ids
 
     def prompt_bytes_limit(self) -> int:
@@ -182,6 +205,15 @@ class Model:
     # --- text ----------------------------------------------------------------------
 
     @property
+    def has_tokenizer(self) -> bool:
+        return (self.layout.directory / "tokenizer.json").is_file()
+
+    @property
+    def eos_ids(self) -> set[int]:
+        """The tokens that end a sequence (none for a model folder without a tokenizer)."""
+        return self.tokenizer.eos_ids if self.has_tokenizer else set()
+
+    @property
     def tokenizer(self):
         if self._tokenizer is None:
             from colibri.runtime.text import Tokenizer
@@ -213,6 +245,24 @@ class Model:
                 break
             logits = self.decode(token)
 
+    def scheduler(self, keep_logits: bool = False):
+        """A `runtime.batch.Scheduler` over this model's KV slots (`add`, `step`, `cancel`)."""
+        from colibri.runtime.batch import Scheduler
+
+        return Scheduler(self, keep_logits)
+
+    def generate_many(self, prompts, max_tokens: int = 256, **sampling):
+        """Yield (index, text piece) as the sequences of `prompts` (strings, chat messages or
+        token ids) produce them, as many at once as the model has KV slots (`parallel`);
+        `sampling` as `generate` takes it (plus `stop`), for every prompt. Each sequence's
+        output is the same whatever runs beside it."""
+        scheduler = self.scheduler()
+        index = {scheduler.add(prompt, max_tokens, **sampling): i for i, prompt in enumerate(prompts)}
+        while scheduler.busy:
+            for event in scheduler.step():
+                if event.text:
+                    yield index[event.sequence], event.text
+
     # --- numbers -------------------------------------------------------------------
 
     def stats(self) -> dict:
@@ -236,8 +286,9 @@ class Model:
 
 def open_model(path, threads: int | None = None, ctx: int = 4096, ram_budget=None, expert_cache=None,
                kv_quant: str = "f16", cache_policy: str = "lru", prefetch: bool = False,
-               direct_io: bool = False) -> Model:
+               direct_io: bool = False, parallel: int = 1) -> Model:
     """Open a converted model; refuses a RAM budget that cannot hold it (see `plan_budget`).
     `prefetch` reads the next layer's predicted experts in the background; `direct_io`
-    reads experts with O_DIRECT."""
-    return Model(path, threads, ctx, ram_budget, expert_cache, kv_quant, cache_policy, prefetch, direct_io)
+    reads experts with O_DIRECT; `parallel` KV slots of `ctx` positions let that many
+    sequences run at once (`generate_many`, `scheduler`)."""
+    return Model(path, threads, ctx, ram_budget, expert_cache, kv_quant, cache_policy, prefetch, direct_io, parallel)

@@ -393,5 +393,10 @@ class Decoder:
             s.cache.length = s.end
         return x
 
+    def distinct_experts(self) -> int:
+        """Distinct experts the last forward pass used, summed over the MoE layers."""
+        return sum(np.unique(ffn.last_route[0]).size for *_, ffn in self.layers
+                   if isinstance(ffn, MoE) and ffn.last_route is not None)
+
     def logits(self, x: np.ndarray) -> np.ndarray:
         return self.output(rms_norm(x, self.output_norm, self.config.norm_eps))
