@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import traceback
 from pathlib import Path
 
-from colibri.prompt_dir import check_folders, output_path, prompt_files, read_prompt
 from colibri.runtime.memory import format_size, size_argument
 
 
@@ -21,6 +19,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     source.add_argument("--prompt-dir", type=Path, metavar="IN",
                         help="batch job: one output per prompt file in IN (.txt/.md plain, .json {\"messages\": [...]}); done ones are skipped")
     p.add_argument("--out-dir", type=Path, metavar="OUT", help="where --prompt-dir writes IN's outputs (NAME.out for IN/NAME; not inside IN)")
+    p.add_argument("--parallel", type=int, default=None, metavar="N",
+                   help="--prompt-dir: documents decoded together, each in a KV slot of --ctx positions; each "
+                        "step reads an expert once for all of them (default: as many slots as a quarter of the "
+                        "RAM left after the resident weights holds, at most 32 and the number of documents)")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--ctx", type=int, default=4096, help="context length in tokens; the KV cache is preallocated for it (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: %(default)s)")
@@ -42,7 +44,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p × the top probability (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed for sampling (default: random; 0 for --prompt-dir, so that a rerun reproduces each answer)")
     p.add_argument("--json", action="store_true", help="print the output and the run's numbers as one JSON object")
     p.add_argument("--trace-routing", type=Path, metavar="FILE", help="write the experts chosen per token per layer (JSON lines)")
 
@@ -75,39 +78,6 @@ def _prefetch_stats(stats: dict) -> str:
             + (f", {hidden:.0%} of read time hidden" if hidden is not None else ""))
 
 
-def run_batch(model, args) -> int:
-    """The nightly batch job: each prompt file → one output; done ones skipped, failures isolated."""
-    check_folders(args.prompt_dir, args.out_dir)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    inputs = prompt_files(args.prompt_dir)
-    done = skipped = 0
-    failed = []
-    for path in inputs:
-        target = output_path(args.out_dir, path)
-        if target.exists():
-            skipped += 1
-            continue
-        before = dict(model.timings)
-        try:
-            text = "".join(model.generate(read_prompt(path, model.prompt_bytes_limit()), **_sampling(args)))
-            partial = target.with_name(target.name + ".partial")
-            partial.write_text(text)
-            partial.replace(target)
-            done += 1
-            prompt, generated = (model.timings[k] - before[k] for k in ("prompt_tokens", "generated_tokens"))
-            print(f"{path.name}: {prompt} prompt tokens, {generated} generated", file=sys.stderr)
-        except Exception as e:  # one bad prompt must not stop the night's job
-            failed.append(path.name)
-            print(f"{path.name}: failed: {type(e).__name__}: {e}", file=sys.stderr)
-            if args.debug:
-                traceback.print_exc()
-    summary = {"inputs": len(inputs), "written": done, "skipped_done": skipped, "failed": failed}
-    print(json.dumps(summary) if args.json else
-          f"batch: {len(inputs)} prompts, {done} written, {skipped} already done, {len(failed)} failed"
-          + (f" ({', '.join(failed)})" if failed else ""))
-    return 1 if failed else 0
-
-
 def run_chat(model, args) -> int:
     messages = []
     print("chat: type a message, an empty line or Ctrl-D ends", file=sys.stderr)
@@ -127,15 +97,26 @@ def run_chat(model, args) -> int:
 def run_command(args: argparse.Namespace) -> int:
     from colibri.runtime import open_model
 
+    parallel, documents = 1, None
+    if args.parallel is not None and args.parallel < 1:
+        raise SystemExit(f"colibri run: error: --parallel must be at least 1, got {args.parallel}")
+    if args.prompt_dir:
+        from colibri.batch_job import pending_documents
+
+        documents = pending_documents(args.prompt_dir, args.out_dir)
+        parallel = args.parallel or _fitting_parallel(args, len(documents[1]))
     model = open_model(args.model, threads=args.threads, ctx=args.ctx, ram_budget=args.ram_budget,
                        expert_cache=args.expert_cache, kv_quant=args.kv_quant, cache_policy=args.cache_policy,
-                       prefetch=args.prefetch == "on", direct_io=args.direct_io)
+                       prefetch=args.prefetch == "on", direct_io=args.direct_io, parallel=parallel)
     trace = open(args.trace_routing, "w") if args.trace_routing else None
     if trace:
         model.trace_routing(trace)
     try:
         if args.prompt_dir:
-            return run_batch(model, args)
+            from colibri.batch_job import run_batch
+
+            sampling = {**_sampling(args), "seed": args.seed if args.seed is not None else 0}
+            return run_batch(model, args, sampling, *documents)
         if args.chat:
             return run_chat(model, args)
         prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
@@ -154,6 +135,14 @@ def run_command(args: argparse.Namespace) -> int:
     finally:
         if trace:
             trace.close()
+
+
+def _fitting_parallel(args, documents: int) -> int:
+    from colibri.formats.layout import ModelLayout
+    from colibri.runtime.engine import fitting_parallel
+
+    fits = fitting_parallel(ModelLayout(args.model), args.ctx, args.kv_quant, args.ram_budget)
+    return max(1, min(fits, documents))
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:

@@ -32,13 +32,15 @@ class Event:
     """What a step did for one sequence: a sampled token and the text it completed (text is
     "" while a character is split across tokens), and `finish_reason` when the sequence ended
     ("stop": an end-of-sequence token or a stop string; "length": max_tokens or the context
-    end; "cancelled"). `logits` [vocab] of the token, when the scheduler keeps them."""
+    end; "cancelled"), with the sequence's `numbers` (`Sequence.numbers`). `logits` [vocab]
+    of the token, when the scheduler keeps them."""
 
     sequence: int
     token: int | None
     text: str
     finish_reason: str | None = None
     logits: np.ndarray | None = None
+    numbers: dict | None = None
 
 
 @dataclass
@@ -81,7 +83,7 @@ class Scheduler:
         self.free = list(range(len(model.slots)))
         self.queue: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.sequences: dict[int, Sequence] = {}
+        self.sequences: dict[int, Sequence] = {}  # queued and running, by id
         self.counters = dict(steps=0, rows=0, prompt_tokens=0, generated_tokens=0, distinct_experts=0, seconds=0.0)
         self._next_id = 0
 
@@ -97,7 +99,7 @@ class Scheduler:
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError("stop must be non-empty strings")
-        ids = self.model.prompt_ids(prompt) if _is_text(prompt) else self.model.checked_ids(prompt)
+        ids = self.model.checked_ids(self.model.prompt_ids(prompt) if _is_text(prompt) else prompt)
         stream = self.model.tokenizer.stream() if self.model.has_tokenizer else None
         sequence = Sequence(self._next_id, ids, Sampler(params), max_tokens, stop, stream)
         self._next_id += 1
@@ -107,8 +109,8 @@ class Scheduler:
 
     def cancel(self, sequence_id: int) -> Event | None:
         """End a queued or running sequence (its slot is freed); None if it had already ended."""
-        sequence = self.sequences[sequence_id]
-        if sequence.finish_reason is not None:
+        sequence = self.sequences.get(sequence_id)
+        if sequence is None:
             return None
         if sequence in self.queue:
             self.queue.remove(sequence)
@@ -192,7 +194,8 @@ class Scheduler:
             self.running.remove(sequence)
             self.free.append(sequence.slot)
             self.free.sort()
-        return Event(sequence.id, token, text, reason, logits)
+        del self.sequences[sequence.id]
+        return Event(sequence.id, token, text, reason, logits, sequence.numbers())
 
     # --- numbers -------------------------------------------------------------------
 

@@ -1,0 +1,125 @@
+"""`colibri run --prompt-dir`: a folder of prompts through the batch engine, resumable.
+
+Up to `--parallel` documents decode together (`runtime.batch.Scheduler`); each answer is
+written when its document finishes, to a temporary file that is synced and renamed, so a run
+killed at any moment leaves finished answers whole and no partial ones: a rerun skips the
+done documents and redoes the ones that were in flight. Because a sequence's output does not
+depend on what ran beside it, a rerun of one document reproduces the answer it had.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from tqdm import tqdm
+
+from colibri.prompt_dir import check_folders, output_path, prompt_files, read_prompt
+
+PARTIAL_SUFFIX = ".partial"
+LOCK_NAME = ".colibri-run.lock"
+
+
+def pending_documents(prompt_dir: Path, out_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(every prompt file, those without an answer yet); leftovers of a killed run are removed."""
+    check_folders(prompt_dir, out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob("*" + PARTIAL_SUFFIX):
+        stale.unlink()
+    inputs = prompt_files(prompt_dir)
+    return inputs, [p for p in inputs if not output_path(out_dir, p).exists()]
+
+
+def write_answer(target: Path, text: str) -> None:
+    """`text` in `target`, all or nothing: written beside it, synced, then renamed over it."""
+    partial = target.with_name(target.name + PARTIAL_SUFFIX)
+    with open(partial, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    partial.replace(target)
+
+
+def lock_out_dir(out_dir: Path):
+    """Hold an exclusive lock on OUT for this job (two jobs answering into one folder would
+    redo and overwrite each other's documents)."""
+    handle = open(out_dir / LOCK_NAME, "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise SystemExit(f"colibri run: error: --out-dir {out_dir} is in use by another colibri run") from None
+    return handle
+
+
+def run_documents(model, todo: list[Path], out_dir: Path, sampling: dict, progress: tqdm, debug: bool = False):
+    """Answer every document of `todo`, at most len(model.slots) at a time; returns (written,
+    failed names). A document that cannot be read or tokenized fails alone."""
+    scheduler = model.scheduler()
+    documents = iter(todo)
+    running: dict[int, tuple[Path, list[str]]] = {}
+    written, failed = 0, []
+    started = time.perf_counter()
+
+    def fail(path: Path, error: Exception) -> None:
+        failed.append(path.name)
+        progress.write(f"{path.name}: failed: {type(error).__name__}: {error}", file=sys.stderr)
+        if debug:
+            traceback.print_exc()
+        progress.update(1)
+
+    def top_up() -> None:  # keep one document queued per slot, read only when needed
+        while len(scheduler.queue) < len(model.slots):
+            path = next(documents, None)
+            if path is None:
+                return
+            try:
+                sequence = scheduler.add(read_prompt(path, model.prompt_bytes_limit()), **sampling)
+            except Exception as e:  # one bad prompt must not stop the night's job
+                fail(path, e)
+                continue
+            running[sequence] = path, []
+
+    top_up()
+    while scheduler.busy:
+        for event in scheduler.step():
+            path, pieces = running[event.sequence]
+            pieces.append(event.text)
+            if event.finish_reason is None:
+                continue
+            del running[event.sequence]
+            write_answer(output_path(out_dir, path), "".join(pieces))
+            written += 1
+            numbers = event.numbers
+            progress.write(f"{path.name}: {numbers['prompt_tokens']} prompt tokens, "
+                           f"{numbers['generated_tokens']} generated", file=sys.stderr)
+            progress.update(1)
+        generated = scheduler.counters["generated_tokens"]
+        progress.set_postfix_str(f"{generated / (time.perf_counter() - started):.2f} tok/s", refresh=False)
+        top_up()
+    return written, failed, scheduler.stats()
+
+
+def run_batch(model, args, sampling: dict, inputs: list[Path], todo: list[Path]) -> int:
+    """The nightly batch job over `todo` (the documents of `inputs` without an answer)."""
+    lock = lock_out_dir(args.out_dir)
+    try:
+        with tqdm(total=len(inputs), initial=len(inputs) - len(todo), unit="doc", desc="documents",
+                  disable=None, file=sys.stderr) as progress:
+            written, failed, stats = run_documents(model, todo, args.out_dir, sampling, progress, args.debug)
+    finally:
+        lock.close()
+    skipped = len(inputs) - len(todo)
+    summary = {"inputs": len(inputs), "written": written, "skipped_done": skipped, "failed": failed,
+               "parallel": len(model.slots), "stats": stats}
+    rate = stats["tok_per_s"]
+    print(json.dumps(summary) if args.json else
+          f"batch: {len(inputs)} prompts, {written} written, {skipped} already done, {len(failed)} failed"
+          + (f" ({', '.join(failed)})" if failed else "")
+          + (f"; {len(model.slots)} at a time, {rate:.2f} tok/s generated" if rate else ""))
+    return 1 if failed else 0
