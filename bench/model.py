@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """Write the benchmark MoE checkpoint (hub layout, deterministic random bf16 weights).
 
-    python bench/model.py OUT [--shape mixtral-ref|qwen3-ref] [--seed 0] [--force]
+    python bench/model.py OUT [--shape mixtral-ref|qwen3-ref|qwen3-128] [--seed 0] [--force]
 
 ``mixtral-ref``: Mixtral architecture, hidden 2048, expert FFN 1024, 32 experts, top-4,
 16 layers, 16 heads / 4 KV heads, vocab 32000, rope theta 1e6, untied head, bf16,
 weights N(0, 0.02), routers N(0, 2/sqrt(hidden)) -- 3.52 B parameters, ~7.0 GB.
 ``qwen3-ref``: Qwen3-MoE with more, smaller experts: hidden 2048, expert FFN 768,
 64 experts, top-8, 12 layers, 16 heads / 4 KV heads of dim 128, vocab 32000 -- 3.88 B
-parameters, ~7.8 GB.
+parameters, ~7.8 GB. ``qwen3-128``: Qwen3-30B-A3B's layer (128 experts of FFN 768, top-8)
+in 6 layers, otherwise as ``qwen3-ref`` -- ~3.7 B parameters, ~7.4 GB.
 
 Nothing is written when OUT already holds a complete checkpoint made with the same
 parameters (recorded in ``OUT/.colibri-bench.json``, written last).
@@ -55,6 +56,24 @@ SHAPES = {
             "num_experts_per_tok": 8,
             "num_hidden_layers": 12,
             "max_window_layers": 12,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "vocab_size": 32000,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": False,
+        },
+    },
+    "qwen3-128": {
+        "arch": "qwen3_moe",
+        "config": {
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "moe_intermediate_size": 768,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "num_hidden_layers": 6,
+            "max_window_layers": 6,
             "num_attention_heads": 16,
             "num_key_value_heads": 4,
             "head_dim": 128,

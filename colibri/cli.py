@@ -19,9 +19,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from colibri.formats.layout import FormatError
     from colibri.runtime.engine import BudgetError, PromptError
     from colibri.runtime.kv_cache import ContextOverflow
+    from colibri.runtime.plan import TraceError
     from colibri.runtime.text import TokenizerError
 
-    return ConfigError, ConvertError, CheckpointError, EncodingError, FormatError, BudgetError, ContextOverflow, TokenizerError, PromptError
+    return (ConfigError, ConvertError, CheckpointError, EncodingError, FormatError, BudgetError, ContextOverflow,
+            TokenizerError, PromptError, TraceError)
 
 
 def _override(text: str) -> tuple[str, str]:

@@ -153,6 +153,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-bw", default=None, metavar="GB/s|measure",
                    help="the disk's read bandwidth in GB/s, or 'measure' to read the model's expert files cold (default: not used)")
     p.add_argument("--hit-rate", type=float, default=None, help="expected expert cache hit rate 0..1 (default: cache share of all experts)")
+    p.add_argument("--measure-speed", action="store_true",
+                   help="time a few batch decode steps of the model on this machine (tens of seconds), so that the "
+                        "batch table gives expected tok/s instead of ceilings only")
+    p.add_argument("--trace", type=Path, metavar="FILE",
+                   help="a `colibri run --trace-routing` file of an earlier run: distinct experts per step of a "
+                        "batch from its routing instead of uniform routing")
+    p.add_argument("--threads", type=int, default=None, help="compute threads for --measure-speed (default: all cores)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
@@ -166,9 +173,32 @@ def plan_command(args: argparse.Namespace) -> int:
         disk_bw = measure_disk_bandwidth(layout)
     elif args.disk_bw is not None:
         disk_bw = float(args.disk_bw) * 1e9
-    p = plan(layout, args.ram, args.ctx, args.kv_quant, disk_bw=disk_bw, hit_rate=args.hit_rate)
+    from colibri.runtime.plan import measure_step_costs, traced_choices
+
+    costs = measure_step_costs(args.model, threads=args.threads) if args.measure_speed else None
+    trace = traced_choices(args.trace, layout.config.n_experts) if args.trace else None
+    p = plan(layout, args.ram, args.ctx, args.kv_quant, disk_bw=disk_bw, hit_rate=args.hit_rate, step_costs=costs,
+             trace=trace)
     print(json.dumps(p, indent=1) if args.json else format_plan(p, args.model))
     return 0 if p["fits"] else 1
+
+
+def format_batches(p: dict) -> list[str]:
+    """The batch table: KV of B slots and the aggregate decode tok/s to expect."""
+    expected = p["step_costs"] is not None
+    routing = "a routing trace" if p["routing"] == "trace" else "uniform routing"
+    lines = [f"  batches (--parallel B; KV {format_size(p['kv_cache_bytes'])} a slot; distinct experts from {routing}; "
+             + ("tok/s expected from this machine's measured step costs)" if expected else
+                "ceilings only: --measure-speed gives expected tok/s)")]
+    head = "expected in RAM, disk-bound" if expected else "memory ceiling, disk ceiling"
+    lines.append(f"    {'B':>3} {'KV':>10} {'fits':>5} {'experts/step':>13} {'MB/step':>9}   aggregate tok/s ({head})")
+    for r in p["batches"]:
+        first, second = ((r["expected_tok_per_s"], r["expected_disk_tok_per_s"]) if expected else
+                         (r["memory_ceiling_tok_per_s"], r["disk_ceiling_tok_per_s"]))
+        lines.append(f"    {r['batch']:>3} {format_size(r['kv_bytes']):>10} {'yes' if r['fits'] else 'no':>5} "
+                     f"{r['distinct_experts_per_step']:>13.1f} {r['expert_bytes_per_step'] / 1e6:>9.1f}   "
+                     f"{first:.2f}, " + ("-" if second is None else f"{second:.2f}"))
+    return lines
 
 
 def format_plan(p: dict, model) -> str:
@@ -184,6 +214,7 @@ def format_plan(p: dict, model) -> str:
     disk = f"disk {p['disk_bandwidth'] / 1e9:.2f} GB/s" if p["disk_bandwidth"] else "disk speed not given (--disk-bw)"
     lines.append(f"  {disk}, memory {p['memory_bandwidth'] / 1e9:.1f} GB/s → decode ceiling "
                  f"{p['ceiling_tok_per_s']:.2f} tok/s ({p['bound_by']}-bound)")
+    lines += format_batches(p)
     if not p["fits"]:
         lines.append("  does NOT fit: lower --ctx, use --kv-quant q8_0, or add RAM")
     else:

@@ -5,6 +5,13 @@ Budget = resident weights + KV cache + expert cache + scratch + the runtime itse
 makes things slower, not faster). Decode speed is bounded by the disk when experts are
 streamed, `disk_bw / (expert_bytes_per_token × (1 − hit_rate))`, and by memory bandwidth,
 `mem_bw / bytes_touched_per_token`, whichever is lower.
+
+Batches: B sequences decoding together read the union of their experts once per step. The
+expected distinct experts per step come from uniform routing (E × (1 − (1 − k/E)^B) a layer)
+or from a routing trace of an earlier run (unions of B of its tokens). With `step_costs`
+measured on this machine (`measure_step_costs`: a step costs a + b × distinct experts + c ×
+rows of compute), the expected aggregate tok/s is B / (compute + the step's expert misses /
+disk_bw); without them, only the ceilings are given.
 """
 
 from __future__ import annotations
@@ -12,8 +19,10 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 
 from colibri.formats.layout import ModelLayout
+from colibri.formats.safe_json import loads
 from colibri.runtime.engine import scratch_bytes
 from colibri.runtime.expert_store import cache_bytes_for_all
 from colibri.runtime.kernels import measure_read_bandwidth
@@ -23,7 +32,81 @@ from colibri.runtime.model import Decoder
 OS_RESERVE = 0.15  # share of RAM left to the OS and the page cache
 RUNTIME_BYTES = 400 << 20  # what the process holds before any weight: interpreter, numpy, numba, compiled kernels
 KV_SHARE = 0.25  # the recommended --ctx keeps the KV cache within this share of free RAM
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+CALIBRATION_BATCHES = (1, 2, 4, 8, 16)  # sequences per step of the measured run
+TRACE_MAX_BYTES = 1 << 30  # a routing trace read for the plan is at most this large
+UNION_DRAWS = 64  # random groups of B traced tokens averaged per batch size
 
+
+class TraceError(ValueError):
+    """A routing trace that cannot be used; the message names the file."""
+
+
+def distinct_uniform(n_experts: int, k: int, batch: int) -> float:
+    """Expected distinct experts a layer when `batch` tokens each pick k of n_experts uniformly."""
+    return n_experts * (1 - (1 - k / n_experts) ** batch)
+
+
+def traced_choices(path, n_experts: int) -> dict[int, list[frozenset]]:
+    """{layer: the expert set of each traced token} from a `colibri run --trace-routing` file."""
+    size = os.path.getsize(path)
+    if size > TRACE_MAX_BYTES:
+        raise TraceError(f"{path}: {size} bytes; a routing trace for the plan is at most {TRACE_MAX_BYTES}")
+    layers: dict[int, list[frozenset]] = {}
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            record = loads(line, f"{path} line {number}", TraceError)
+            experts = record.get("experts") if isinstance(record, dict) else None
+            layer = record.get("layer") if isinstance(record, dict) else None
+            if not (type(layer) is int and isinstance(experts, list)
+                    and all(type(e) is int and 0 <= e < n_experts for e in experts)):
+                raise TraceError(f"{path} line {number}: not a routing record {{layer, experts}} of this model")
+            layers.setdefault(layer, []).append(frozenset(experts))
+    if not layers:
+        raise TraceError(f"{path}: no routing records")
+    return layers
+
+
+def distinct_traced(layers: dict[int, list[frozenset]], batch: int, seed: int = 0) -> float:
+    """Mean distinct experts per step (summed over layers) of `batch` traced tokens at a time."""
+    rng = np.random.default_rng(seed)
+    total = 0.0
+    for choices in layers.values():
+        draws = [rng.choice(len(choices), min(batch, len(choices)), replace=False) for _ in range(UNION_DRAWS)]
+        total += float(np.mean([len(frozenset().union(*(choices[i] for i in d))) for d in draws]))
+    return total
+
+
+def measure_step_costs(path, threads: int | None = None, ram_budget=None, steps: int = 6) -> dict:
+    """Compute seconds of a decode step, fitted as a + b × distinct experts + c × rows to
+    batch decode steps of this model on this machine (expert read waits left out)."""
+    from colibri.runtime import open_model
+
+    model = open_model(path, threads=threads, ctx=64, ram_budget=ram_budget, parallel=max(CALIBRATION_BATCHES))
+    try:
+        rng = np.random.default_rng(0)
+        samples = []
+        for batch in (CALIBRATION_BATCHES[-1],) + CALIBRATION_BATCHES:  # the first pass warms up
+            scheduler = model.scheduler()
+            for _ in range(batch):
+                scheduler.add([int(t) for t in rng.integers(3, model.config.vocab_size, 8)], steps + 1)
+            measured = []
+            while scheduler.busy:
+                decoding = all(s.decoding for s in scheduler.running) and not scheduler.queue
+                waited, started = model.store.counters["waited_seconds"], time.perf_counter()
+                events = scheduler.step()
+                if decoding and events:
+                    seconds = time.perf_counter() - started - (model.store.counters["waited_seconds"] - waited)
+                    measured.append((model.decoder.distinct_experts(), len(events), seconds))
+            samples.append(measured)
+        rows = [m for measured in samples[1:] for m in measured]
+    finally:
+        model.close()
+    design = np.array([[1.0, d, b] for d, b, _ in rows])
+    seconds = np.array([t for *_, t in rows])
+    (a, b, c), *_ = np.linalg.lstsq(design, seconds, rcond=None)
+    return {"step_s": float(max(a, 0.0)), "per_expert_s": float(max(b, 0.0)), "per_row_s": float(max(c, 0.0)),
+            "samples": len(rows)}
 
 def measure_disk_bandwidth(layout: ModelLayout, max_bytes: int = 1 << 30, seconds: float = 3.0) -> float:
     """Cold sequential read speed of the expert files (page cache dropped first), bytes/s."""
@@ -48,8 +131,10 @@ def measure_disk_bandwidth(layout: ModelLayout, max_bytes: int = 1 << 30, second
 
 
 def plan(layout: ModelLayout, ram: int, ctx: int | None = None, kv_quant: str = "f16", disk_bw: float | None = None,
-         mem_bw: float | None = None, hit_rate: float | None = None) -> dict:
-    """The budget table and the expected decode speed, as a dict (bytes, bytes/s, tok/s)."""
+         mem_bw: float | None = None, hit_rate: float | None = None, step_costs: dict | None = None,
+         trace: dict | None = None) -> dict:
+    """The budget table and the expected decode speed, as a dict (bytes, bytes/s, tok/s);
+    `step_costs` from `measure_step_costs`, `trace` from `traced_choices`."""
     c = layout.config
     widths = Decoder.cache_widths_for(c)
     resident = Decoder.resident_bytes(layout)
@@ -73,6 +158,7 @@ def plan(layout: ModelLayout, ram: int, ctx: int | None = None, kv_quant: str = 
     ceilings = {"memory": mem_bw / (resident + expert_bytes_per_token)}
     if disk_bw and streamed > 0:
         ceilings["disk"] = disk_bw / streamed
+    batches = batch_estimates(layout, kv, free_for_model, hit_rate, disk_bw, mem_bw, resident, step_costs, trace)
     return {
         "ram": ram,
         "fits": free_for_model - kv >= 0,
@@ -93,4 +179,35 @@ def plan(layout: ModelLayout, ram: int, ctx: int | None = None, kv_quant: str = 
         "ceiling_tok_per_s": min(ceilings.values()),
         "bound_by": min(ceilings, key=ceilings.get),
         "ceilings_tok_per_s": ceilings,
+        "step_costs": step_costs,
+        "routing": "trace" if trace else "uniform",
+        "batches": batches,
     }
+
+
+def batch_estimates(layout: ModelLayout, kv_per_slot: int, free_for_model: int, hit_rate: float, disk_bw, mem_bw,
+                    resident: int, step_costs: dict | None, trace: dict | None) -> list[dict]:
+    """Per batch size: KV of its slots, whether they fit, distinct experts and expert bytes per
+    step, and the expected aggregate decode tok/s (in RAM and disk-bound, from `step_costs`)
+    or, without them, the memory and disk ceilings."""
+    c = layout.config
+    tables = list(layout.expert_layers.values())
+    per_expert = sum(t.expert_bytes for t in tables) / max(len(tables), 1)
+    rows = []
+    for batch in BATCH_SIZES:
+        if trace:
+            distinct = distinct_traced(trace, batch)
+        else:
+            distinct = len(tables) * distinct_uniform(c.n_experts, c.n_experts_used, batch) if tables else 0.0
+        step_bytes = distinct * per_expert
+        row = {"batch": batch, "kv_bytes": batch * kv_per_slot, "fits": free_for_model - batch * kv_per_slot >= 0,
+               "distinct_experts_per_step": distinct, "expert_bytes_per_step": step_bytes,
+               "memory_ceiling_tok_per_s": batch * mem_bw / (resident + step_bytes)}
+        streamed = step_bytes * (1 - hit_rate)
+        row["disk_ceiling_tok_per_s"] = batch * disk_bw / streamed if disk_bw and streamed > 0 else None
+        if step_costs:
+            compute = step_costs["step_s"] + step_costs["per_expert_s"] * distinct + step_costs["per_row_s"] * batch
+            row["expected_tok_per_s"] = batch / compute
+            row["expected_disk_tok_per_s"] = batch / (compute + streamed / disk_bw) if disk_bw else None
+        rows.append(row)
+    return rows

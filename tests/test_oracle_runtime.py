@@ -143,3 +143,26 @@ def test_placement_never_changes_logits(built, arch):
         hit_rates.append(model.stats()["expert_hit_rate"])
     assert all(np.array_equal(results[0], r) for r in results[1:])
     assert hit_rates[0] == 0.0 and hit_rates[0] < hit_rates[1] < hit_rates[2]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_prompts_batched_together_match_transformers(built, arch):
+    """Prompts of 1, 7 and 33 tokens decoded together (`runtime.batch`): each step's logits
+    match transformers' on that sequence alone, and the greedy tokens are transformers'."""
+    entry = built(arch)
+    reference = entry[1]
+    model = open_f32(converted(entry, "F32"), parallel=len(PROMPT_LENGTHS))
+    scheduler = model.scheduler(keep_logits=True)
+    prompts = {scheduler.add(prompt(reference.config.vocab_size, n), 8): prompt(reference.config.vocab_size, n)
+               for n in PROMPT_LENGTHS}
+    steps = {i: [] for i in prompts}
+    while scheduler.busy:
+        for event in scheduler.step():
+            steps[event.sequence].append(event)
+    for i, ids in prompts.items():
+        tokens = [e.token for e in steps[i]]
+        want = reference_logits(reference, ids + tokens)[len(ids) - 1:]
+        for event, row in zip(steps[i], want):
+            assert np.abs(event.logits - row).max() <= 1e-4 * row.std(), arch
+            assert event.token == int(np.argmax(row)), "greedy tokens differ from transformers"
+    assert scheduler.stats()["rows_per_step"] > 1

@@ -235,3 +235,33 @@ def test_prompts_the_model_cannot_take_are_one_line_errors(model_dir, capsys):
     with pytest.raises(ContextOverflow, match="cannot fit --ctx 256"):
         next(m.generate("a" * (50 << 20)))
     assert time.monotonic() - started < 5
+
+
+def test_plan_batch_table_from_uniform_routing_a_trace_and_measured_costs(model_dir, tmp_path, capsys):
+    from colibri.formats.layout import ModelLayout
+    from colibri.runtime.plan import distinct_traced, distinct_uniform, traced_choices
+
+    assert distinct_uniform(32, 4, 1) == 4 and abs(distinct_uniform(32, 4, 32) - 31.6) < 0.1  # the numbers
+    trace = tmp_path / "trace.jsonl"
+    code, _, err = run(["run", "--model", str(model_dir), "--prompt", "The river", "--max-tokens", "6",
+                        "--trace-routing", str(trace)], capsys)
+    assert code == 0, err
+    config = ModelLayout(model_dir).config
+    layers = traced_choices(trace, config.n_experts)
+    assert distinct_traced(layers, 1) == len(layers) * config.n_experts_used
+    assert distinct_traced(layers, 4) <= len(layers) * min(4 * config.n_experts_used, config.n_experts)
+    code, out, err = run(["plan", "--model", str(model_dir), "--ram", "2G", "--disk-bw", "2", "--trace", str(trace),
+                          "--measure-speed", "--json"], capsys)
+    assert code == 0, err
+    p = json.loads(out)
+    assert p["routing"] == "trace" and set(p["step_costs"]) >= {"step_s", "per_expert_s", "per_row_s"}
+    rows = p["batches"]
+    assert [r["batch"] for r in rows] == [1, 2, 4, 8, 16, 32, 64]
+    assert all(r["kv_bytes"] == r["batch"] * p["kv_cache_bytes"] for r in rows)
+    assert all(r["expected_tok_per_s"] > 0 and r["expected_disk_tok_per_s"] <= r["expected_tok_per_s"] for r in rows)
+    assert rows[-1]["expected_tok_per_s"] > rows[0]["expected_tok_per_s"]
+    code, out, err = run(["plan", "--model", str(model_dir), "--ram", "2G"], capsys)
+    assert code == 0 and "batches (--parallel B" in out and "ceilings only" in out
+    (tmp_path / "bad.jsonl").write_text('{"layer": 0, "experts": [99999]}\n')
+    code, out, err = run(["plan", "--model", str(model_dir), "--ram", "2G", "--trace", str(tmp_path / "bad.jsonl")], capsys)
+    assert code == 1 and "bad.jsonl line 1" in err
