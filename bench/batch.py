@@ -5,7 +5,8 @@ for each; only the steps where every sequence decodes are timed.
 
 (a) disk-bound (`--modes disk`): O_DIRECT, an expert cache of --cache-share of the experts,
     the expert files dropped from the page cache first. Printed next to the batch ceiling
-    disk_bw × B / (distinct expert bytes per step), disk_bw measured cold, and next to B = 1.
+    disk_bw × B / (distinct expert bytes per step) (B: the tokens a step made), disk_bw measured as the store reads (O_DIRECT,
+    one expert record per read, several in flight), and next to B = 1.
 (b) in RAM (`--modes ram`): every expert cached, warm. Printed next to llama.cpp's
     `llama-batched-bench` (S_TG, aggregate) on the same weights, when --llama-bin is given
     (the GGUF `colibri export-gguf` writes, -npp/-ntg as here, -t --threads), run in the same
@@ -34,6 +35,7 @@ import numpy as np
 from colibri.formats.layout import ModelLayout
 from colibri.runtime import open_model
 from colibri.runtime.expert_store import cache_bytes_for_all
+from colibri.runtime.memory import current_rss
 from colibri.runtime.plan import measure_disk_bandwidth
 
 BENCH = Path(__file__).resolve().parent
@@ -46,7 +48,7 @@ def decode_batch(model, batch: int, prompt_tokens: int, tokens: int, seed: int =
     rng = np.random.default_rng(seed)
     scheduler = model.scheduler()
     for _ in range(batch):
-        scheduler.add([int(t) for t in rng.integers(3, model.config.vocab_size, prompt_tokens)], tokens)
+        scheduler.add([int(t) for t in rng.integers(3, model.config.vocab_size, prompt_tokens)], tokens, ignore_eos=True)
     store = model.store
     timed = dict(seconds=0.0, tokens=0, steps=0, distinct=0, read_bytes=0, read_wait=0.0)
     while scheduler.busy:
@@ -61,9 +63,9 @@ def decode_batch(model, batch: int, prompt_tokens: int, tokens: int, seed: int =
             timed["read_bytes"] += store.bytes_read - before[0]
             timed["read_wait"] += store.counters["waited_seconds"] - before[1]
     steps = max(timed["steps"], 1)
-    return {"batch": batch, "tok_per_s": timed["tokens"] / timed["seconds"], "steps": timed["steps"],
+    return {"rss": current_rss(), "ram_budget": model.budget.ram, "batch": batch, "tok_per_s": timed["tokens"] / timed["seconds"], "steps": timed["steps"],
             "distinct_experts_per_step": timed["distinct"] / steps, "read_bytes_per_step": timed["read_bytes"] / steps,
-            "read_wait_share": timed["read_wait"] / timed["seconds"], "step_ms": 1e3 * timed["seconds"] / steps,
+            "read_wait_share": timed["read_wait"] / timed["seconds"], "tokens_per_step": timed["tokens"] / steps, "step_ms": 1e3 * timed["seconds"] / steps,
             "hit_rate": model.store.stats()["expert_hit_rate"]}
 
 
@@ -91,6 +93,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=16, help="prompt tokens per sequence (default: %(default)s)")
     parser.add_argument("--cache-share", type=float, default=0.03, help="disk mode: expert cache as a share of all experts")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--ram-budget", default=None, help="disk mode: --ram-budget of the runs (default: 80%% of RAM)")
     parser.add_argument("--llama-bin", type=Path, help="folder with llama.cpp's llama-batched-bench")
     parser.add_argument("--gguf", type=Path, help="the model as GGUF (default: exported next to bench/out)")
     args = parser.parse_args()
@@ -138,27 +141,28 @@ def main() -> None:
 
     if "disk" in modes:
         evict(layout)
-        disk_bw = measure_disk_bandwidth(layout)
+        disk_bw = measure_disk_bandwidth(layout, direct_io=True)
         results["disk_bw"] = disk_bw
         rows = []
         for b in batches:
             evict(layout)
             model = open_model(args.model, threads=args.threads, ctx=ctx, expert_cache=int(all_experts * args.cache_share),
-                               direct_io=True, parallel=b)
+                               direct_io=True, parallel=b, ram_budget=args.ram_budget)
             r = decode_batch(model, b, args.prompt_tokens, args.tokens)
             model.close()
-            r["ceiling"] = disk_bw * b / (r["distinct_experts_per_step"] * per_expert)
+            # sequences that met an end token leave their steps: the tokens a step made, not B
+            r["ceiling"] = disk_bw * r["tokens_per_step"] / (r["distinct_experts_per_step"] * per_expert)
             rows.append(r)
         results["disk"] = rows
         print(f"\ndisk-bound (O_DIRECT), {args.model.name}: cold disk {disk_bw / 1e9:.2f} GB/s, expert cache "
-              f"{args.cache_share:.0%} of {all_experts / 1e9:.2f} GB; ceiling = disk_bw × B / distinct expert bytes per step")
+              f"{args.cache_share:.0%} of {all_experts / 1e9:.2f} GB; ceiling = disk_bw × tokens per step / distinct expert bytes per step")
         print(f"{'B':>4}{'tok/s':>9}{'vs B=1':>8}{'ceiling':>9}{'of it':>7}{'experts/step':>14}{'MB read/step':>14}"
-              f"{'hit rate':>9}{'read wait':>10}{'step ms':>9}")
+              f"{'hit rate':>9}{'read wait':>10}{'step ms':>9}{'RSS/budget':>11}")
         for r in rows:
             print(f"{r['batch']:>4}{r['tok_per_s']:>9.2f}{r['tok_per_s'] / rows[0]['tok_per_s']:>7.2f}x"
                   f"{r['ceiling']:>9.2f}{r['tok_per_s'] / r['ceiling']:>7.0%}{r['distinct_experts_per_step']:>14.1f}"
                   f"{r['read_bytes_per_step'] / 1e6:>14.1f}{r['hit_rate']:>9.1%}{r['read_wait_share']:>10.0%}"
-                  f"{r['step_ms']:>9.1f}")
+                  f"{r['step_ms']:>9.1f}{r['rss'] / r['ram_budget']:>11.0%}")
     (BENCH / "out").mkdir(exist_ok=True)
     (BENCH / "out" / "batch.json").write_text(json.dumps(results, indent=1))
 

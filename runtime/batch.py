@@ -51,6 +51,7 @@ class Sequence:
     max_tokens: int
     stop: tuple[str, ...]
     stream: object
+    ignore_eos: bool = False
     slot: int | None = None
     read: int = 0  # prompt tokens in the KV cache
     generated: list[int] = field(default_factory=list)
@@ -90,9 +91,10 @@ class Scheduler:
     # --- requests ------------------------------------------------------------------
 
     def add(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-            min_p: float = 0.0, seed: int | None = None, stop=()) -> int:
+            min_p: float = 0.0, seed: int | None = None, stop=(), ignore_eos: bool = False) -> int:
         """Queue `prompt` (text, chat messages, or token ids); returns the sequence's id.
-        Raises PromptError / ContextOverflow for a prompt the model cannot take."""
+        `ignore_eos` decodes past end-of-sequence tokens (benchmarks, as llama.cpp's
+        --ignore-eos). Raises PromptError / ContextOverflow for a prompt the model cannot take."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
@@ -101,7 +103,7 @@ class Scheduler:
             raise ValueError("stop must be non-empty strings")
         ids = self.model.checked_ids(self.model.prompt_ids(prompt) if _is_text(prompt) else prompt)
         stream = self.model.tokenizer.stream() if self.model.has_tokenizer else None
-        sequence = Sequence(self._next_id, ids, Sampler(params), max_tokens, stop, stream)
+        sequence = Sequence(self._next_id, ids, Sampler(params), max_tokens, stop, stream, ignore_eos)
         self._next_id += 1
         self.sequences[sequence.id] = sequence
         self.queue.append(sequence)
@@ -169,7 +171,7 @@ class Scheduler:
         now = time.perf_counter()
         if sequence.first_token is None:
             sequence.first_token = now
-        if token in self.model.eos_ids:
+        if token in self.model.eos_ids and not sequence.ignore_eos:
             return self._finish(sequence, "stop", token, sequence.held, kept)
         sequence.generated.append(token)
         self.counters["generated_tokens"] += 1

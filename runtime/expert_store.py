@@ -96,15 +96,20 @@ class CacheIndex:
         self.free = list(range(capacity - 1, -1, -1))
         self.hits = self.misses = self.evictions = 0
 
-    def place(self, keys, protected: set[Key] = frozenset()) -> list[tuple[Key, int | None, bool]]:
+    def place(self, keys, protected: set[Key] = frozenset(),
+              read_for_this: set[Key] = frozenset()) -> list[tuple[Key, int | None, bool]]:
         """(key, slot or None when it cannot be cached, hit) for each distinct key, in file order;
-        neither these keys nor `protected` are evicted to make room."""
+        neither these keys nor `protected` are evicted to make room. Keys `read_for_this` (read
+        ahead because this lookup was known to need them) count as misses."""
         protected = set(keys) | protected
         placed = []
         for key in sorted(set(keys)):  # experts are stored by index: sorted is file order
             hit = key in self.slot_of
             if hit:
-                self.hits += 1
+                if key in read_for_this:
+                    self.misses += 1
+                else:
+                    self.hits += 1
             else:
                 self.misses += 1
                 slot = self._claim_slot(protected)
@@ -175,6 +180,7 @@ class ExpertStore:
         self.prefetcher = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="colibri-prefetch") if prefetch and capacity else None
         self.counters = dict(bytes_read=0, read_seconds=0.0, waited_seconds=0.0, prefetched=0, prefetch_used=0)
         self.unused_prefetches: set[Key] = set()
+        self.known_reads: set[Key] = set()  # read ahead by `prefetch(speculative=False)`, not yet fetched
 
     @property
     def cache_bytes(self) -> int:
@@ -214,7 +220,9 @@ class ExpertStore:
         scratch = iter(range(self.index.capacity, self.slab.shape[0]))
         slots: dict[Key, int] = {}
         with self.lock:
-            placed = self.index.place(keys, protected=set(self.pending))
+            read_for_this = self.known_reads & set(keys)
+            self.known_reads -= read_for_this
+            placed = self.index.place(keys, protected=set(self.pending), read_for_this=read_for_this)
             for key, _, hit in placed:
                 if key in self.unused_prefetches:  # a guess read ahead, then used (or evicted unused)
                     self.unused_prefetches.discard(key)
@@ -239,11 +247,15 @@ class ExpertStore:
                 self._count_read(key, seconds / len(misses), waited=True)
         return np.array([slots[k] for k in keys], dtype=np.int64)
 
-    def prefetch(self, layer: int, experts, in_use) -> None:
+    def prefetch(self, layer: int, experts, in_use, speculative: bool = True) -> None:
         """Start reading the uncached `experts` of `layer` into free or evictable slots, in the
-        background; the experts `in_use` (keys) and those still in flight keep their slots."""
-        if not self.prefetching:
+        background; the experts `in_use` (keys) and those still in flight keep their slots.
+        A speculative read (a guess of the next layer's router, counted for the prefetch
+        accuracy) needs `prefetch` on; a known one (the next experts of a layer being
+        multiplied) is always made, as far as the cache has slots."""
+        if speculative and not self.prefetching:
             return
+        pool = self.prefetcher if speculative else self.readers
         with self.lock:
             protected = set(in_use) | set(self.pending)
             for key in sorted({(layer, int(e)) for e in experts}):
@@ -253,9 +265,12 @@ class ExpertStore:
                 if slot is None:
                     break
                 protected.add(key)
-                self.counters["prefetched"] += 1
-                self.unused_prefetches.add(key)
-                self.pending[key] = self.prefetcher.submit(self._read_ahead, key, slot)
+                if speculative:
+                    self.counters["prefetched"] += 1
+                    self.unused_prefetches.add(key)
+                else:
+                    self.known_reads.add(key)
+                self.pending[key] = pool.submit(self._read_ahead, key, slot)
 
     def _read_ahead(self, key: Key, slot: int) -> None:
         started = time.perf_counter()
@@ -265,6 +280,7 @@ class ExpertStore:
             with self.lock:
                 self.index.drop(key)  # a later fetch misses and reads it again, raising there
                 self.unused_prefetches.discard(key)
+                self.known_reads.discard(key)
                 del self.pending[key]
             raise
         with self.lock:

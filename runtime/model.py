@@ -266,9 +266,9 @@ class MoE:
 
     def apply_rows(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """The routed experts of many rows: the rows grouped by expert, each needed expert read
-        once, in file order, as many at a time as the cache holds, and each such run of groups
-        multiplied in one call (on AMX tiles or exactly: one call per expert); outputs added in
-        expert order."""
+        once, in file order, half as many at a time as the cache holds (the next half is read
+        while this one is multiplied), and each such run of groups multiplied in one call (on
+        AMX tiles or exactly: one call per expert); outputs added in expert order."""
         out = np.zeros_like(h)
         acts = self.experts.activations(h)  # quantized once for all the experts
         flat = ids.reshape(-1)
@@ -277,10 +277,13 @@ class MoE:
         starts = np.append(starts, order.size).astype(np.int64)
         rows, routed = (order // ids.shape[1]).astype(np.int64), weights.reshape(-1)[order].astype(np.float32)
         grouped = self.experts.groupable(acts)
-        at_once = self.store.most_per_fetch() if grouped else 1
+        at_once = max(self.store.most_per_fetch() // 2, 1) if grouped else 1
         for first in range(0, experts.size, at_once):
             stop = min(first + at_once, experts.size)
             slots = self.store.fetch(self.layer, experts[first:stop])
+            if stop < experts.size:
+                self.store.prefetch(self.layer, experts[stop:stop + at_once], speculative=False,
+                                    in_use={(self.layer, int(e)) for e in experts[first:stop]})
             mine, mixed = rows[starts[first]:starts[stop]], routed[starts[first]:starts[stop]]
             if grouped:
                 self.experts.grouped(self.store.slab, slots, starts[first:stop + 1] - starts[first], mine, mixed, acts, out)

@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from colibri.formats.layout import ModelLayout
+from colibri.formats.layout import EXPERT_ALIGN, ModelLayout, align_up
 from colibri.formats.safe_json import loads
 from colibri.runtime.engine import scratch_bytes
-from colibri.runtime.expert_store import cache_bytes_for_all
+from colibri.runtime.expert_store import READ_THREADS, cache_bytes_for_all
 from colibri.runtime.kernels import measure_read_bandwidth
 from colibri.runtime.kv_cache import kv_bytes
+from colibri.runtime.memory import huge_page_buffer
 from colibri.runtime.model import Decoder
 
 OS_RESERVE = 0.15  # share of RAM left to the OS and the page cache
@@ -89,7 +91,7 @@ def measure_step_costs(path, threads: int | None = None, ram_budget=None, steps:
         for batch in (CALIBRATION_BATCHES[-1],) + CALIBRATION_BATCHES:  # the first pass warms up
             scheduler = model.scheduler()
             for _ in range(batch):
-                scheduler.add([int(t) for t in rng.integers(3, model.config.vocab_size, 8)], steps + 1)
+                scheduler.add([int(t) for t in rng.integers(3, model.config.vocab_size, 8)], steps + 1, ignore_eos=True)
             measured = []
             while scheduler.busy:
                 decoding = all(s.decoding for s in scheduler.running) and not scheduler.queue
@@ -108,25 +110,38 @@ def measure_step_costs(path, threads: int | None = None, ram_budget=None, steps:
     return {"step_s": float(max(a, 0.0)), "per_expert_s": float(max(b, 0.0)), "per_row_s": float(max(c, 0.0)),
             "samples": len(rows)}
 
-def measure_disk_bandwidth(layout: ModelLayout, max_bytes: int = 1 << 30, seconds: float = 3.0) -> float:
-    """Cold sequential read speed of the expert files (page cache dropped first), bytes/s."""
-    files = [layout.path(t.file) for t in layout.expert_layers.values()]
-    if not files:
+def measure_disk_bandwidth(layout: ModelLayout, max_bytes: int = 1 << 30, seconds: float = 3.0,
+                           direct_io: bool = False) -> float:
+    """Cold read speed of the expert files as the expert store reads them, bytes/s: one
+    record per read, READ_THREADS reads in flight, in file order, the page cache dropped
+    first (or bypassed with `direct_io`)."""
+    records = [(table, expert) for table in layout.expert_layers.values() for expert in range(table.count)]
+    if not records:
         raise ValueError("the model has no expert files to measure the disk with")
-    buffer = bytearray(4 << 20)
-    total, started = 0, time.perf_counter()
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            while (n := os.readv(fd, [buffer])) > 0:
-                total += n
-                if total >= max_bytes or time.perf_counter() - started > seconds:
-                    break
-        finally:
+    length = max(align_up(table.expert_bytes, EXPERT_ALIGN) for table, _ in records)
+    fds = {}
+    for table, _ in records:
+        if table.file not in fds:
+            fds[table.file] = os.open(layout.path(table.file), os.O_RDONLY | (os.O_DIRECT if direct_io else 0))
+            os.posix_fadvise(fds[table.file], 0, 0, os.POSIX_FADV_DONTNEED)
+    buffers = [huge_page_buffer(length) for _ in range(READ_THREADS)]
+    started = time.perf_counter()
+
+    def read(worker: int) -> int:
+        total = 0
+        for table, expert in records[worker::READ_THREADS]:
+            size = align_up(table.expert_bytes, EXPERT_ALIGN) if direct_io else table.expert_bytes
+            total += os.preadv(fds[table.file], [buffers[worker][:size]], table.expert_offset(expert))
+            if total * READ_THREADS >= max_bytes or time.perf_counter() - started > seconds:
+                break
+        return total
+
+    try:
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            total = sum(pool.map(read, range(READ_THREADS)))
+    finally:
+        for fd in fds.values():
             os.close(fd)
-        if total >= max_bytes or time.perf_counter() - started > seconds:
-            break
     return total / max(time.perf_counter() - started, 1e-9)
 
 

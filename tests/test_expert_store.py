@@ -146,3 +146,23 @@ def test_a_prompt_longer_than_a_chunk_gives_the_logits_of_one_pass(model, monkey
     assert chunked.shape == whole.shape and m.cache.length == len(ids)
     assert np.abs(chunked - whole).max() <= 1e-4 * whole.std()
     assert np.array_equal(last[0], chunked[-1])
+
+
+def test_a_known_read_ahead_counts_as_a_miss_of_the_fetch_it_serves(model):
+    from colibri.formats.layout import ModelLayout
+    from colibri.runtime.expert_store import ExpertStore
+
+    layout = ModelLayout(model)
+    layer = next(iter(layout.expert_layers))
+    store = ExpertStore(layout, 8 * layout.expert_layers[layer].stride, 2)
+    try:
+        store.prefetch(layer, [2, 3], in_use=set(), speculative=False)
+        slots = store.fetch(layer, [2, 3, 4])
+        stats = store.stats()
+        assert (stats["expert_hits"], stats["expert_misses"]) == (0, 3) and stats["prefetched_experts"] == 0
+        assert all(np.array_equal(store.slab[s, :layout.expert_layers[layer].expert_bytes], layout.expert_data(layer, e))
+                   for s, e in zip(slots, (2, 3, 4)))
+        store.fetch(layer, [2])
+        assert store.stats()["expert_hits"] == 1
+    finally:
+        store.close()
