@@ -6,7 +6,7 @@ for each; only the steps where every sequence decodes are timed.
 (a) disk-bound (`--modes disk`): O_DIRECT, an expert cache of --cache-share of the experts,
     the expert files dropped from the page cache first. Printed next to the batch ceiling
     disk_bw × B / (distinct expert bytes per step) (B: the tokens a step made), disk_bw measured as the store reads (O_DIRECT,
-    one expert record per read, several in flight), and next to B = 1.
+    one expert record per read, several in flight; median of 3), and next to B = 1.
 (b) in RAM (`--modes ram`): every expert cached, warm. Printed next to llama.cpp's
     `llama-batched-bench` (S_TG, aggregate) on the same weights, when --llama-bin is given
     (the GGUF `colibri export-gguf` writes, -npp/-ntg as here, -t --threads), run in the same
@@ -141,7 +141,7 @@ def main() -> None:
 
     if "disk" in modes:
         evict(layout)
-        disk_bw = measure_disk_bandwidth(layout, direct_io=True)
+        disk_bw = float(np.median([measure_disk_bandwidth(layout, direct_io=True) for _ in range(3)]))
         results["disk_bw"] = disk_bw
         rows = []
         for b in batches:

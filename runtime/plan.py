@@ -35,7 +35,7 @@ OS_RESERVE = 0.15  # share of RAM left to the OS and the page cache
 RUNTIME_BYTES = 400 << 20  # what the process holds before any weight: interpreter, numpy, numba, compiled kernels
 KV_SHARE = 0.25  # the recommended --ctx keeps the KV cache within this share of free RAM
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-CALIBRATION_BATCHES = (1, 2, 4, 8, 16)  # sequences per step of the measured run
+CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32)  # sequences per step of the measured run
 TRACE_MAX_BYTES = 1 << 30  # a routing trace read for the plan is at most this large
 UNION_DRAWS = 64  # random groups of B traced tokens averaged per batch size
 
