@@ -59,11 +59,12 @@ def lock_out_dir(out_dir: Path):
 
 def run_documents(model, todo: list[Path], out_dir: Path, sampling: dict, progress: tqdm, debug: bool = False):
     """Answer every document of `todo`, at most len(model.slots) at a time; returns (written,
-    failed names). A document that cannot be read or tokenized fails alone."""
+    failed names, {name: its numbers}, the run's stats). A document that cannot be read or
+    tokenized fails alone."""
     scheduler = model.scheduler()
     documents = iter(todo)
     running: dict[int, tuple[Path, list[str]]] = {}
-    written, failed = 0, []
+    written, failed, numbers = 0, [], {}
     started = time.perf_counter()
 
     def fail(path: Path, error: Exception) -> None:
@@ -95,14 +96,14 @@ def run_documents(model, todo: list[Path], out_dir: Path, sampling: dict, progre
             del running[event.sequence]
             write_answer(output_path(out_dir, path), "".join(pieces))
             written += 1
-            numbers = event.numbers
-            progress.write(f"{path.name}: {numbers['prompt_tokens']} prompt tokens, "
-                           f"{numbers['generated_tokens']} generated", file=sys.stderr)
+            numbers[path.name] = mine = event.numbers
+            progress.write(f"{path.name}: {mine['prompt_tokens']} prompt tokens, "
+                           f"{mine['generated_tokens']} generated", file=sys.stderr)
             progress.update(1)
         generated = scheduler.counters["generated_tokens"]
         progress.set_postfix_str(f"{generated / (time.perf_counter() - started):.2f} tok/s", refresh=False)
         top_up()
-    return written, failed, scheduler.stats()
+    return written, failed, numbers, scheduler.stats()
 
 
 def run_batch(model, args, sampling: dict, inputs: list[Path], todo: list[Path]) -> int:
@@ -111,12 +112,12 @@ def run_batch(model, args, sampling: dict, inputs: list[Path], todo: list[Path])
     try:
         with tqdm(total=len(inputs), initial=len(inputs) - len(todo), unit="doc", desc="documents",
                   disable=None, file=sys.stderr) as progress:
-            written, failed, stats = run_documents(model, todo, args.out_dir, sampling, progress, args.debug)
+            written, failed, documents, stats = run_documents(model, todo, args.out_dir, sampling, progress, args.debug)
     finally:
         lock.close()
     skipped = len(inputs) - len(todo)
     summary = {"inputs": len(inputs), "written": written, "skipped_done": skipped, "failed": failed,
-               "parallel": len(model.slots), "stats": stats}
+               "parallel": len(model.slots), "documents": documents, "stats": stats}
     rate = stats["tok_per_s"]
     print(json.dumps(summary) if args.json else
           f"batch: {len(inputs)} prompts, {written} written, {skipped} already done, {len(failed)} failed"

@@ -265,3 +265,20 @@ def test_plan_batch_table_from_uniform_routing_a_trace_and_measured_costs(model_
     (tmp_path / "bad.jsonl").write_text('{"layer": 0, "experts": [99999]}\n')
     code, out, err = run(["plan", "--model", str(model_dir), "--ram", "2G", "--trace", str(tmp_path / "bad.jsonl")], capsys)
     assert code == 1 and "bad.jsonl line 1" in err
+
+
+def test_prompt_dir_json_gives_each_document_and_the_batch_numbers(model_dir, tmp_path, capsys):
+    inputs, outputs = tmp_path / "in", tmp_path / "out"
+    inputs.mkdir()
+    for i in range(5):
+        (inputs / f"d{i}.txt").write_text("The river " * (i + 1))
+    code, out, err = run(["run", "--model", str(model_dir), "--prompt-dir", str(inputs), "--out-dir", str(outputs),
+                          "--max-tokens", "5", "--parallel", "3", "--json"], capsys)
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["written"] == 5 and summary["parallel"] == 3 and set(summary["documents"]) == {f"d{i}.txt" for i in range(5)}
+    assert all(d["prompt_tokens"] > 0 and 0 < d["generated_tokens"] <= 5 for d in summary["documents"].values())
+    stats = summary["stats"]
+    assert stats["rows_per_step"] > 1 and stats["distinct_experts_per_step"] > 0 and stats["tok_per_s"] > 0
+    assert stats["generated_tokens"] == sum(d["generated_tokens"] for d in summary["documents"].values())
+    assert not list(outputs.glob("*.partial"))
