@@ -12,7 +12,9 @@ for each; only the steps where every sequence decodes are timed.
     (the GGUF `colibri export-gguf` writes, -npp/-ntg as here, -t --threads), run in the same
     session, and next to the memory ceiling at B = 1.
 
-Each row also says where a step's time goes: expert reads (waited for) and the rest (compute).
+Each row also says where a step's time goes: expert reads (waited for) and the rest (compute),
+and the read bandwidth reached while waiting (bytes read / time waited: above disk_bw when the
+reads overlap compute or the host caches the disk).
 Writes bench/out/batch.json.
 
     python bench/batch.py --model DIR [--batches 1,2,4,8,16,32,64] [--modes ram,disk]
@@ -65,7 +67,8 @@ def decode_batch(model, batch: int, prompt_tokens: int, tokens: int, seed: int =
     steps = max(timed["steps"], 1)
     return {"rss": current_rss(), "ram_budget": model.budget.ram, "batch": batch, "tok_per_s": timed["tokens"] / timed["seconds"], "steps": timed["steps"],
             "distinct_experts_per_step": timed["distinct"] / steps, "read_bytes_per_step": timed["read_bytes"] / steps,
-            "read_wait_share": timed["read_wait"] / timed["seconds"], "tokens_per_step": timed["tokens"] / steps, "step_ms": 1e3 * timed["seconds"] / steps,
+            "read_wait_share": timed["read_wait"] / timed["seconds"], "tokens_per_step": timed["tokens"] / steps,
+            "read_bw_while_waiting": timed["read_bytes"] / timed["read_wait"] if timed["read_wait"] else None, "step_ms": 1e3 * timed["seconds"] / steps,
             "hit_rate": model.store.stats()["expert_hit_rate"]}
 
 
@@ -157,11 +160,12 @@ def main() -> None:
         print(f"\ndisk-bound (O_DIRECT), {args.model.name}: cold disk {disk_bw / 1e9:.2f} GB/s, expert cache "
               f"{args.cache_share:.0%} of {all_experts / 1e9:.2f} GB; ceiling = disk_bw × tokens per step / distinct expert bytes per step")
         print(f"{'B':>4}{'tok/s':>9}{'vs B=1':>8}{'ceiling':>9}{'of it':>7}{'experts/step':>14}{'MB read/step':>14}"
-              f"{'hit rate':>9}{'read wait':>10}{'step ms':>9}{'RSS/budget':>11}")
+              f"{'hit rate':>9}{'read wait':>10}{'read GB/s':>10}{'step ms':>9}{'RSS/budget':>11}")
         for r in rows:
             print(f"{r['batch']:>4}{r['tok_per_s']:>9.2f}{r['tok_per_s'] / rows[0]['tok_per_s']:>7.2f}x"
                   f"{r['ceiling']:>9.2f}{r['tok_per_s'] / r['ceiling']:>7.0%}{r['distinct_experts_per_step']:>14.1f}"
                   f"{r['read_bytes_per_step'] / 1e6:>14.1f}{r['hit_rate']:>9.1%}{r['read_wait_share']:>10.0%}"
+                  f"{(r['read_bw_while_waiting'] or 0) / 1e9:>10.2f}"
                   f"{r['step_ms']:>9.1f}{r['rss'] / r['ram_budget']:>11.0%}")
     (BENCH / "out").mkdir(exist_ok=True)
     (BENCH / "out" / "batch.json").write_text(json.dumps(results, indent=1))

@@ -24,7 +24,6 @@ from colibri.runtime.sampling import Sampler, SamplingParams
 
 PREFILL_CHUNK = 64  # prompt tokens of one sequence per step
 STEP_TOKENS = 256  # rows of one step at most (one decoding sequence's token is one row)
-FINISH_REASONS = ("stop", "length", "cancelled")  # as OpenAI's finish_reason, plus cancel
 
 
 @dataclass
@@ -43,7 +42,7 @@ class Event:
     numbers: dict | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself, not its fields
 class Sequence:
     id: int
     prompt: list[int]
