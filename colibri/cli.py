@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import traceback
 
@@ -88,7 +89,7 @@ def run_export_gguf(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """The whole path on a tiny built-in model: build → convert → plan → run with stats."""
+    """The whole path on a tiny built-in model: build → convert → plan → run with stats → a batch folder."""
     from colibri.run import format_plan, format_stats
     from colibri.convert.hf_to_colibri import ConvertOptions, convert, format_summary
     from colibri.convert.synthetic import write_checkpoint
@@ -113,7 +114,16 @@ def run_demo(args: argparse.Namespace) -> int:
         print(piece, end="", flush=True)
     print()
     print(format_stats(model.stats()))
-    return 0
+    model.close()
+    print("5. the nightly job: a folder of 6 prompts, 3 decoded together, one answer file each", flush=True)
+    prompts, answers = os.path.join(args.dir, "prompts"), os.path.join(args.dir, "answers")
+    os.makedirs(prompts, exist_ok=True)
+    shutil.rmtree(answers, ignore_errors=True)  # a rerun of the demo answers them again
+    for i, opening in enumerate(("The mill", "At dawn the", "Bread and", "The old road", "Bells rang", "Night fell")):
+        with open(os.path.join(prompts, f"doc{i}.txt"), "w") as f:
+            f.write(opening)
+    return main(["run", "--model", out, "--prompt-dir", prompts, "--out-dir", answers, "--parallel", "3",
+                 "--ctx", "512", "--max-tokens", str(args.max_tokens)])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_arguments(sub)
         sub.set_defaults(run=command)
 
-    demo = commands.add_parser("demo", help="the whole path on a tiny built-in model: build, convert, plan, run")
+    demo = commands.add_parser("demo", help="the whole path on a tiny built-in model: build, convert, plan, run, a batch folder")
     demo.add_argument("--dir", default="demo-out", help="working folder (default: %(default)s)")
     demo.add_argument("--arch", default="qwen3_moe", help="architecture of the tiny model (default: %(default)s)")
     demo.add_argument("--max-tokens", type=int, default=24, help="tokens to generate (default: %(default)s)")
