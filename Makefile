@@ -17,7 +17,7 @@ $(BASE_STAMP): pyproject.toml | $(BIN)/python
 
 # The oracle extra pins torch==2.13.0, the CPU build these machines provide locally.
 $(TEST_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[test,oracle]'
+	$(BIN)/pip install --quiet -e '.[test,oracle,serve]'
 	touch $(BASE_STAMP) $@
 
 demo: $(BASE_STAMP)

@@ -134,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from colibri.run import add_plan_arguments, add_run_arguments, plan_command, run_command
     from colibri.verify.cli import add_verify_arguments, add_verify_source_arguments, verify_command, verify_source_command
+    from colibri.server.command import add_serve_arguments, serve_command
     from colibri.verify.smoke import add_smoke_arguments, smoke_command
 
     for name, help_text, add_arguments, command in (
@@ -142,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
          add_export_gguf_arguments, run_export_gguf),
         ("run", "generate text with a converted model (prompt, prompt file, chat or a folder of prompts)", add_run_arguments, run_command),
         ("plan", "the RAM budget and expected speed for a model on this machine", add_plan_arguments, plan_command),
+        ("serve", "an OpenAI-compatible HTTP server (completions, chat, streaming) on the batch engine",
+         add_serve_arguments, serve_command),
         ("verify-source", "check a downloaded checkpoint: shards, headers, tensors, sha256", add_verify_source_arguments, verify_source_command),
         ("verify", "check a converted model: manifest, sizes, every tensor and expert checksum", add_verify_arguments, verify_command),
         ("smoke", "fixed-prompt baseline: --record FILE, or --compare FILE (KL, top-1, agreement, speed)", add_smoke_arguments, smoke_command),

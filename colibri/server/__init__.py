@@ -1,0 +1,1 @@
+"""`colibri serve`: an OpenAI-compatible HTTP server on the batch engine."""

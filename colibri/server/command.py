@@ -1,0 +1,50 @@
+"""`colibri serve`: arguments, and the model and server they start."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from colibri.runtime.memory import size_argument
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="DIR", help="a converted model folder")
+    p.add_argument("--model-name", default=None, help="the name clients ask for (default: the folder's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default: %(default)s)")
+    p.add_argument("--parallel", type=int, default=4, metavar="N",
+                   help="sequences decoded together, each in a KV slot of --ctx positions (default: %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("COLIBRI_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $COLIBRI_API_KEY, else none)")
+    p.add_argument("--ctx", type=int, default=4096, help="context length per slot in tokens (default: %(default)s)")
+    p.add_argument("--ram-budget", type=size_argument, default=None, metavar="SIZE",
+                   help="RAM for weights, KV slots, expert cache and scratch, e.g. 24G (default: 80%% of RAM)")
+    p.add_argument("--expert-cache", type=size_argument, default=None, metavar="SIZE",
+                   help="bytes of hot experts kept in RAM (default: what the budget leaves)")
+    p.add_argument("--kv-quant", default="f16", choices=("f16", "q8_0", "f32"), help="KV cache storage (default: %(default)s)")
+    p.add_argument("--cache-policy", default="lru", choices=("lru", "lfru"), help="expert cache eviction (default: %(default)s)")
+    p.add_argument("--direct-io", action="store_true", help="read experts with O_DIRECT, bypassing the page cache")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from colibri.runtime import open_model
+    from colibri.server.app import Server, build_app
+
+    if args.parallel < 1:
+        raise SystemExit(f"colibri serve: error: --parallel must be at least 1, got {args.parallel}")
+    model = open_model(args.model, threads=args.threads, ctx=args.ctx, ram_budget=args.ram_budget,
+                       expert_cache=args.expert_cache, kv_quant=args.kv_quant, cache_policy=args.cache_policy,
+                       direct_io=args.direct_io, parallel=args.parallel)
+    name = args.model_name or Path(args.model).resolve().name
+    server = Server(model, name, args.api_key)
+    print(f"colibri serve: {name} on http://{args.host}:{args.port}/v1 ({args.parallel} slots of {args.ctx} tokens)",
+          file=sys.stderr, flush=True)
+    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+    model.close()
+    return 0
