@@ -55,8 +55,8 @@ def start(model, *extra):
 
 
 @pytest.fixture(scope="module")
-def server(model):
-    process, url = start(model, "--api-key", KEY)
+def server(model, tmp_path_factory):
+    process, url = start(model, "--api-key", KEY, "--state-dir", str(tmp_path_factory.mktemp("serve-state")))
     yield url
     process.send_signal(signal.SIGINT)
     process.wait(timeout=30)
@@ -175,3 +175,80 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(client, server):
     numbers = metrics(server)
     assert numbers["colibri_active_sequences"] == 0 and numbers["colibri_queue_depth"] == 0
     assert numbers["colibri_generated_tokens_total"] - before < 200  # the 200-token request did not run to the end
+
+
+def batch_input(n, max_tokens=10):
+    lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "tiny", "messages": [{"role": "user", "content": f"Document {i}: the mill"}],
+                       "max_tokens": max_tokens, "temperature": 0}} for i in range(n)]
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def wait_for(client, batch_id, statuses, seconds=240):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        time.sleep(0.1)
+    raise AssertionError(f"batch still {batch.status}")
+
+
+def outputs(client, batch):
+    lines = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    return {line["custom_id"]: line["response"]["body"]["choices"][0]["message"]["content"] for line in lines}, lines
+
+
+def test_a_batch_of_20_requests_uploaded_run_and_downloaded(client):
+    uploaded = client.files.create(file=("in.jsonl", batch_input(20)), purpose="batch")
+    assert client.files.retrieve(uploaded.id).bytes == len(batch_input(20))
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_for(client, batch.id, ("completed", "failed"))
+    assert done.status == "completed" and done.request_counts.completed == 20 and done.request_counts.failed == 0
+    answers, lines = outputs(client, done)
+    assert sorted(answers) == sorted(f"req-{i}" for i in range(20)) and len(lines) == 20
+    alone = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Document 7: the mill"}],
+                                           max_tokens=10, temperature=0)
+    assert answers["req-7"] == alone.choices[0].message.content  # batched, the same bits as alone
+    assert batch.id in [b.id for b in client.batches.list(limit=100).data]
+
+
+def test_a_batch_with_bad_lines_fails_naming_them_and_cancel_stops_one(client):
+    bad = batch_input(2) + b'{"custom_id": "req-0", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n{oops\n'
+    uploaded = client.files.create(file=("bad.jsonl", bad), purpose="batch")
+    failed = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert failed.status == "failed" and {e.code for e in failed.errors.data} == {"duplicate_custom_id", "invalid_json_line"}
+    long = client.files.create(file=("long.jsonl", batch_input(40, max_tokens=200)), purpose="batch")
+    batch = client.batches.create(input_file_id=long.id, endpoint="/v1/chat/completions", completion_window="24h")
+    client.batches.cancel(batch.id)
+    cancelled = wait_for(client, batch.id, ("cancelled",))
+    assert cancelled.request_counts.completed < 40
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
+
+
+def test_a_server_killed_mid_batch_finishes_it_after_a_restart(model, tmp_path):
+    state = tmp_path / "state"
+    process, url = start(model, "--state-dir", str(state))
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    uploaded = client.files.create(file=("in.jsonl", batch_input(20, max_tokens=40)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and client.batches.retrieve(batch.id).request_counts.completed < 3:
+        time.sleep(0.02)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    process, url = start(model, "--state-dir", str(state))
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        before = client.batches.retrieve(batch.id)
+        assert 3 <= before.request_counts.completed < 20, "the server was not killed mid-batch"
+        done = wait_for(client, batch.id, ("completed",))
+        answers, lines = outputs(client, done)
+        assert len(lines) == 20 and sorted(answers) == sorted(f"req-{i}" for i in range(20))  # each exactly once
+        alone = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Document 0: the mill"}],
+                                               max_tokens=40, temperature=0)
+        assert answers["req-0"] == alone.choices[0].message.content
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=30)

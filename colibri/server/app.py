@@ -141,7 +141,9 @@ def _sse(value: dict) -> str:
     return f"data: {json.dumps(value, ensure_ascii=False)}\n\n"
 
 
-def build_app(server: Server, extra_routes=()) -> Starlette:
+def build_app(server: Server, extra_routes=(), closers=()):
+    """The ASGI app: the routes, OpenAI-style errors, the API key check; `closers` run at
+    shutdown before the engine stops."""
     routes = [
         Route("/health", server.health),
         Route("/metrics", server.metrics),
@@ -161,6 +163,8 @@ def build_app(server: Server, extra_routes=()) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
+        for close in closers:
+            close()
         server.engine.close()
 
     app = Starlette(routes=routes, exception_handlers={APIError: on_api_error, 404: not_found, 405: not_found},

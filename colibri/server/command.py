@@ -19,6 +19,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences decoded together, each in a KV slot of --ctx positions (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("COLIBRI_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $COLIBRI_API_KEY, else none)")
+    p.add_argument("--state-dir", type=Path, default=Path.home() / ".cache" / "colibri" / "serve", metavar="DIR",
+                   help="the Batch API's uploaded files, results and SQLite state; a restarted server carries on "
+                        "its open batches (default: %(default)s)")
+    p.add_argument("--max-upload", type=size_argument, default="2G", metavar="SIZE",
+                   help="largest file /v1/files takes (default: %(default)s)")
     p.add_argument("--ctx", type=int, default=4096, help="context length per slot in tokens (default: %(default)s)")
     p.add_argument("--ram-budget", type=size_argument, default=None, metavar="SIZE",
                    help="RAM for weights, KV slots, expert cache and scratch, e.g. 24G (default: 80%% of RAM)")
@@ -35,6 +40,8 @@ def serve_command(args: argparse.Namespace) -> int:
 
     from colibri.runtime import open_model
     from colibri.server.app import Server, build_app
+    from colibri.server.batch_store import BatchStore
+    from colibri.server.batches import BatchAPI, BatchRunner
 
     if args.parallel < 1:
         raise SystemExit(f"colibri serve: error: --parallel must be at least 1, got {args.parallel}")
@@ -43,8 +50,12 @@ def serve_command(args: argparse.Namespace) -> int:
                        direct_io=args.direct_io, parallel=args.parallel)
     name = args.model_name or Path(args.model).resolve().name
     server = Server(model, name, args.api_key)
+    store = BatchStore(args.state_dir)
+    runner = BatchRunner(store, server)
+    batch_api = BatchAPI(store, runner, args.max_upload)
     print(f"colibri serve: {name} on http://{args.host}:{args.port}/v1 ({args.parallel} slots of {args.ctx} tokens)",
           file=sys.stderr, flush=True)
-    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(build_app(server, batch_api.routes(), closers=[runner.close]), host=args.host, port=args.port,
+                log_level="warning")
     model.close()
     return 0

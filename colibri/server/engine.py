@@ -15,6 +15,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from colibri.runtime.batch import Event
+
 
 @dataclass(eq=False)
 class Request:
@@ -97,7 +99,7 @@ class Engine:
         for line in self.lines.values():
             for request in [r for r in line if r.cancelled]:
                 line.remove(request)
-                request.done.set()
+                self._deliver(request, Event(-1, None, "", "cancelled"))
         for sequence, request in list(self.by_sequence.items()):
             if request.cancelled:
                 del self.by_sequence[sequence]
@@ -122,5 +124,5 @@ class Engine:
             request.on_event(event)
         except Exception:  # noqa: BLE001 - the receiver's problem, not the batch's
             request.cancelled = True
-        if isinstance(event, BaseException) or event is None or event.finish_reason is not None:
+        if isinstance(event, BaseException) or event is None or event.finish_reason is not None:  # None: ended before
             request.done.set()
