@@ -252,3 +252,24 @@ def test_a_server_killed_mid_batch_finishes_it_after_a_restart(model, tmp_path):
     finally:
         process.send_signal(signal.SIGINT)
         process.wait(timeout=30)
+
+
+def test_an_interactive_request_is_not_kept_waiting_by_a_long_batch(client):
+    """Every slot busy with 250-token batch requests: a chat request preempts one and is
+    answered before any batch request ends; the batch still completes, each custom_id once."""
+    long = client.files.create(file=("busy.jsonl", batch_input(6, max_tokens=250)), purpose="batch")
+    batch = client.batches.create(input_file_id=long.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and metrics_open(client)["colibri_active_sequences"] < 3:
+        time.sleep(0.005)
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "quick"}], max_tokens=3,
+                                           temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert client.batches.retrieve(batch.id).request_counts.completed == 0
+    done = wait_for(client, batch.id, ("completed",))
+    answers, lines = outputs(client, done)
+    assert len(lines) == 6 and sorted(answers) == sorted(f"req-{i}" for i in range(6))
+
+
+def metrics_open(client):
+    return metrics(str(client.base_url).removesuffix("/v1/"))

@@ -3,7 +3,8 @@
 Requests come from many threads (HTTP handlers, the Batch API runner); only this thread
 touches the scheduler. A request waits in one of two lines until a KV slot is free:
 interactive requests are admitted first, batch requests only into slots no interactive
-request is waiting for, so a long batch never starves a person at the keyboard. Each request's
+request is waiting for, and an interactive request finding every slot taken by batch requests
+preempts the newest of them, so a long batch never starves a person at the keyboard. Each request's
 events go to its own callback, from this thread.
 """
 
@@ -106,8 +107,17 @@ class Engine:
                 self._deliver(request, self.scheduler.cancel(sequence))
 
     def _admit(self) -> None:
-        """Queued requests into free slots: interactive ones first."""
+        """Queued requests into free slots: interactive ones first, and when every slot is
+        busy, an interactive request takes the slot of the batch request admitted last (which
+        is then cancelled; its runner asks again, and gets the same answer later)."""
         room = len(self.scheduler.free) - len(self.scheduler.queue)
+        while len(self.lines[True]) > room:
+            batch = [s for s, r in self.by_sequence.items() if not r.interactive and not r.cancelled]
+            if not batch:
+                break
+            victim = max(batch)
+            self._deliver(self.by_sequence.pop(victim), self.scheduler.cancel(victim))
+            room += 1
         for interactive in (True, False):
             line = self.lines[interactive]
             while room > 0 and line:
