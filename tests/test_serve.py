@@ -56,7 +56,8 @@ def start(model, *extra):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    process, url = start(model, "--api-key", KEY, "--state-dir", str(tmp_path_factory.mktemp("serve-state")))
+    process, url = start(model, "--api-key", KEY, "--state-dir", str(tmp_path_factory.mktemp("serve-state")),
+                         "--max-upload", "64K")
     yield url
     process.send_signal(signal.SIGINT)
     process.wait(timeout=30)
@@ -162,6 +163,11 @@ def test_bad_requests_get_openai_errors(client, server):
                   f"Content-Length: {33 << 20}\r\n\r\n".encode())
         assert s.recv(4096).startswith(b"HTTP/1.1 413")
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    with pytest.raises(openai.APIStatusError) as e:  # over --max-upload
+        client.files.create(file=("big.jsonl", b"x" * (65 << 10)), purpose="batch")
+    assert e.value.status_code == 413 and e.value.body["code"] == "file_too_large"
+    with pytest.raises(openai.BadRequestError):
+        client.files.create(file=("a.jsonl", b"{}"), purpose="fine-tune")
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_slot(client, server):
