@@ -64,25 +64,10 @@ SHAPES = {
             "tie_word_embeddings": False,
         },
     },
-    "qwen3-128": {
-        "arch": "qwen3_moe",
-        "config": {
-            "hidden_size": 2048,
-            "intermediate_size": 6144,
-            "moe_intermediate_size": 768,
-            "num_experts": 128,
-            "num_experts_per_tok": 8,
-            "num_hidden_layers": 6,
-            "max_window_layers": 6,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 4,
-            "head_dim": 128,
-            "vocab_size": 32000,
-            "rope_theta": 1000000.0,
-            "tie_word_embeddings": False,
-        },
-    },
+    "qwen3-128": {"arch": "qwen3_moe", "config": None},  # qwen3-ref's, with the changes below
 }
+SHAPES["qwen3-128"]["config"] = {**SHAPES["qwen3-ref"]["config"], "num_experts": 128, "num_hidden_layers": 6,
+                                 "max_window_layers": 6}
 DTYPE = "bf16"
 INIT_STD = 0.02
 

@@ -23,23 +23,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="--prompt-dir: documents decoded together, each in a KV slot of --ctx positions; each "
                         "step reads an expert once for all of them (default: as many slots as a quarter of the "
                         "RAM left after the resident weights holds, at most 32 and the number of documents)")
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
-    p.add_argument("--ctx", type=int, default=4096, help="context length in tokens; the KV cache is preallocated for it (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: %(default)s)")
-    p.add_argument("--ram-budget", type=size_argument, default=None, metavar="SIZE",
-                   help="RAM the runtime may use for weights, KV cache, expert cache and scratch, e.g. 24G (default: 80%% of RAM)")
-    p.add_argument("--expert-cache", type=size_argument, default=None, metavar="SIZE",
-                   help="bytes of hot experts kept in RAM, e.g. 4G (default: what the budget leaves)")
-    p.add_argument("--kv-quant", default="f16", choices=("f16", "q8_0", "f32"), help="KV cache storage (default: %(default)s)")
-    p.add_argument("--cache-policy", default="lru", choices=("lru", "lfru"),
-                   help="expert cache eviction: least recently used, or frequency with ageing (default: %(default)s)")
+    add_engine_arguments(p)
     p.add_argument("--prefetch", default="off", choices=("on", "off"),
                    help="read the experts the next layer's router picks for the current hidden state while this "
                         "layer computes; pays when its accuracy (printed) is high and the disk is not the bottleneck "
                         "(default: %(default)s)")
-    p.add_argument("--direct-io", action="store_true",
-                   help="read experts with O_DIRECT, bypassing the page cache (leaves its RAM to other programs; "
-                        "fastest on NVMe when the expert cache is large)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
@@ -48,6 +37,23 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="random seed for sampling (default: random; 0 for --prompt-dir, so that a rerun reproduces each answer)")
     p.add_argument("--json", action="store_true", help="print the output and the run's numbers as one JSON object")
     p.add_argument("--trace-routing", type=Path, metavar="FILE", help="write the experts chosen per token per layer (JSON lines)")
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine's own flags, which `colibri run` and `colibri serve` share."""
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--ctx", type=int, default=4096,
+                   help="context length in tokens, per KV slot; the KV cache is preallocated for it (default: %(default)s)")
+    p.add_argument("--ram-budget", type=size_argument, default=None, metavar="SIZE",
+                   help="RAM the runtime may use for weights, KV cache, expert cache and scratch, e.g. 24G (default: 80%% of RAM)")
+    p.add_argument("--expert-cache", type=size_argument, default=None, metavar="SIZE",
+                   help="bytes of hot experts kept in RAM, e.g. 4G (default: what the budget leaves)")
+    p.add_argument("--kv-quant", default="f16", choices=("f16", "q8_0", "f32"), help="KV cache storage (default: %(default)s)")
+    p.add_argument("--cache-policy", default="lru", choices=("lru", "lfru"),
+                   help="expert cache eviction: least recently used, or frequency with ageing (default: %(default)s)")
+    p.add_argument("--direct-io", action="store_true",
+                   help="read experts with O_DIRECT, bypassing the page cache (leaves its RAM to other programs; "
+                        "fastest on NVMe when the expert cache is large)")
 
 
 def _sampling(args) -> dict:

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from colibri.run import add_engine_arguments
 from colibri.runtime.memory import size_argument
 
 
@@ -24,15 +25,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "its open batches (default: %(default)s)")
     p.add_argument("--max-upload", type=size_argument, default="2G", metavar="SIZE",
                    help="largest file /v1/files takes (default: %(default)s)")
-    p.add_argument("--ctx", type=int, default=4096, help="context length per slot in tokens (default: %(default)s)")
-    p.add_argument("--ram-budget", type=size_argument, default=None, metavar="SIZE",
-                   help="RAM for weights, KV slots, expert cache and scratch, e.g. 24G (default: 80%% of RAM)")
-    p.add_argument("--expert-cache", type=size_argument, default=None, metavar="SIZE",
-                   help="bytes of hot experts kept in RAM (default: what the budget leaves)")
-    p.add_argument("--kv-quant", default="f16", choices=("f16", "q8_0", "f32"), help="KV cache storage (default: %(default)s)")
-    p.add_argument("--cache-policy", default="lru", choices=("lru", "lfru"), help="expert cache eviction (default: %(default)s)")
-    p.add_argument("--direct-io", action="store_true", help="read experts with O_DIRECT, bypassing the page cache")
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    add_engine_arguments(p)
 
 
 def serve_command(args: argparse.Namespace) -> int:
