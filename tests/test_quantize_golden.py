@@ -109,3 +109,37 @@ def test_row_length_must_fill_whole_blocks(qtype, n, block):
         quantize(np.zeros((2, n), np.float32), qtype)
     with pytest.raises(ValueError, match=f"{n} is not a multiple of {block}"):
         dequantize(np.zeros((2, 10), np.uint8), qtype, n)
+
+
+ALL_TYPES_FILE = Path(__file__).resolve().parent / "data" / "ggml_quants_golden_all.npz"
+OURS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the types convert.quantize_q4k makes
+
+
+def _all_types_keys() -> list[str]:
+    if not ALL_TYPES_FILE.exists():
+        return [MISSING]
+    with np.load(ALL_TYPES_FILE) as data:
+        keys = data.files
+    return sorted(k for k in keys if k.count("/") == 1 and k.split("/")[1].removesuffix("+imatrix") in OURS)
+
+
+@pytest.fixture(scope="module")
+def golden_all():
+    if not ALL_TYPES_FILE.exists():
+        pytest.fail(f"golden vectors not found at {ALL_TYPES_FILE} (tests/data/README.md says how they are made)")
+    with np.load(ALL_TYPES_FILE) as data:
+        return dict(data)
+
+
+@pytest.mark.parametrize("key", _all_types_keys())
+def test_bytes_match_ggml_0c1e570(golden_all, key):
+    """The same against the file ggml 0.25.3 made for every type, with and without an imatrix."""
+    case, variant = key.split("/")
+    qtype = variant.removesuffix("+imatrix")
+    imatrix = golden_all[f"{case}/imatrix"] if variant.endswith("+imatrix") else None
+    ours = quantize(golden_all[f"{case}/input"], qtype, imatrix)
+    differ = np.flatnonzero((ours != golden_all[key]).any(axis=-1))
+    assert differ.size == 0, f"{key}: rows {differ[:10].tolist()} differ from ggml's bytes"
+    if "+" not in variant:
+        expected = golden_all[f"{key}/dequant"]
+        _assert_same_bits(dequantize(golden_all[key], qtype, expected.shape[-1]), expected, f"{key} vs ggml")

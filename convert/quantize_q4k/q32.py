@@ -1,4 +1,4 @@
-"""The blocks of 32 weights: Q8_0, Q5_0 and Q5_1.
+"""The blocks of 32 weights: Q8_0, Q5_0, Q5_1, Q4_0 and Q4_1.
 
 `quantize_<type>(rows f32[r, n], imatrix f32[n] or empty, out u8[r, row_bytes])` and
 `dequantize_<type>(blocks u8[r, row_bytes], out f32[r, n])` loop over rows and blocks. The
@@ -11,9 +11,10 @@ from colibri.convert.quantize_q4k.scalars import as_int8, block_bytes, load_fp16
 from colibri.convert.quantize_q4k.searches import IMATRIX_SEARCH, make_qkx_quants, make_qx_quants
 
 F32 = np.float32
-QK = 32  # weights per Q8_0 / Q5_0 / Q5_1 block
+QK = 32  # weights per block of each of these types
 FLT_MAX = np.finfo(np.float32).max
 Q8_0_BYTES, Q5_0_BYTES, Q5_1_BYTES = block_bytes("Q8_0"), block_bytes("Q5_0"), block_bytes("Q5_1")
+Q4_0_BYTES, Q4_1_BYTES = block_bytes("Q4_0"), block_bytes("Q4_1")
 
 
 # block_q8_0: d (fp16), qs[32] (int8)
@@ -149,3 +150,96 @@ def dequantize_q5_1(blocks, out):
             m = load_fp16(y, 2)
             for j in range(QK):
                 out[r, QK * b + j] = F32(_load_q5_level(y, 4, j)) * d + m
+
+
+# block_q4_0: d (fp16), qs[16] (nibbles: low = weights 0-15, high = weights 16-31); block_q4_1 adds m after d
+@njit_c
+def _store_q4_levels(y, offset, L):
+    for j in range(16):
+        y[offset + j] = (L[j] & 0x0F) | ((L[j + 16] & 0x0F) << 4)
+
+
+@njit_c
+def _load_q4_level(y, offset, j):
+    q = np.int64(y[offset + j % 16])
+    return (q >> 4) if j >= 16 else (q & 0x0F)
+
+
+@njit_c
+def quantize_q4_0(rows, imatrix, out):
+    L = np.empty(QK, np.uint8)
+    weights = np.empty(QK, np.float32)
+    for r in range(rows.shape[0]):
+        sigma2 = _row_sigma2(rows[r]) if imatrix.size else F32(0.0)
+        for b in range(rows.shape[1] // QK):
+            x = rows[r, QK * b:QK * (b + 1)]
+            y = out[r, Q4_0_BYTES * b:Q4_0_BYTES * (b + 1)]
+            if imatrix.size:  # quantize_row_q4_0_impl
+                for i in range(QK):
+                    weights[i] = imatrix[QK * b + i] * np.sqrt(sigma2 + x[i] * x[i])
+                d = make_qx_quants(8, x, weights, L)
+            else:  # quantize_row_q4_0_ref
+                amax = F32(0.0)
+                max_value = F32(0.0)
+                for v in x:
+                    if amax < abs(v):
+                        amax = abs(v)
+                        max_value = v
+                d = max_value / F32(-8)
+                inv_d = F32(1.0) / d if d != 0 else F32(0.0)
+                for i in range(QK):
+                    L[i] = min(15, int(x[i] * inv_d + F32(8.5)) & 0xFF)
+            store_fp16(y, 0, d)
+            _store_q4_levels(y, 2, L)
+
+
+@njit_c
+def dequantize_q4_0(blocks, out):
+    for r in range(blocks.shape[0]):
+        for b in range(out.shape[1] // QK):
+            y = blocks[r, Q4_0_BYTES * b:Q4_0_BYTES * (b + 1)]
+            d = load_fp16(y, 0)
+            for j in range(QK):
+                out[r, QK * b + j] = F32(_load_q4_level(y, 2, j) - 8) * d
+
+
+@njit_c
+def quantize_q4_1(rows, imatrix, out):
+    L = np.empty(QK, np.uint8)
+    weights = np.empty(QK, np.float32)
+    for r in range(rows.shape[0]):
+        sigma2 = _row_sigma2(rows[r]) if imatrix.size else F32(0.0)
+        for b in range(rows.shape[1] // QK):
+            x = rows[r, QK * b:QK * (b + 1)]
+            y = out[r, Q4_1_BYTES * b:Q4_1_BYTES * (b + 1)]
+            if imatrix.size:  # quantize_row_q4_1_impl
+                for i in range(QK):
+                    weights[i] = imatrix[QK * b + i] * np.sqrt(sigma2 + x[i] * x[i])
+                d, the_min = make_qkx_quants(15, x, weights, L, IMATRIX_SEARCH)
+                min_value = -the_min
+            else:  # quantize_row_q4_1_ref
+                min_value = FLT_MAX
+                max_value = -FLT_MAX
+                for v in x:
+                    if v < min_value:
+                        min_value = v
+                    if v > max_value:
+                        max_value = v
+                d = (max_value - min_value) / F32(15)
+                inv_d = F32(1.0) / d if d != 0 else F32(0.0)
+                for i in range(QK):
+                    L[i] = min(15, int((x[i] - min_value) * inv_d + F32(0.5)) & 0xFF)
+            store_fp16(y, 0, d)
+            store_fp16(y, 2, min_value)
+            _store_q4_levels(y, 4, L)
+
+
+@njit_c
+def dequantize_q4_1(blocks, out):
+    for r in range(blocks.shape[0]):
+        for b in range(out.shape[1] // QK):
+            y = blocks[r, Q4_1_BYTES * b:Q4_1_BYTES * (b + 1)]
+            d = load_fp16(y, 0)
+            m = load_fp16(y, 2)
+            for j in range(QK):
+                out[r, QK * b + j] = F32(_load_q4_level(y, 4, j)) * d + m
