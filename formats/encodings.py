@@ -14,13 +14,14 @@ from functools import cache
 import gguf
 import numpy as np
 
-ENCODINGS = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+ENCODINGS = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 # Float encodings that numpy can view directly (BF16 is read as uint16 and widened).
 FLOAT_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
 # Byte offsets of the f16 scales (`d`, then `dmin` or `m`) within one block of each block type.
-SCALE_OFFSETS = {"Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+SCALE_OFFSETS = {"Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                 "Q6_K": (208,)}
 
 
 class EncodingError(ValueError):

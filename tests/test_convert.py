@@ -100,3 +100,23 @@ def test_normalized_configs(checkpoint):
     q2_ckpt = Checkpoint(checkpoint("qwen2_moe"))
     q2 = adapter_for(q2_ckpt.config).normalize(q2_ckpt.config)
     assert q2.shared_expert_gate and q2.attn_bias and not q2.router_norm_topk
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_overrides_to_q4_0_and_q4_1_convert_verify_and_run(checkpoint, tmp_path, kind):
+    """The 32-weight 4-bit types as --override targets: ggml's blocks in the layout, checked
+    by `verify`, multiplied by the kernels."""
+    from colibri.formats.recipe import parse_override
+    from colibri.runtime import open_model
+    from colibri.verify.model_check import verify_model
+
+    src = checkpoint("qwen3_moe")
+    out = tmp_path / kind
+    convert(str(src), out, ConvertOptions(quant="Q8_0", overrides=[parse_override(f"ffn_.*_exps={kind}")], progress=False))
+    layout = ModelLayout(out)
+    assert {m.encoding for t in layout.expert_layers.values() for m in t.matrices.values()} == {kind}
+    assert verify_model(out, progress=False).ok
+    m = open_model(out, ctx=64, ram_budget="4G")
+    logits = m.prefill([5, 6, 7, 8])
+    assert np.isfinite(logits).all() and m.stats()["expert_bytes_read"] > 0
+    m.close()

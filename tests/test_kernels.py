@@ -24,7 +24,7 @@ from colibri.runtime.kernels import threads
 EXACT_TOLERANCE = 1e-5
 ROWS = 37  # not a multiple of the thread count
 # A row length per encoding, 256 to 2048 weights; 288 is not a whole number of 256-chunks.
-COLS = {"F32": 288, "F16": 256, "BF16": 2048, "Q8_0": 288, "Q5_0": 1056, "Q5_1": 288,
+COLS = {"F32": 288, "F16": 256, "BF16": 2048, "Q8_0": 288, "Q5_0": 1056, "Q5_1": 288, "Q4_0": 544, "Q4_1": 320,
         "Q4_K": 2048, "Q5_K": 256, "Q6_K": 1280}
 
 

@@ -151,8 +151,26 @@ def _unpack_q5_1(e, block):
                   offsets=e.splat(e.half(block, 2), 1))
 
 
+def _q4_levels(e, block, offset):
+    """The 32 levels (0..15) of a Q4_0 / Q4_1 block: 16 bytes of nibbles at `offset` (low:
+    weights 0-15, high: weights 16-31)."""
+    low, high = e.nibbles(e.load(block, offset, I8, 16))
+    return e.shuffle(low, high, range(32))
+
+
+def _unpack_q4_0(e, block):
+    """Q4_0 (18 bytes): d (f16), nibbles. Levels 0..15 stand for -8..7."""
+    return _Block([_q4_levels(e, block, 2)], e.splat(e.half(block, 0), 1), bias=8)
+
+
+def _unpack_q4_1(e, block):
+    """Q4_1 (20 bytes): d, m (f16), nibbles; weight = d * level + m."""
+    return _Block([_q4_levels(e, block, 4)], e.splat(e.half(block, 0), 1), offsets=e.splat(e.half(block, 2), 1))
+
+
 UNPACKERS = {"Q4_K": _unpack_q4_k, "Q5_K": _unpack_q5_k, "Q6_K": _unpack_q6_k,
-             "Q8_0": _unpack_q8_0, "Q5_0": _unpack_q5_0, "Q5_1": _unpack_q5_1}
+             "Q8_0": _unpack_q8_0, "Q5_0": _unpack_q5_0, "Q5_1": _unpack_q5_1,
+             "Q4_0": _unpack_q4_0, "Q4_1": _unpack_q4_1}
 assert set(UNPACKERS) == set(FAST_ENCODINGS)
 
 
