@@ -7,6 +7,8 @@ model `--quant F32` makes from the same safetensors — the same bytes for every
 expert, hence the same logits.
 """
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -151,16 +153,46 @@ def test_tensor_contradicting_the_metadata(reference, tmp_path, capsys):
 def test_types_the_kernels_cannot_compute_are_listed(reference, tmp_path, capsys):
     _, source = reference("mixtral")
 
-    def to_q2_k(name, data, kind):  # any bytes of Q2_K's size: the types are refused before a block is read
+    def to_iq4_xs(name, data, kind):  # any bytes of IQ4_XS's size: the types are refused before a block is read
         if (data.ndim == 2 or "_exps" in name) and data.shape[-1] % 256 == 0:
-            shape = (*data.shape[:-1], data.shape[-1] // 256 * 84)
-            return np.zeros(shape, np.uint8), gguf.GGMLQuantizationType.Q2_K
+            shape = (*data.shape[:-1], data.shape[-1] // 256 * 136)
+            return np.zeros(shape, np.uint8), gguf.GGMLQuantizationType.IQ4_XS
         return data, kind
 
-    q2_k = rewrite_gguf(source, tmp_path / "q2_k.gguf", tensor=to_q2_k)
-    err = refused(capsys, tmp_path, q2_k, "tensors have types colibri cannot compute", "supported: F32, F16", "Q6_K",
-                  "(Q2_K)")
-    assert "Q4_0" in err and "Q4_1" in err  # among the supported
+    iq4_xs = rewrite_gguf(source, tmp_path / "iq4_xs.gguf", tensor=to_iq4_xs)
+    err = refused(capsys, tmp_path, iq4_xs, "tensors have types colibri cannot compute", "supported: F32, F16", "Q6_K",
+                  "(IQ4_XS)")
+    assert all(kind in err for kind in ("Q4_0", "Q4_1", "Q2_K", "Q3_K"))  # among the supported
+
+
+def test_a_gguf_with_q2_k_and_q3_k_experts_imports_and_runs(reference, tmp_path):
+    """Blocks of the low-bit K-quants (ggml's own bytes, from the golden file) are imported,
+    verified and computed (their kernels against ggml's dequantization: tests/test_kernels.py)."""
+    from colibri.runtime import open_model
+    from colibri.verify.model_check import verify_model
+
+    _, source = reference("mixtral")
+    golden = np.load(Path(__file__).parent / "data" / "ggml_quants_golden_all.npz")
+    kinds = {"ffn_gate_exps": "Q2_K", "ffn_up_exps": "Q3_K", "ffn_down_exps": "Q3_K"}
+
+    def low_bits(name, data, kind):
+        part = next((k for k in kinds if k in name), None)
+        if part is None or data.shape[-1] % 256:
+            return data, kind
+        qtype = gguf.GGMLQuantizationType[kinds[part]]
+        blocks = golden[f"randn/{kinds[part]}"].reshape(-1)
+        row = data.shape[-1] // 256 * gguf.GGML_QUANT_SIZES[qtype][1]
+        count = int(np.prod(data.shape[:-1]))
+        return np.resize(blocks, count * row).reshape(*data.shape[:-1], row), qtype
+
+    converted = rewrite_gguf(source, tmp_path / "low.gguf", tensor=low_bits)
+    convert(str(converted), tmp_path / "q", ConvertOptions(progress=False))
+    layout = ModelLayout(tmp_path / "q")
+    assert {m.encoding for t in layout.expert_layers.values() for m in t.matrices.values()} == {"Q2_K", "Q3_K"}
+    assert verify_model(tmp_path / "q", progress=False).ok
+    m = open_model(tmp_path / "q", ctx=64, ram_budget="4G")
+    assert np.isfinite(m.prefill([5, 6, 7])).all()
+    m.close()
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from colibri.convert.quantize_q4k import quantize
-from colibri.formats.encodings import ENCODINGS
+from colibri.formats.encodings import ENCODINGS, READ_ONLY_ENCODINGS, SCALE_OFFSETS, block_size
 from colibri.runtime import kernels
 from colibri.runtime.kernels import threads
 
@@ -25,13 +25,22 @@ EXACT_TOLERANCE = 1e-5
 ROWS = 37  # not a multiple of the thread count
 # A row length per encoding, 256 to 2048 weights; 288 is not a whole number of 256-chunks.
 COLS = {"F32": 288, "F16": 256, "BF16": 2048, "Q8_0": 288, "Q5_0": 1056, "Q5_1": 288, "Q4_0": 544, "Q4_1": 320,
-        "Q4_K": 2048, "Q5_K": 256, "Q6_K": 1280}
+        "Q2_K": 512, "Q3_K": 768, "Q4_K": 2048, "Q5_K": 256, "Q6_K": 1280}
 
 
 def random_weights(encoding, rows, cols, seed=0):
-    """(bytes [rows, row_bytes], float64 decoding of them by gguf)."""
-    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
-    w = quantize(values, encoding)
+    """(bytes [rows, row_bytes], float64 decoding of them by gguf). Types colibri-convert does
+    not make are random blocks whose f16 scales are set to small positive values."""
+    rng = np.random.default_rng(seed)
+    if encoding in READ_ONLY_ENCODINGS:
+        weights, nbytes = block_size(encoding)
+        w = rng.integers(0, 256, (rows, cols // weights, nbytes), dtype=np.uint8)
+        for offset in SCALE_OFFSETS[encoding]:
+            scales = rng.uniform(1e-3, 1e-2, w.shape[:2]).astype(np.float16)
+            w[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(*w.shape[:2], 2)
+        w = w.reshape(rows, -1)
+    else:
+        w = quantize(rng.standard_normal((rows, cols)).astype(np.float32), encoding)
     return w, gguf.quants.dequantize(w, gguf.GGMLQuantizationType[encoding]).astype(np.float64)
 
 
@@ -324,3 +333,23 @@ def test_grouped_experts_equal_the_per_expert_path(encodings, ffn, hidden, exact
     kernel.grouped(records, used.astype(np.int64), np.append(starts, order.size).astype(np.int64),
                    (order // k).astype(np.int64), weights.reshape(-1)[order], acts, got)
     assert kernel.groupable(acts) and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("encoding", READ_ONLY_ENCODINGS)
+def test_imported_types_decode_ggml_blocks_as_ggml_does(encoding):
+    """Blocks ggml's quantizer made (tests/data, every case): our dequantization is ggml's
+    `dequantize_row_<type>` bit for bit, and both product paths are close to it."""
+    from pathlib import Path
+
+    with np.load(Path(__file__).parent / "data" / "ggml_quants_golden_all.npz") as golden:
+        cases = sorted({k.split("/")[0] for k in golden.files})
+        for case in cases:
+            w, want = golden[f"{case}/{encoding}"], golden[f"{case}/{encoding}/dequant"]
+            rows, cols = want.shape
+            assert np.array_equal(kernels.dequantize_rows(w.reshape(-1), encoding, cols, 0, rows), want), case
+            x = np.random.default_rng(0).standard_normal((3, cols)).astype(np.float32)
+            reference = x.astype(np.float64) @ want.T.astype(np.float64)
+            for exact in (False, True):
+                got = kernels.matmul(w.reshape(-1), encoding, rows, cols, x, exact=exact)
+                bound = kernels.FAST_PATH_TOLERANCE if not exact else EXACT_TOLERANCE
+                assert relative_error(got, reference) <= bound, (case, exact)

@@ -41,8 +41,7 @@ def encoding_of(tag) -> str | None:
 class _Block:
     """One block unpacked to IR values. Weight i of sub-block j (32 weights each) is
     `scale * (level - bias) + offset`: `levels[j]` a <32 x i8> (`signed` or not), `scales`
-    one float per sub-block (or per 16 weights when `per16`), `offsets` one float per
-    sub-block or None. The order of the float operations is ggml's (and gguf's).
+    and `offsets` (or None) one float per sub-block, or per 16 weights when `per16`. The order of the float operations is ggml's (and gguf's).
 
     K-quant blocks also carry their integer form, for the dot with Q8_K activations
     (`k_int8_dot`): `d * sum_m int_scales[m // pairs_per_scale] * (level_2m x_2m + level_2m+1
@@ -168,9 +167,70 @@ def _unpack_q4_1(e, block):
     return _Block([_q4_levels(e, block, 4)], e.splat(e.half(block, 0), 1), offsets=e.splat(e.half(block, 2), 1))
 
 
+def _two_bit_levels(e, block, qs_offset):
+    """The 2-bit parts of the 8 sub-blocks of a Q2_K / Q3_K block: sub-block 4h + j is bits
+    2j..2j+1 of the 32 bytes at qs_offset + 32h (weights 0-15 from bytes 0-15, 16-31 from 16-31)."""
+    b = e.b
+    levels = []
+    for h in range(2):
+        packed = e.load(block, qs_offset + 32 * h, I8, 32)
+        for j in range(4):
+            levels.append(b.and_(b.lshr(packed, e.const(I8, 32, 2 * j)), e.const(I8, 32, 3)))
+    return levels
+
+
+def _unpack_q2_k(e, block):
+    """Q2_K (84 bytes): 16 bytes of 4-bit scale | 4-bit min per 16 weights, 64 bytes of 2-bit
+    levels, d, dmin (f16); weight = d * scale * level - dmin * min."""
+    b = e.b
+    packed = e.load(block, 0, I8, 16)
+    scale4, min4 = e.nibbles(packed)
+    d, dmin = e.half(block, 80), e.half(block, 82)
+    scales = b.fmul(e.splat(d, 16), b.uitofp(scale4, vec(FLOAT, 16)))
+    offsets = b.fneg(b.fmul(e.splat(dmin, 16), b.uitofp(min4, vec(FLOAT, 16))))
+    return _Block(_two_bit_levels(e, block, 16), scales, offsets=offsets, per16=True,
+                  d=d, int_scales=b.zext(scale4, vec(I16, 16)), pairs_per_scale=8, offsets16=offsets)
+
+
+def _q3_k_scales(e, block, offset):
+    """IR: the 16 signed 6-bit scales of a Q3_K block (-32..31) as a <16 x i8>, unpacked from
+    the 12 bytes at `offset` as ggml does (low 4 bits in bytes 0-7, top 2 bits in bytes 8-11)."""
+    b = e.b
+    a0, a1, top = (e.load(block, offset + 4 * i, I32) for i in range(3))
+    low4, two = ir.Constant(I32, 0x0F0F0F0F), ir.Constant(I32, 0x03030303)
+
+    def high(shift):
+        return b.shl(b.and_(b.lshr(top, ir.Constant(I32, shift)), two), ir.Constant(I32, 4))
+
+    def low(word, shift):
+        return b.and_(b.lshr(word, ir.Constant(I32, shift)) if shift else word, low4)
+
+    words = (b.or_(low(a0, 0), high(0)), b.or_(low(a1, 0), high(2)), b.or_(low(a0, 4), high(4)),
+             b.or_(low(a1, 4), high(6)))
+    packed = ir.Constant(vec(I32, 4), None)
+    for i, word in enumerate(words):
+        packed = b.insert_element(packed, word, ir.Constant(I32, i))
+    return b.sub(b.bitcast(packed, vec(I8, 16)), e.const(I8, 16, 32))
+
+
+def _unpack_q3_k(e, block):
+    """Q3_K (110 bytes): 32 bytes of high bits (bit s of byte l for sub-block s), 64 bytes of
+    2-bit levels, 12 bytes of packed 6-bit scales (one per 16 weights), d (f16). Levels 0..7
+    (2 bits, plus 4 when the high bit is set) stand for -4..3."""
+    b = e.b
+    high = e.load(block, 0, I8, 32)
+    levels = [b.or_(low, b.shl(b.and_(b.lshr(high, e.const(I8, 32, s)), e.const(I8, 32, 1)), e.const(I8, 32, 2)))
+              for s, low in enumerate(_two_bit_levels(e, block, 32))]
+    packed, d = _q3_k_scales(e, block, 96), e.half(block, 108)
+    scales = b.fmul(e.splat(d, 16), b.sitofp(packed, vec(FLOAT, 16)))
+    return _Block(levels, scales, bias=4, per16=True,
+                  d=d, int_scales=b.sext(packed, vec(I16, 16)), pairs_per_scale=8,
+                  offsets16=b.fmul(scales, e.splat(ir.Constant(FLOAT, -4.0), 16)))
+
+
 UNPACKERS = {"Q4_K": _unpack_q4_k, "Q5_K": _unpack_q5_k, "Q6_K": _unpack_q6_k,
              "Q8_0": _unpack_q8_0, "Q5_0": _unpack_q5_0, "Q5_1": _unpack_q5_1,
-             "Q4_0": _unpack_q4_0, "Q4_1": _unpack_q4_1}
+             "Q4_0": _unpack_q4_0, "Q4_1": _unpack_q4_1, "Q2_K": _unpack_q2_k, "Q3_K": _unpack_q3_k}
 assert set(UNPACKERS) == set(FAST_ENCODINGS)
 
 
@@ -247,7 +307,7 @@ def dequantized_sub_block(e, block, j):
         wide = b.sub(wide, e.const(I32, 32, block.bias))
     lanes = [2 * j] * 16 + [2 * j + 1] * 16 if block.per16 else [j] * 32
     values = b.fmul(e.pick(block.scales, lanes), b.sitofp(wide, vec(FLOAT, 32)))
-    return values if block.offsets is None else b.fadd(values, e.pick(block.offsets, [j] * 32))
+    return values if block.offsets is None else b.fadd(values, e.pick(block.offsets, lanes))
 
 
 def block_loop(e, encoding, start, count, body):
