@@ -60,8 +60,9 @@ def test_sizes_follow_ggml_blocks():
     assert tensor_bytes("BF16", (3, 5)) == 30
     with pytest.raises(EncodingError, match="multiple of 256"):
         row_bytes("Q4_K", 300)
+    assert row_bytes("Q3_K", 256) == 110 and row_bytes("Q4_0", 64) == 36
     with pytest.raises(EncodingError, match="unknown encoding"):
-        row_bytes("Q3_K", 256)
+        row_bytes("IQ2_XXS", 256)
 
 
 def test_minimal_manifest_is_valid_and_round_trips(tmp_path):
