@@ -23,7 +23,7 @@ from colibri.formats.encodings import ENCODINGS, READ_ONLY_ENCODINGS, fits
 RECIPES = ("Q4_K_M", "Q8_0", "BF16", "F16", "F32")
 
 # llama.cpp's fallback when a row is not a whole number of 256-weight super-blocks.
-K_QUANT_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+K_QUANT_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 

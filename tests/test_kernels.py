@@ -335,8 +335,8 @@ def test_grouped_experts_equal_the_per_expert_path(encodings, ffn, hidden, exact
     assert kernel.groupable(acts) and np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("encoding", READ_ONLY_ENCODINGS)
-def test_imported_types_decode_ggml_blocks_as_ggml_does(encoding):
+@pytest.mark.parametrize("encoding", ["Q2_K", "Q3_K"])
+def test_low_bit_k_quants_decode_ggml_blocks_as_ggml_does(encoding):
     """Blocks ggml's quantizer made (tests/data, every case): our dequantization is ggml's
     `dequantize_row_<type>` bit for bit, and both product paths are close to it."""
     from pathlib import Path

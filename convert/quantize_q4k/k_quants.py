@@ -10,12 +10,14 @@ import numpy as np
 
 from colibri.convert.quantize_q4k.scalars import as_int8, block_bytes, load_fp16, nearest_int, njit_c, store_fp16
 from colibri.convert.quantize_q4k.searches import (
-    GROUP_MAX_EPS, IMATRIX_SEARCH, Q4_K_SEARCH, Q5_K_SEARCH, make_qkx_quants, make_qp_quants, make_qx_quants,
+    GROUP_MAX_EPS, IMATRIX_SEARCH, Q2_K_SEARCH, Q4_K_SEARCH, Q5_K_SEARCH, make_qkx_quants, make_qp_quants,
+    make_qx_quants,
 )
 
 F32 = np.float32
 QK_K = gguf.QK_K
 Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES = block_bytes("Q4_K"), block_bytes("Q5_K"), block_bytes("Q6_K")
+Q2_K_BYTES = block_bytes("Q2_K")
 
 
 @njit_c
@@ -249,3 +251,108 @@ def dequantize_q6_k(blocks, out):
                     for k in range(4):
                         scale = as_int8(np.int64(y[192 + j // 16 + i // 16 + 2 * k]))
                         x[j + 32 * k + i] = d * F32(scale) * F32(quants[k] - 32)
+
+
+# block_q2_K: scales[16] (4-bit scale | 4-bit min << 4, one per 16 weights), qs[64] (2-bit
+# levels: byte 32h + l holds weights 128h + l + 32s in bits 2s..2s+1), d, dmin (fp16)
+@njit_c
+def quantize_q2_k(rows, imatrix, out):
+    L = np.empty(QK_K, np.uint8)
+    weights = np.empty(16, np.float32)
+    scales = np.empty(16, np.float32)
+    mins = np.empty(16, np.float32)
+    for r in range(rows.shape[0]):
+        for b in range(rows.shape[1] // QK_K):
+            x = rows[r, QK_K * b:QK_K * (b + 1)]
+            y = out[r, Q2_K_BYTES * b:Q2_K_BYTES * (b + 1)]
+            if imatrix.size:
+                _quantize_q2_k_weighted(x, imatrix[QK_K * b:QK_K * (b + 1)], y, L)
+                continue
+            # quantize_row_q2_K_ref
+            max_scale = F32(0.0)
+            max_min = F32(0.0)
+            for j in range(16):
+                xs = x[16 * j:16 * j + 16]
+                for i in range(16):
+                    weights[i] = abs(xs[i])
+                scales[j], mins[j] = make_qkx_quants(3, xs, weights, L[16 * j:], Q2_K_SEARCH)
+                if scales[j] > max_scale:
+                    max_scale = scales[j]
+                if mins[j] > max_min:
+                    max_min = mins[j]
+            if max_scale > 0:
+                inv_scale = F32(15.0) / max_scale
+                for j in range(16):
+                    y[j] = nearest_int(inv_scale * scales[j])
+                store_fp16(y, 80, max_scale / F32(15.0))
+            else:
+                y[:16] = 0
+                store_fp16(y, 80, F32(0.0))
+            if max_min > 0:
+                inv_min = F32(15.0) / max_min
+                for j in range(16):
+                    y[j] |= nearest_int(inv_min * mins[j]) << 4
+                store_fp16(y, 82, max_min / F32(15.0))
+            else:
+                store_fp16(y, 82, F32(0.0))
+            _store_q2_k_levels(x, y, L)
+
+
+@njit_c
+def _store_q2_k_levels(x, y, L):
+    """The levels of the 256 weights requantized with the block's stored scales and mins (a
+    group whose scale is 0 keeps the levels of its search), packed into qs."""
+    d_all, dmin_all = load_fp16(y, 80), load_fp16(y, 82)
+    for j in range(16):
+        d = d_all * F32(y[j] & 0xF)
+        if d == 0:
+            continue
+        dm = dmin_all * F32(y[j] >> 4)
+        for i in range(16):
+            L[16 * j + i] = max(0, min(3, nearest_int((x[16 * j + i] + dm) / d)))
+    for h in range(2):
+        for i in range(32):
+            base = 128 * h + i
+            y[16 + 32 * h + i] = L[base] | (L[base + 32] << 2) | (L[base + 64] << 4) | (L[base + 96] << 6)
+
+
+@njit_c
+def _quantize_q2_k_weighted(x, qw, y, L):
+    """quantize_row_q2_K_impl for one block: weighted searches, then the scales and mins of
+    the 16 groups quantized to 4 bits by make_qp_quants."""
+    weights = np.empty(16, np.float32)
+    scales = np.empty(16, np.float32)
+    mins = np.empty(16, np.float32)
+    group_weights = np.zeros(16, np.float32)
+    Ls = np.empty(16, np.uint8)
+    Lm = np.empty(16, np.uint8)
+    sum_x2 = F32(0.0)
+    for v in x:
+        sum_x2 += v * v
+    sigma2 = sum_x2 / F32(QK_K)
+    for j in range(16):
+        xs = x[16 * j:16 * j + 16]
+        for i in range(16):
+            weights[i] = qw[16 * j + i] * np.sqrt(sigma2 + xs[i] * xs[i])
+            group_weights[j] += weights[i]
+        scales[j], mins[j] = make_qkx_quants(3, xs, weights, L[16 * j:], IMATRIX_SEARCH)
+    store_fp16(y, 80, make_qp_quants(15, scales, Ls, group_weights))
+    store_fp16(y, 82, make_qp_quants(15, mins, Lm, group_weights))
+    for j in range(16):
+        y[j] = Ls[j] | (Lm[j] << 4)
+    _store_q2_k_levels(x, y, L)
+
+
+@njit_c
+def dequantize_q2_k(blocks, out):
+    for r in range(blocks.shape[0]):
+        for b in range(out.shape[1] // QK_K):
+            y = blocks[r, Q2_K_BYTES * b:Q2_K_BYTES * (b + 1)]
+            d, dmin = load_fp16(y, 80), load_fp16(y, 82)
+            for h in range(2):
+                for s in range(4):
+                    for i in range(32):
+                        group = 8 * h + 2 * s + i // 16
+                        level = (np.int64(y[16 + 32 * h + i]) >> (2 * s)) & 3
+                        dl, ml = d * F32(y[group] & 0xF), dmin * F32(y[group] >> 4)
+                        out[r, QK_K * b + 128 * h + 32 * s + i] = dl * F32(level) - ml

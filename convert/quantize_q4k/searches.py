@@ -12,11 +12,12 @@ from colibri.convert.quantize_q4k.scalars import nearest_int, njit_c
 F32 = np.float32
 GROUP_MAX_EPS = F32(1e-15)
 
-# (rmin, rdelta, nstep) of ggml's make_qkx2_quants / make_qkx3_quants scale searches. As
-# tuples they reach numba as plain (not literal) values: one compiled search per nmax.
-Q4_K_SEARCH = (F32(-1.0), F32(0.1), 20)
-Q5_K_SEARCH = (F32(-0.5), F32(0.1), 15)
-IMATRIX_SEARCH = (F32(-0.9), F32(0.05), 36)
+# (rmin, rdelta, nstep, use_mad) of ggml's make_qkx2_quants / make_qkx3_quants scale searches.
+# As tuples they reach numba as plain (not literal) values: one compiled search per nmax.
+Q4_K_SEARCH = (F32(-1.0), F32(0.1), 20, False)
+Q5_K_SEARCH = (F32(-0.5), F32(0.1), 15, False)
+Q2_K_SEARCH = (F32(-0.5), F32(0.1), 15, True)  # errors as absolute, not squared, differences
+IMATRIX_SEARCH = (F32(-0.9), F32(0.05), 36, False)
 
 
 @njit_c
@@ -78,13 +79,13 @@ def make_qx_quants(nmax, x, weights, L):
 
 @njit_c
 def make_qkx_quants(nmax, x, weights, L, search):
-    """make_qkx2_quants / make_qkx3_quants (use_mad=false, weights given): levels L in
-    [0, nmax] for x ~ scale*L - the_min. Returns (scale, the_min).
+    """make_qkx2_quants / make_qkx3_quants (weights given): levels L in [0, nmax] for
+    x ~ scale*L - the_min. Returns (scale, the_min).
 
     Each trial depends on the previous one (through min), so trials run in order; within a
     trial the element-wise products get their own vectorizable loops and only the float32
     sums, in C's order, stay scalar."""
-    rmin, rdelta, nstep = search
+    rmin, rdelta, nstep, use_mad = search
     n = x.size
     min_value = x[0]
     max_value = x[0]
@@ -108,7 +109,7 @@ def make_qkx_quants(nmax, x, weights, L, search):
     for i in range(n):
         L[i] = max(0, min(nmax, nearest_int(iscale * (x[i] - min_value))))
         diff = scale * F32(L[i]) + min_value - x[i]
-        best_error += weights[i] * (diff * diff)
+        best_error += weights[i] * (abs(diff) if use_mad else diff * diff)
 
     Laux = np.empty(n, np.uint8)
     products = np.empty((4, n), np.float32)
@@ -139,7 +140,7 @@ def make_qkx_quants(nmax, x, weights, L, search):
                 this_scale = sum_xl / sum_l2
             for i in range(n):
                 diff = this_scale * F32(Laux[i]) + this_min - x[i]
-                werr[i] = weights[i] * (diff * diff)
+                werr[i] = weights[i] * (abs(diff) if use_mad else diff * diff)
             error = F32(0.0)
             for i in range(n):
                 error += werr[i]
