@@ -15,9 +15,6 @@ import gguf
 import numpy as np
 
 ENCODINGS = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-# Encodings a model can hold (from a GGUF) but colibri-convert does not make yet: its recipes
-# and --override refuse them.
-READ_ONLY_ENCODINGS = ("Q3_K",)
 
 # Float encodings that numpy can view directly (BF16 is read as uint16 and widened).
 FLOAT_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}

@@ -18,7 +18,7 @@ except ImportError:  # Python 3.10
     import sre_constants as _regex_constants
     import sre_parse as _regex_parser
 
-from colibri.formats.encodings import ENCODINGS, READ_ONLY_ENCODINGS, fits
+from colibri.formats.encodings import ENCODINGS, fits
 
 RECIPES = ("Q4_K_M", "Q8_0", "BF16", "F16", "F32")
 
@@ -39,10 +39,8 @@ def parse_override(text: str) -> tuple[str, str]:
     if not sep or not pattern:
         raise ValueError(f"override {text!r} is not of the form REGEX=TYPE")
     encoding = encoding.upper()
-    made = [e for e in ENCODINGS if e not in READ_ONLY_ENCODINGS]
-    if encoding not in made:
-        reason = "imported from GGUFs but not made by colibri-convert yet" if encoding in ENCODINGS else "unknown type"
-        raise ValueError(f"override {text!r}: {encoding}: {reason} (made: {', '.join(made)})")
+    if encoding not in ENCODINGS:
+        raise ValueError(f"override {text!r}: unknown type {encoding} (known: {', '.join(ENCODINGS)})")
     problem = pattern_problem(pattern)
     if problem:
         raise ValueError(f"override {text!r}: {problem}")

@@ -102,10 +102,10 @@ def test_normalized_configs(checkpoint):
     assert q2.shared_expert_gate and q2.attn_bias and not q2.router_norm_topk
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q2_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q2_K", "Q3_K"])
 def test_overrides_to_the_newer_types_convert_verify_and_run(checkpoint, tmp_path, kind):
-    """Q4_0, Q4_1 and Q2_K as --override targets: ggml's blocks in the layout, checked by
-    `verify`, multiplied by the kernels."""
+    """Q4_0, Q4_1, Q2_K and Q3_K as --override targets: ggml's blocks in the layout, checked
+    by `verify`, multiplied by the kernels."""
     from colibri.formats.recipe import parse_override
     from colibri.runtime import open_model
     from colibri.verify.model_check import verify_model

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from colibri.convert.quantize_q4k import quantize
-from colibri.formats.encodings import ENCODINGS, READ_ONLY_ENCODINGS, SCALE_OFFSETS, block_size
+from colibri.formats.encodings import ENCODINGS
 from colibri.runtime import kernels
 from colibri.runtime.kernels import threads
 
@@ -29,18 +29,9 @@ COLS = {"F32": 288, "F16": 256, "BF16": 2048, "Q8_0": 288, "Q5_0": 1056, "Q5_1":
 
 
 def random_weights(encoding, rows, cols, seed=0):
-    """(bytes [rows, row_bytes], float64 decoding of them by gguf). Types colibri-convert does
-    not make are random blocks whose f16 scales are set to small positive values."""
-    rng = np.random.default_rng(seed)
-    if encoding in READ_ONLY_ENCODINGS:
-        weights, nbytes = block_size(encoding)
-        w = rng.integers(0, 256, (rows, cols // weights, nbytes), dtype=np.uint8)
-        for offset in SCALE_OFFSETS[encoding]:
-            scales = rng.uniform(1e-3, 1e-2, w.shape[:2]).astype(np.float16)
-            w[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(*w.shape[:2], 2)
-        w = w.reshape(rows, -1)
-    else:
-        w = quantize(rng.standard_normal((rows, cols)).astype(np.float32), encoding)
+    """(bytes [rows, row_bytes], float64 decoding of them by gguf)."""
+    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    w = quantize(values, encoding)
     return w, gguf.quants.dequantize(w, gguf.GGMLQuantizationType[encoding]).astype(np.float64)
 
 

@@ -112,7 +112,7 @@ def test_row_length_must_fill_whole_blocks(qtype, n, block):
 
 
 ALL_TYPES_FILE = Path(__file__).resolve().parent / "data" / "ggml_quants_golden_all.npz"
-OURS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q4_K", "Q5_K", "Q6_K")  # the types convert.quantize_q4k makes
+OURS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # the types convert.quantize_q4k makes
 
 
 def _all_types_keys() -> list[str]:

@@ -83,8 +83,6 @@ def test_overrides_first_match_wins_and_are_checked():
     with pytest.raises(ValueError, match="REGEX=TYPE"):
         parse_override("no-equals-sign")
     with pytest.raises(ValueError, match="unknown type"):
-        parse_override("attn=Q7_K")
-    with pytest.raises(ValueError, match="Q3_K: imported from GGUFs but not made by colibri-convert yet"):
-        parse_override("attn=Q3_K")
+        parse_override("attn=IQ2_XXS")
     with pytest.raises(ValueError, match="bad regex"):
         parse_override("attn[=Q8_0")

@@ -8,7 +8,7 @@ no fastmath (a fused multiply-add rounds differently). Where a loop is restructu
 speed, the float32 operations and their order per sum are unchanged.
 
 `quantize` and `dequantize` (here) take every type; the block types live in `k_quants`
-(Q2_K, Q4_K, Q5_K, Q6_K) and `q32` (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1), built on ggml's scale searches (`searches`)
+(Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and `q32` (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1), built on ggml's scale searches (`searches`)
 and C's scalar conversions (`scalars`).
 """
 
@@ -16,8 +16,8 @@ import gguf
 import numpy as np
 
 from colibri.convert.quantize_q4k.k_quants import (
-    dequantize_q2_k, dequantize_q4_k, dequantize_q5_k, dequantize_q6_k, quantize_q2_k, quantize_q4_k, quantize_q5_k,
-    quantize_q6_k,
+    dequantize_q2_k, dequantize_q3_k, dequantize_q4_k, dequantize_q5_k, dequantize_q6_k, quantize_q2_k, quantize_q3_k,
+    quantize_q4_k, quantize_q5_k, quantize_q6_k,
 )
 from colibri.convert.quantize_q4k.q32 import (
     dequantize_q4_0, dequantize_q4_1, dequantize_q5_0, dequantize_q5_1, dequantize_q8_0, quantize_q4_0, quantize_q4_1,
@@ -34,6 +34,7 @@ _BLOCK_CODECS = {
     "Q4_0": (quantize_q4_0, dequantize_q4_0),
     "Q4_1": (quantize_q4_1, dequantize_q4_1),
     "Q2_K": (quantize_q2_k, dequantize_q2_k),
+    "Q3_K": (quantize_q3_k, dequantize_q3_k),
 }
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 

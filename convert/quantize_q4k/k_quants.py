@@ -1,4 +1,5 @@
-"""The K-quant blocks of 256 weights: Q4_K and Q5_K (with their shared 6-bit scales and mins), Q6_K.
+"""The K-quant blocks of 256 weights: Q4_K and Q5_K (with their shared 6-bit scales and mins), Q6_K,
+Q2_K and Q3_K.
 
 `quantize_<type>(rows f32[r, n], imatrix f32[n] or empty, out u8[r, row_bytes])` and
 `dequantize_<type>(blocks u8[r, row_bytes], out f32[r, n])` loop over rows and blocks. The
@@ -17,7 +18,7 @@ from colibri.convert.quantize_q4k.searches import (
 F32 = np.float32
 QK_K = gguf.QK_K
 Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES = block_bytes("Q4_K"), block_bytes("Q5_K"), block_bytes("Q6_K")
-Q2_K_BYTES = block_bytes("Q2_K")
+Q2_K_BYTES, Q3_K_BYTES = block_bytes("Q2_K"), block_bytes("Q3_K")
 
 
 @njit_c
@@ -356,3 +357,151 @@ def dequantize_q2_k(blocks, out):
                         level = (np.int64(y[16 + 32 * h + i]) >> (2 * s)) & 3
                         dl, ml = d * F32(y[group] & 0xF), dmin * F32(y[group] >> 4)
                         out[r, QK_K * b + 128 * h + 32 * s + i] = dl * F32(level) - ml
+
+
+# block_q3_K: hmask[32] (bit s of byte l: 4 added to the level of weight 32s + l), qs[64] (2-bit
+# parts, as Q2_K's), scales[12] (16 packed 6-bit scales, stored + 32), d (fp16)
+@njit_c
+def _make_q3_quants(nmax, x, L):
+    """make_q3_quants (do_rmse): levels L in [0, 2*nmax) for x ~ scale*(L - nmax), weighted by
+    x^2 and refined a level at a time. Returns the scale."""
+    n = x.size
+    max_value = F32(0.0)
+    amax = F32(0.0)
+    for i in range(n):
+        ax = abs(x[i])
+        if ax > amax:
+            amax = ax
+            max_value = x[i]
+    if amax < GROUP_MAX_EPS:
+        L[:n] = 0
+        return F32(0.0)
+    iscale = F32(-nmax) / max_value
+    levels = np.empty(n, np.int64)
+    sumlx = F32(0.0)
+    suml2 = F32(0.0)
+    for i in range(n):
+        level = max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
+        levels[i] = level
+        w = x[i] * x[i]
+        sumlx += w * x[i] * F32(level)
+        suml2 += w * F32(level) * F32(level)
+    for _ in range(5):
+        changed = 0
+        for i in range(n):
+            w = x[i] * x[i]
+            slx = sumlx - w * x[i] * F32(levels[i])
+            if slx > 0:
+                sl2 = suml2 - w * F32(levels[i]) * F32(levels[i])
+                new = max(-nmax, min(nmax - 1, nearest_int(x[i] * sl2 / slx)))
+                if new != levels[i]:
+                    slx += w * x[i] * F32(new)
+                    sl2 += w * F32(new) * F32(new)
+                    if sl2 > 0 and slx * slx * suml2 > sumlx * sumlx * sl2:
+                        levels[i] = new
+                        sumlx = slx
+                        suml2 = sl2
+                        changed += 1
+        if not changed:
+            break
+    for i in range(n):
+        L[i] = levels[i] + nmax
+    return sumlx / suml2 if suml2 > 0 else F32(0.0)
+
+
+@njit_c
+def _pack_q3_k_scale(y, j, level):
+    """Store scale level j (0..63) in the 12 scale bytes at y[96:108]."""
+    if j < 8:
+        y[96 + j] = level & 0xF
+    else:
+        y[96 + j - 8] |= (level & 0xF) << 4
+    y[96 + 8 + j % 4] |= (level >> 4) << (2 * (j // 4))
+
+
+@njit_c
+def _store_q3_k_levels(x, y, L):
+    """Requantize the 256 weights with the stored scales (a group whose scale is 0 keeps the
+    levels of its search), then split the levels into hmask and the 2-bit qs."""
+    d_all = load_fp16(y, 108)
+    for j in range(16):
+        low = (y[96 + j] & 0xF) if j < 8 else (y[96 + j - 8] >> 4)
+        sc = (np.int64(low) | (((np.int64(y[96 + 8 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
+        d = d_all * F32(sc)
+        if d == 0:
+            continue
+        for i in range(16):
+            L[16 * j + i] = max(-4, min(3, nearest_int(x[16 * j + i] / d))) + 4
+    y[:32] = 0
+    for j in range(QK_K):
+        if L[j] > 3:
+            y[j % 32] |= 1 << (j // 32)
+            L[j] -= 4
+    for h in range(2):
+        for i in range(32):
+            base = 128 * h + i
+            y[32 + 32 * h + i] = L[base] | (L[base + 32] << 2) | (L[base + 64] << 4) | (L[base + 96] << 6)
+
+
+@njit_c
+def quantize_q3_k(rows, imatrix, out):
+    L = np.empty(QK_K, np.uint8)
+    scales = np.empty(16, np.float32)
+    weights = np.empty(16, np.float32)
+    group_weights = np.empty(16, np.float32)
+    Ls = np.empty(16, np.uint8)
+    for r in range(rows.shape[0]):
+        for b in range(rows.shape[1] // QK_K):
+            x = rows[r, QK_K * b:QK_K * (b + 1)]
+            y = out[r, Q3_K_BYTES * b:Q3_K_BYTES * (b + 1)]
+            y[96:108] = 0
+            if imatrix.size:  # quantize_row_q3_K_impl
+                sum_x2 = F32(0.0)
+                for v in x:
+                    sum_x2 += v * v
+                sigma2 = F32(2.0) * sum_x2 / F32(QK_K)
+                for j in range(16):
+                    xs = x[16 * j:16 * j + 16]
+                    total = F32(0.0)
+                    for i in range(16):
+                        weights[i] = imatrix[QK_K * b + 16 * j + i] * np.sqrt(sigma2 + xs[i] * xs[i])
+                        total += weights[i]
+                    group_weights[j] = total
+                    scales[j] = make_qx_quants(4, xs, weights, L[16 * j:])
+                d_block = make_qx_quants(32, scales, group_weights, Ls)
+                for j in range(16):
+                    _pack_q3_k_scale(y, j, np.int64(Ls[j]))
+                store_fp16(y, 108, d_block)
+            else:  # quantize_row_q3_K_ref
+                max_scale = F32(0.0)
+                amax = F32(0.0)
+                for j in range(16):
+                    scales[j] = _make_q3_quants(4, x[16 * j:16 * j + 16], L[16 * j:])
+                    if abs(scales[j]) > amax:
+                        amax = abs(scales[j])
+                        max_scale = scales[j]
+                if max_scale != 0:
+                    iscale = F32(-32.0) / max_scale
+                    for j in range(16):
+                        _pack_q3_k_scale(y, j, max(-32, min(31, nearest_int(iscale * scales[j]))) + 32)
+                    store_fp16(y, 108, F32(1.0) / iscale)
+                else:
+                    store_fp16(y, 108, F32(0.0))
+            _store_q3_k_levels(x, y, L)
+
+
+@njit_c
+def dequantize_q3_k(blocks, out):
+    for r in range(blocks.shape[0]):
+        for b in range(out.shape[1] // QK_K):
+            y = blocks[r, Q3_K_BYTES * b:Q3_K_BYTES * (b + 1)]
+            d = load_fp16(y, 108)
+            for h in range(2):
+                for s in range(4):
+                    for i in range(32):
+                        j = 8 * h + 2 * s + i // 16
+                        low = (y[96 + j] & 0xF) if j < 8 else (y[96 + j - 8] >> 4)
+                        sc = (np.int64(low) | (((np.int64(y[104 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
+                        level = (np.int64(y[32 + 32 * h + i]) >> (2 * s)) & 3
+                        high = (np.int64(y[i]) >> (4 * h + s)) & 1
+                        out[r, QK_K * b + 128 * h + 32 * s + i] = (d * F32(sc)) * F32(level - (0 if high else 4))
