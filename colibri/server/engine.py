@@ -27,7 +27,6 @@ class Request:
     sampling: dict
     on_event: Callable
     interactive: bool = True
-    sequence: int | None = None  # the scheduler's id, once admitted
     cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -122,8 +121,7 @@ class Engine:
             line = self.lines[interactive]
             while room > 0 and line:
                 request = line.popleft()
-                request.sequence = self.scheduler.add(request.prompt, **request.sampling)
-                self.by_sequence[request.sequence] = request
+                self.by_sequence[self.scheduler.add(request.prompt, **request.sampling)] = request
                 room -= 1
 
     @staticmethod
