@@ -11,8 +11,8 @@ import numpy as np
 
 from colibri.convert.quantize_q4k.scalars import as_int8, block_bytes, load_fp16, nearest_int, njit_c, store_fp16
 from colibri.convert.quantize_q4k.searches import (
-    GROUP_MAX_EPS, IMATRIX_SEARCH, Q2_K_SEARCH, Q4_K_SEARCH, Q5_K_SEARCH, make_qkx_quants, make_qp_quants,
-    make_qx_quants,
+    GROUP_MAX_EPS, IMATRIX_SEARCH, Q2_K_SEARCH, Q4_K_SEARCH, Q5_K_SEARCH, make_q3_quants, make_qkx_quants,
+    make_qp_quants, make_qx_quants,
 )
 
 F32 = np.float32
@@ -254,6 +254,17 @@ def dequantize_q6_k(blocks, out):
                         x[j + 32 * k + i] = d * F32(scale) * F32(quants[k] - 32)
 
 
+@njit_c
+def _pack_two_bit_levels(y, offset, L):
+    """The low 2 bits of the 256 levels L into the 64 bytes at y[offset:]: byte 32h + i holds
+    weights 128h + i + 32s in bits 2s..2s+1 (Q2_K's and Q3_K's qs)."""
+    for h in range(2):
+        for i in range(32):
+            base = 128 * h + i
+            y[offset + 32 * h + i] = (L[base] & 3) | ((L[base + 32] & 3) << 2) | ((L[base + 64] & 3) << 4) | (
+                (L[base + 96] & 3) << 6)
+
+
 # block_q2_K: scales[16] (4-bit scale | 4-bit min << 4, one per 16 weights), qs[64] (2-bit
 # levels: byte 32h + l holds weights 128h + l + 32s in bits 2s..2s+1), d, dmin (fp16)
 @njit_c
@@ -311,10 +322,7 @@ def _store_q2_k_levels(x, y, L):
         dm = dmin_all * F32(y[j] >> 4)
         for i in range(16):
             L[16 * j + i] = max(0, min(3, nearest_int((x[16 * j + i] + dm) / d)))
-    for h in range(2):
-        for i in range(32):
-            base = 128 * h + i
-            y[16 + 32 * h + i] = L[base] | (L[base + 32] << 2) | (L[base + 64] << 4) | (L[base + 96] << 6)
+    _pack_two_bit_levels(y, 16, L)
 
 
 @njit_c
@@ -362,54 +370,6 @@ def dequantize_q2_k(blocks, out):
 # block_q3_K: hmask[32] (bit s of byte l: 4 added to the level of weight 32s + l), qs[64] (2-bit
 # parts, as Q2_K's), scales[12] (16 packed 6-bit scales, stored + 32), d (fp16)
 @njit_c
-def _make_q3_quants(nmax, x, L):
-    """make_q3_quants (do_rmse): levels L in [0, 2*nmax) for x ~ scale*(L - nmax), weighted by
-    x^2 and refined a level at a time. Returns the scale."""
-    n = x.size
-    max_value = F32(0.0)
-    amax = F32(0.0)
-    for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            max_value = x[i]
-    if amax < GROUP_MAX_EPS:
-        L[:n] = 0
-        return F32(0.0)
-    iscale = F32(-nmax) / max_value
-    levels = np.empty(n, np.int64)
-    sumlx = F32(0.0)
-    suml2 = F32(0.0)
-    for i in range(n):
-        level = max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
-        levels[i] = level
-        w = x[i] * x[i]
-        sumlx += w * x[i] * F32(level)
-        suml2 += w * F32(level) * F32(level)
-    for _ in range(5):
-        changed = 0
-        for i in range(n):
-            w = x[i] * x[i]
-            slx = sumlx - w * x[i] * F32(levels[i])
-            if slx > 0:
-                sl2 = suml2 - w * F32(levels[i]) * F32(levels[i])
-                new = max(-nmax, min(nmax - 1, nearest_int(x[i] * sl2 / slx)))
-                if new != levels[i]:
-                    slx += w * x[i] * F32(new)
-                    sl2 += w * F32(new) * F32(new)
-                    if sl2 > 0 and slx * slx * suml2 > sumlx * sumlx * sl2:
-                        levels[i] = new
-                        sumlx = slx
-                        suml2 = sl2
-                        changed += 1
-        if not changed:
-            break
-    for i in range(n):
-        L[i] = levels[i] + nmax
-    return sumlx / suml2 if suml2 > 0 else F32(0.0)
-
-
-@njit_c
 def _pack_q3_k_scale(y, j, level):
     """Store scale level j (0..63) in the 12 scale bytes at y[96:108]."""
     if j < 8:
@@ -437,10 +397,7 @@ def _store_q3_k_levels(x, y, L):
         if L[j] > 3:
             y[j % 32] |= 1 << (j // 32)
             L[j] -= 4
-    for h in range(2):
-        for i in range(32):
-            base = 128 * h + i
-            y[32 + 32 * h + i] = L[base] | (L[base + 32] << 2) | (L[base + 64] << 4) | (L[base + 96] << 6)
+    _pack_two_bit_levels(y, 32, L)
 
 
 @njit_c
@@ -476,7 +433,7 @@ def quantize_q3_k(rows, imatrix, out):
                 max_scale = F32(0.0)
                 amax = F32(0.0)
                 for j in range(16):
-                    scales[j] = _make_q3_quants(4, x[16 * j:16 * j + 16], L[16 * j:])
+                    scales[j] = make_q3_quants(4, x[16 * j:16 * j + 16], L[16 * j:])
                     if abs(scales[j]) > amax:
                         amax = abs(scales[j])
                         max_scale = scales[j]

@@ -1,8 +1,8 @@
 """ggml's scale searches: the scale (and minimum) and the levels that fit a group of weights best.
 
-make_qx_quants (symmetric: Q6_K, and Q5_0 with an imatrix), make_qkx2/3_quants (a scale and
-a minimum: Q4_K, Q5_K, and Q5_1 with an imatrix) and make_qp_quants (the scales of Q4_K's and
-Q5_K's scales, with an imatrix).
+make_qx_quants (symmetric: Q6_K, and Q5_0, Q4_0, Q3_K with an imatrix), make_q3_quants (Q3_K),
+make_qkx2/3_quants (a scale and a minimum: Q4_K, Q5_K, Q2_K, and Q5_1, Q4_1 with an imatrix) and
+make_qp_quants (the scales of the K-quants' scales, with an imatrix).
 """
 
 import numpy as np
@@ -21,6 +21,18 @@ IMATRIX_SEARCH = (F32(-0.9), F32(0.05), 36, False)
 
 
 @njit_c
+def signed_max(x):
+    """(the largest |x[i]|, that x[i]): the first of equal magnitudes, as ggml's loops."""
+    amax = F32(0.0)
+    max_value = F32(0.0)
+    for v in x:
+        if abs(v) > amax:
+            amax = abs(v)
+            max_value = v
+    return amax, max_value
+
+
+@njit_c
 def make_qx_quants(nmax, x, weights, L):
     """make_qx_quants (rmse_type 1, weights given): levels L in [0, 2*nmax) for
     x ~ scale*(L - nmax). Returns the scale.
@@ -29,13 +41,7 @@ def make_qx_quants(nmax, x, weights, L):
     side (one float32 chain per trial, in C's order, which the compiler can vectorize across
     trials); C's sequential choice among them follows."""
     n = x.size
-    max_value = F32(0.0)
-    amax = F32(0.0)
-    for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            max_value = x[i]
+    amax, max_value = signed_max(x)
     if amax < GROUP_MAX_EPS:
         L[:n] = 0
         return F32(0.0)
@@ -211,4 +217,46 @@ def make_qp_quants(nmax, x, L, quant_weights):
                         n_changed += 1
         if n_changed == 0:
             break
+    return sumlx / suml2 if suml2 > 0 else F32(0.0)
+
+
+@njit_c
+def make_q3_quants(nmax, x, L):
+    """make_q3_quants (do_rmse): levels L in [0, 2*nmax) for x ~ scale*(L - nmax), weighted by
+    x^2 and refined a level at a time. Returns the scale."""
+    n = x.size
+    amax, max_value = signed_max(x)
+    if amax < GROUP_MAX_EPS:
+        L[:n] = 0
+        return F32(0.0)
+    iscale = F32(-nmax) / max_value
+    levels = np.empty(n, np.int64)
+    sumlx = F32(0.0)
+    suml2 = F32(0.0)
+    for i in range(n):
+        level = max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
+        levels[i] = level
+        w = x[i] * x[i]
+        sumlx += w * x[i] * F32(level)
+        suml2 += w * F32(level) * F32(level)
+    for _ in range(5):
+        changed = 0
+        for i in range(n):
+            w = x[i] * x[i]
+            slx = sumlx - w * x[i] * F32(levels[i])
+            if slx > 0:
+                sl2 = suml2 - w * F32(levels[i]) * F32(levels[i])
+                new = max(-nmax, min(nmax - 1, nearest_int(x[i] * sl2 / slx)))
+                if new != levels[i]:
+                    slx += w * x[i] * F32(new)
+                    sl2 += w * F32(new) * F32(new)
+                    if sl2 > 0 and slx * slx * suml2 > sumlx * sumlx * sl2:
+                        levels[i] = new
+                        sumlx = slx
+                        suml2 = sl2
+                        changed += 1
+        if not changed:
+            break
+    for i in range(n):
+        L[i] = levels[i] + nmax
     return sumlx / suml2 if suml2 > 0 else F32(0.0)
