@@ -44,8 +44,9 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
                         "(for a split GGUF, any part: the others are found next to it)")
     p.add_argument("out", metavar="OUT", help="output folder; an unfinished conversion there is resumed")
     p.add_argument("--quant", default=None, choices=RECIPES, type=str.upper,
-                   help="quantization recipe (default: Q4_K_M, llama.cpp's per-tensor choices; "
-                        "a GGUF keeps its own types and takes no --quant)")
+                   help="quantization recipe: one of llama-quantize's mixes (Q2_K ... Q6_K, Q4_0 ... Q5_1: its "
+                        "per-tensor choices, about 2.6 to 6.6 bits a weight) or a uniform Q8_0/BF16/F16/F32 "
+                        "(default: Q4_K_M; a GGUF keeps its own types and takes no --quant)")
     p.add_argument("--override", action="append", default=[], type=_override, metavar="REGEX=TYPE",
                    help="force TYPE for tensors whose canonical name matches REGEX (first match wins; repeatable)")
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),

@@ -173,7 +173,8 @@ def checkpoint_job(src: str, options: ConvertOptions) -> Job:
     try:
         plan = make_plan(checkpoint)
         config, quant = plan.config, options.quant or DEFAULT_QUANT
-        recipe = Recipe(quant, config.n_layers, config.n_experts, config.tie_word_embeddings, list(options.overrides))
+        recipe = Recipe(quant, config.n_layers, config.n_experts, config.tie_word_embeddings, list(options.overrides),
+                        n_gqa=config.n_heads // max(config.n_kv_heads, 1))
         units = make_units(plan, recipe)
         return Job(
             config=config,

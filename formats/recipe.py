@@ -1,8 +1,9 @@
 """Quantization recipes: which encoding each canonical tensor gets.
 
-`Q4_K_M` follows llama.cpp's `llama_tensor_get_type` (src/llama-quant.cpp) for the
-Q4_K_M file type, so the same checkpoint gets the same type per tensor as
-`llama-quantize ... Q4_K_M`. Names are gguf's canonical tensor names
+The mixes (`Q2_K` ... `Q6_K`, `Q4_0` ... `Q5_1`) follow llama.cpp's
+`llama_tensor_get_type_impl` (src/llama-quant.cpp) for their file types, so the same
+checkpoint gets the same type per tensor as `llama-quantize ... TYPE` without an importance
+matrix; `Q8_0`, `BF16`, `F16` and `F32` are uniform. Names are gguf's canonical tensor names
 (`blk.3.ffn_down_exps.weight`); shapes are row-major with the row length last.
 """
 
@@ -20,7 +21,11 @@ except ImportError:  # Python 3.10
 
 from colibri.formats.encodings import ENCODINGS, fits
 
-RECIPES = ("Q4_K_M", "Q8_0", "BF16", "F16", "F32")
+# each mix and the type most of its tensors get (llama.cpp's default type of the file type)
+MIXES = {"Q2_K": "Q2_K", "Q2_K_S": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K",
+         "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
+         "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0", "Q5_1": "Q5_1"}
+RECIPES = (*MIXES, "Q8_0", "BF16", "F16", "F32")
 
 # llama.cpp's fallback when a row is not a whole number of 256-weight super-blocks.
 K_QUANT_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
@@ -98,6 +103,7 @@ class Recipe:
     n_experts: int
     tied_embeddings: bool
     overrides: list[tuple[str, str]] = field(default_factory=list)
+    n_gqa: int = 1  # query heads per KV head
 
     def __post_init__(self):
         if self.name not in RECIPES:
@@ -113,7 +119,7 @@ class Recipe:
             return "F32"
         if self.name in ("BF16", "F16"):
             return self.name
-        chosen = self._q4_k_m(name, shape) if self.name == "Q4_K_M" else "Q8_0"
+        chosen = self._mix(name, shape) if self.name in MIXES else "Q8_0"
         row = shape[-1]
         if not fits(chosen, row):
             chosen = K_QUANT_FALLBACK.get(chosen, chosen)
@@ -127,20 +133,45 @@ class Recipe:
                 return encoding
         return chosen
 
-    def _q4_k_m(self, name: str, shape) -> str:
+    def _mix(self, name: str, shape) -> str:
+        """llama_tensor_get_type_impl for the mixes (no importance matrix, one type per layer
+        counted by the layer index, as llama.cpp does for models with experts)."""
+        mix, chosen = self.name, MIXES[self.name]
         layer_match = _LAYER.match(name)
-        layer = int(layer_match.group(1)) if layer_match else -1
+        layer, n = (int(layer_match.group(1)) if layer_match else -1), self.n_layers
         eight_experts = self.n_experts == 8
         if name == "output.weight" or (self.tied_embeddings and name == "token_embd.weight"):
-            return "Q6_K" if fits("Q6_K", shape[-1]) else "Q8_0"
+            if not fits(chosen, shape[-1]):
+                return "Q8_0"
+            return "Q6_K"
         if any(k in name for k in ("attn_v.weight", "attn_qkv.weight", "attn_kv_b.weight")):
             if eight_experts:
                 return "Q8_0"
-            return "Q6_K" if use_more_bits(layer, self.n_layers) else "Q4_K"
-        if "attn_k.weight" in name and eight_experts:
-            return "Q8_0"
-        if "attn_output.weight" in name and eight_experts:
-            return "Q5_K"
-        if "ffn_down" in name and use_more_bits(layer, self.n_layers):
-            return "Q6_K"
-        return "Q4_K"
+            if mix == "Q2_K":
+                return "Q4_K" if self.n_gqa >= 4 else "Q3_K"
+            if mix == "Q2_K_S" and self.n_gqa >= 4:
+                return "Q4_K"
+            if mix == "Q3_K_M":
+                return "Q5_K" if layer < 2 else "Q4_K"
+            if mix == "Q3_K_L":
+                return "Q5_K"
+            if mix in ("Q4_K_M", "Q5_K_M") and use_more_bits(layer, n):
+                return "Q6_K"
+            if mix == "Q4_K_S" and layer < 4:
+                return "Q5_K"
+            return chosen
+        if "attn_k.weight" in name:
+            return "Q8_0" if eight_experts else chosen
+        if "ffn_down" in name:
+            return {"Q2_K": "Q3_K",
+                    "Q2_K_S": "Q4_K" if layer < n // 8 else chosen,
+                    "Q3_K_M": "Q5_K" if layer < n // 16 else "Q4_K",
+                    "Q3_K_L": "Q5_K",
+                    "Q4_K_M": "Q6_K" if use_more_bits(layer, n) else chosen,
+                    "Q5_K_M": "Q6_K" if use_more_bits(layer, n) else chosen,
+                    "Q4_K_S": "Q5_K" if layer < n // 8 else chosen}.get(mix, chosen)
+        if "attn_output" in name:
+            if eight_experts:
+                return "Q5_K" if mix in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M") else chosen
+            return {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K"}.get(mix, chosen)
+        return chosen

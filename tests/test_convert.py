@@ -120,3 +120,27 @@ def test_overrides_to_the_newer_types_convert_verify_and_run(checkpoint, tmp_pat
     logits = m.prefill([5, 6, 7, 8])
     assert np.isfinite(logits).all() and m.stats()["expert_bytes_read"] > 0
     m.close()
+
+
+@pytest.mark.parametrize("arch, mix", [("qwen3_moe", "Q2_K"), ("deepseek_v3", "Q3_K_M"), ("mixtral", "Q5_K_S"),
+                                       ("qwen3_moe", "Q4_0")])
+def test_llama_quantize_mixes_convert_verify_and_run(checkpoint, tmp_path, arch, mix):
+    """A mix end to end: each tensor in the type the recipe chose, ggml's bytes for it
+    (`check_conversion`), `verify` clean, and the model runs."""
+    from colibri.formats.recipe import MIXES
+    from colibri.runtime import open_model
+    from colibri.verify.model_check import verify_model
+
+    src = checkpoint(arch)
+    out = tmp_path / mix
+    summary = convert(str(src), out, ConvertOptions(quant=mix, progress=False))
+    check_conversion(src, out, mix)
+    layout = ModelLayout(out)
+    assert layout.manifest["quant"]["recipe"] == mix
+    experts = {m.encoding for t in layout.expert_layers.values() for m in t.matrices.values()}
+    assert MIXES[mix] in experts
+    assert verify_model(out, progress=False).ok
+    m = open_model(out, ctx=64, ram_budget="4G")
+    assert np.isfinite(m.prefill([5, 6, 7, 8])).all()
+    m.close()
+    assert summary["output_bytes"] > 0

@@ -86,3 +86,57 @@ def test_overrides_first_match_wins_and_are_checked():
         parse_override("attn=IQ2_XXS")
     with pytest.raises(ValueError, match="bad regex"):
         parse_override("attn[=Q8_0")
+
+
+def moe_tensors(n_layers=32):
+    """A Mixtral-like listing: attention, experts, shared expert, output."""
+    listing = [("token_embd.weight", (32000, 4096)), ("output.weight", (32000, 4096))]
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        listing += [(p + "attn_q.weight", (4096, 4096)), (p + "attn_k.weight", (1024, 4096)),
+                    (p + "attn_v.weight", (1024, 4096)), (p + "attn_output.weight", (4096, 4096)),
+                    (p + "ffn_gate_exps.weight", (8, 14336, 4096)), (p + "ffn_up_exps.weight", (8, 14336, 4096)),
+                    (p + "ffn_down_exps.weight", (8, 4096, 14336)), (p + "ffn_gate_inp.weight", (8, 4096))]
+    return listing
+
+
+def test_llama_quantize_mixes_choose_llama_cpps_types():
+    """Each mix as llama_tensor_get_type_impl chooses it (llama.cpp b0c1e570), on a 32-layer
+    model with 64 experts and GQA 4, and with 8 experts (Mixtral's special cases)."""
+    listing = moe_tensors()
+
+    def chosen(mix, experts=64, gqa=4):
+        return types(Recipe(mix, 32, experts, False, n_gqa=gqa), listing)
+
+    q2 = chosen("Q2_K")
+    assert q2["blk.5.ffn_gate_exps.weight"] == "Q2_K" and q2["blk.5.ffn_down_exps.weight"] == "Q3_K"
+    assert q2["blk.5.attn_v.weight"] == "Q4_K" and chosen("Q2_K", gqa=1)["blk.5.attn_v.weight"] == "Q3_K"
+    assert q2["blk.5.attn_output.weight"] == "Q3_K" and q2["output.weight"] == "Q6_K" and q2["token_embd.weight"] == "Q2_K"
+    q2s = chosen("Q2_K_S")
+    assert (q2s["blk.3.ffn_down_exps.weight"], q2s["blk.4.ffn_down_exps.weight"]) == ("Q4_K", "Q2_K")
+    q3m = chosen("Q3_K_M")
+    assert [q3m[f"blk.{i}.attn_v.weight"] for i in (0, 1, 2)] == ["Q5_K", "Q5_K", "Q4_K"]
+    assert (q3m["blk.1.ffn_down_exps.weight"], q3m["blk.2.ffn_down_exps.weight"]) == ("Q5_K", "Q4_K")
+    assert q3m["blk.9.attn_output.weight"] == "Q4_K" and q3m["blk.9.ffn_up_exps.weight"] == "Q3_K"
+    q3l = chosen("Q3_K_L")
+    assert q3l["blk.9.attn_v.weight"] == q3l["blk.9.ffn_down_exps.weight"] == q3l["blk.9.attn_output.weight"] == "Q5_K"
+    assert chosen("Q3_K_S")["blk.9.attn_v.weight"] == "Q3_K"
+    q4s = chosen("Q4_K_S")
+    assert (q4s["blk.3.attn_v.weight"], q4s["blk.4.attn_v.weight"]) == ("Q5_K", "Q4_K")
+    assert (q4s["blk.3.ffn_down_exps.weight"], q4s["blk.4.ffn_down_exps.weight"]) == ("Q5_K", "Q4_K")
+    q5m = chosen("Q5_K_M")
+    assert [q5m[f"blk.{i}.ffn_down_exps.weight"] for i in (3, 4, 6)] == ["Q6_K", "Q5_K", "Q6_K"]  # use_more_bits
+    assert set(chosen("Q6_K").values()) == {"Q6_K", "F32"}
+    q4_0 = chosen("Q4_0")
+    assert q4_0["output.weight"] == "Q6_K" and q4_0["blk.0.ffn_down_exps.weight"] == "Q4_0"
+    eight = chosen("Q3_K_M", experts=8)
+    assert eight["blk.9.attn_v.weight"] == eight["blk.9.attn_k.weight"] == "Q8_0"
+    assert eight["blk.9.attn_output.weight"] == "Q5_K" and chosen("Q3_K_L", experts=8)["blk.9.attn_output.weight"] == "Q3_K"
+    assert all(chosen(m)["blk.0.ffn_gate_inp.weight"] == "F32" for m in ("Q2_K", "Q5_K_S", "Q4_1"))
+
+
+def test_a_mix_on_rows_that_do_not_fill_super_blocks_falls_back_as_llama_cpp():
+    r = Recipe("Q2_K", 4, 64, False)
+    assert r.encoding("blk.0.ffn_gate_exps.weight", (64, 96, 288)) == "Q4_0"  # 288 weights: not 256-blocks
+    assert r.encoding("blk.0.ffn_down_exps.weight", (64, 288, 96)) == "Q4_0"  # Q3_K → Q4_0 too
+    assert r.encoding("blk.0.attn_q.weight", (288, 100)) == "F16"  # no 32-block either
