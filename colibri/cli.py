@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 import traceback
+from pathlib import Path
 
 from colibri.version import __version__
 
@@ -49,6 +50,9 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: Q4_K_M; a GGUF keeps its own types and takes no --quant)")
     p.add_argument("--override", action="append", default=[], type=_override, metavar="REGEX=TYPE",
                    help="force TYPE for tensors whose canonical name matches REGEX (first match wins; repeatable)")
+    p.add_argument("--imatrix", type=Path, default=None, metavar="FILE",
+                   help="an importance matrix (llama-imatrix's GGUF output) for ggml's weighted quantizers, as "
+                        "llama-quantize --imatrix; tensors it has no entry for are quantized without")
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                    help="processes converting layers in parallel, ~0.3-0.6 GB of RAM each; a GGUF import uses "
                         "threads (default: %(default)s)")
@@ -62,7 +66,7 @@ def run_convert(args: argparse.Namespace) -> int:
     from colibri.convert.hf_to_colibri import ConvertOptions, convert, format_summary
 
     options = ConvertOptions(
-        quant=args.quant, overrides=args.override, workers=max(1, args.workers), force=args.force,
+        quant=args.quant, overrides=args.override, imatrix=args.imatrix, workers=max(1, args.workers), force=args.force,
         revision=args.revision, progress=not args.no_progress and not args.json,
     )
     summary = convert(args.src, args.out, options)

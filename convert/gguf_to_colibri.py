@@ -238,8 +238,8 @@ def tokenizer_files(source: GGUFSource) -> dict[str, bytes]:
 
 def gguf_job(src: str, options: ConvertOptions) -> Job:
     """Plan the import of a GGUF file (or split set): everything checked, nothing written."""
-    if options.quant or options.overrides:
-        raise GGUFError(f"{Path(src).name}: a GGUF is imported with its own types, never re-quantized; drop --quant/--override")
+    if options.quant or options.overrides or options.imatrix:
+        raise GGUFError(f"{Path(src).name}: a GGUF is imported with its own types, never re-quantized; drop --quant/--override/--imatrix")
     source = GGUFSource(src)
     try:
         config = config_from_gguf(GGUFMetadata(source), {n: t.shape for n, t in source.tensors.items()})

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri.convert.imatrix import Imatrix
 from colibri.convert.expert_layout import expert_file_bytes, write_expert_layer
 from colibri.convert.pipeline import TOKENIZER_FILES, ConvertError, ConvertOptions, Job, format_summary, run_job
 from colibri.convert.plan import ConversionPlan, ExpertLayerSource, ResidentTensor, make_plan
@@ -23,7 +24,7 @@ from colibri.convert.quantize_q4k import quantize
 from colibri.convert.resident_layout import ResidentTensorData, resident_file_bytes, write_resident_file
 from colibri.formats.checkpoint import HUB_REPO_ID, Checkpoint, cache_blob_sha256
 from colibri.formats.layout import EXPERT_MATRICES
-from colibri.formats.recipe import Recipe
+from colibri.formats.recipe import IMATRIX_REQUIRED, Recipe
 
 __all__ = ["ConvertError", "ConvertOptions", "convert", "format_summary"]
 
@@ -98,17 +99,22 @@ def read_row_chunks(checkpoint: Checkpoint, name: str, shape: tuple[int, ...]):
         yield checkpoint.read(name, first, min(step, rows - first))
 
 
-def write_resident(checkpoint: Checkpoint, out_dir: Path, unit: ResidentUnit, advance) -> dict:
+def write_resident(checkpoint: Checkpoint, out_dir: Path, unit: ResidentUnit, advance, imatrix: Imatrix | None) -> dict:
+    def importance(tensor):
+        return imatrix.importance(tensor.name, tensor.shape[-1]) if imatrix is not None and len(tensor.shape) == 2 else None
+
     tensors = (
         ResidentTensorData(tensor.name, encoding, tensor.shape,
-                           (quantize(chunk, encoding) for chunk in read_row_chunks(checkpoint, tensor.source, tensor.shape)),
+                           (quantize(chunk, encoding, weights)
+                            for weights in [importance(tensor)]
+                            for chunk in read_row_chunks(checkpoint, tensor.source, tensor.shape)),
                            checkpoint.tensors[tensor.source].nbytes)
         for tensor, encoding in unit.tensors
     )
     return write_resident_file(out_dir, tensors, advance)
 
 
-def write_experts(checkpoint: Checkpoint, out_dir: Path, unit: ExpertUnit, advance) -> dict:
+def write_experts(checkpoint: Checkpoint, out_dir: Path, unit: ExpertUnit, advance, imatrix: Imatrix | None) -> dict:
     src, encodings = unit.source, dict(unit.encodings)
     rows = src.shapes["gate"][0]
 
@@ -120,7 +126,8 @@ def write_experts(checkpoint: Checkpoint, out_dir: Path, unit: ExpertUnit, advan
         return [checkpoint.read(name) for name in src.names.per_expert_names(e)]
 
     def encode(e: int):
-        return [quantize(m, encodings[name]) for name, m in zip(EXPERT_MATRICES, expert_matrices(e))]
+        return [quantize(m, encodings[name], imatrix.importance(src.canonical[name], m.shape[-1], e) if imatrix else None)
+                for name, m in zip(EXPERT_MATRICES, expert_matrices(e))]
 
     source_bytes_per_expert = expert_source_bytes(checkpoint, src) // src.count
     return write_expert_layer(out_dir, src.layer, src.count, encodings, src.shapes, encode, lambda e: advance(source_bytes_per_expert))
@@ -144,12 +151,13 @@ def unit_output_bytes(unit) -> int:
     return expert_file_bytes(dict(unit.encodings), unit.source.shapes, unit.source.count)
 
 
-def run_unit(source_dir: Path, out_dir: Path, unit, advance) -> dict:
+def run_unit(source_dir: Path, imatrix_path: Path | None, out_dir: Path, unit, advance) -> dict:
     checkpoint = Checkpoint(source_dir)
+    imatrix = Imatrix(imatrix_path) if imatrix_path is not None else None
     try:
         if isinstance(unit, ResidentUnit):
-            return write_resident(checkpoint, out_dir, unit, advance)
-        return write_experts(checkpoint, out_dir, unit, advance)
+            return write_resident(checkpoint, out_dir, unit, advance, imatrix)
+        return write_experts(checkpoint, out_dir, unit, advance, imatrix)
     finally:
         checkpoint.close()
 
@@ -173,16 +181,21 @@ def checkpoint_job(src: str, options: ConvertOptions) -> Job:
     try:
         plan = make_plan(checkpoint)
         config, quant = plan.config, options.quant or DEFAULT_QUANT
+        if quant in IMATRIX_REQUIRED and options.imatrix is None:
+            raise ConvertError(f"--quant {quant} needs --imatrix FILE: its 2-bit tensors are too coarse without one "
+                               "(llama-quantize refuses it too)")
+        imatrix = Imatrix(options.imatrix) if options.imatrix is not None else None
         recipe = Recipe(quant, config.n_layers, config.n_experts, config.tie_word_embeddings, list(options.overrides),
-                        n_gqa=config.n_heads // max(config.n_kv_heads, 1))
+                        n_gqa=config.n_heads // max(config.n_kv_heads, 1), has_imatrix=imatrix is not None)
         units = make_units(plan, recipe)
         return Job(
             config=config,
             units=units,
-            run_unit=partial(run_unit, source_dir),
+            run_unit=partial(run_unit, source_dir, imatrix.path if imatrix else None),
             source_bytes={u.name: unit_source_bytes(checkpoint, u) for u in units},
             output_bytes={u.name: unit_output_bytes(u) for u in units},
-            quant={"recipe": quant, "overrides": [list(o) for o in options.overrides], "imatrix": None},
+            quant={"recipe": quant, "overrides": [list(o) for o in options.overrides],
+                   "imatrix": f"{imatrix.path.name} sha256={imatrix.sha256()}" if imatrix else None},
             provenance={**provenance, "source_files": source_files(checkpoint), "skipped_tensors": plan.skipped},
             tokenizer_files=tokenizer_files(source_dir),
             total_source_bytes=checkpoint.source_bytes(),

@@ -50,6 +50,7 @@ class ConvertError(Exception):
 class ConvertOptions:
     quant: str | None = None  # recipe; None: Q4_K_M for a checkpoint (a GGUF is imported as it is)
     overrides: list[tuple[str, str]] = field(default_factory=list)
+    imatrix: Path | None = None  # llama-imatrix's GGUF: importance weights for the quantizers
     workers: int = 1
     force: bool = False
     revision: str | None = None

@@ -2,8 +2,8 @@
 
 The mixes (`Q2_K` ... `Q6_K`, `Q4_0` ... `Q5_1`) follow llama.cpp's
 `llama_tensor_get_type_impl` (src/llama-quant.cpp) for their file types, so the same
-checkpoint gets the same type per tensor as `llama-quantize ... TYPE` without an importance
-matrix; `Q8_0`, `BF16`, `F16` and `F32` are uniform. Names are gguf's canonical tensor names
+checkpoint gets the same type per tensor as `llama-quantize ... TYPE` (with or without an
+importance matrix); `Q8_0`, `BF16`, `F16` and `F32` are uniform. Names are gguf's canonical tensor names
 (`blk.3.ffn_down_exps.weight`); shapes are row-major with the row length last.
 """
 
@@ -26,6 +26,7 @@ MIXES = {"Q2_K": "Q2_K", "Q2_K_S": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "
          "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
          "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0", "Q5_1": "Q5_1"}
 RECIPES = (*MIXES, "Q8_0", "BF16", "F16", "F32")
+IMATRIX_REQUIRED = ("Q2_K_S",)  # llama-quantize refuses these without an importance matrix
 
 # llama.cpp's fallback when a row is not a whole number of 256-weight super-blocks.
 K_QUANT_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
@@ -104,6 +105,7 @@ class Recipe:
     tied_embeddings: bool
     overrides: list[tuple[str, str]] = field(default_factory=list)
     n_gqa: int = 1  # query heads per KV head
+    has_imatrix: bool = False
 
     def __post_init__(self):
         if self.name not in RECIPES:
@@ -134,8 +136,8 @@ class Recipe:
         return chosen
 
     def _mix(self, name: str, shape) -> str:
-        """llama_tensor_get_type_impl for the mixes (no importance matrix, one type per layer
-        counted by the layer index, as llama.cpp does for models with experts)."""
+        """llama_tensor_get_type_impl for the mixes (one type per layer counted by the layer
+        index, as llama.cpp does for models with experts)."""
         mix, chosen = self.name, MIXES[self.name]
         layer_match = _LAYER.match(name)
         layer, n = (int(layer_match.group(1)) if layer_match else -1), self.n_layers
@@ -169,7 +171,10 @@ class Recipe:
                     "Q3_K_L": "Q5_K",
                     "Q4_K_M": "Q6_K" if use_more_bits(layer, n) else chosen,
                     "Q5_K_M": "Q6_K" if use_more_bits(layer, n) else chosen,
-                    "Q4_K_S": "Q5_K" if layer < n // 8 else chosen}.get(mix, chosen)
+                    "Q4_K_S": "Q5_K" if layer < n // 8 else chosen,
+                    # with an imatrix, llama.cpp guards the first ffn_down layers of Q4_0 / Q5_0
+                    "Q4_0": "Q4_1" if self.has_imatrix and layer < n // 8 else chosen,
+                    "Q5_0": "Q5_1" if self.has_imatrix and layer < n // 8 else chosen}.get(mix, chosen)
         if "attn_output" in name:
             if eight_experts:
                 return "Q5_K" if mix in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M") else chosen

@@ -190,7 +190,7 @@ def check_recipe(layout: ModelLayout, report: Report) -> None:
               for t in layout.expert_layers.values() for m in EXPERT_MATRICES]
     try:
         recipe = Recipe(quant["recipe"], c.n_layers, c.n_experts, c.tie_word_embeddings, [tuple(o) for o in quant["overrides"]],
-                        n_gqa=c.n_heads // max(c.n_kv_heads, 1))
+                        n_gqa=c.n_heads // max(c.n_kv_heads, 1), has_imatrix=quant["imatrix"] is not None)
         wrong = [f"{name} is {enc}, not {want}" for name, shape, enc in named if enc != (want := recipe.encoding(name, shape))]
     except (TypeError, ValueError, re.error) as e:
         report.add(ERROR, MANIFEST_NAME, f"quant: {e}")

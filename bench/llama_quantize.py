@@ -1,0 +1,102 @@
+"""Check: colibri-convert's mixes against llama-quantize's, tensor by tensor, on tiny models.
+
+For each architecture a tiny F32 checkpoint is written (`convert.synthetic`), converted to F32
+and exported as GGUF (`colibri export-gguf`), then quantized by llama.cpp's `llama-quantize`
+(with and without an importance matrix written here in llama-imatrix's format) and converted
+by `colibri-convert --quant MIX [--imatrix]`. Every tensor both hold is compared: its type and
+its bytes. (llama.cpp's GGUF stores Mixtral's q/k rows permuted, so their bytes are compared
+only for types that differ; MLA's kv_b is split in llama.cpp's and not compared.)
+
+    python bench/llama_quantize.py --llama-bin DIR [--archs qwen3_moe,deepseek_v3,mixtral] [--mixes Q2_K,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from colibri.convert.hf_to_colibri import ConvertOptions, convert
+from colibri.convert.plan import make_plan
+from colibri.convert.synthetic import write_checkpoint
+from colibri.formats.checkpoint import Checkpoint
+from colibri.formats.layout import ModelLayout
+from colibri.formats.recipe import MIXES
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from test_imatrix import write_imatrix  # noqa: E402
+
+PERMUTED = ("attn_q.weight", "attn_k.weight")  # llama's GGUF row order differs from the checkpoint's
+
+
+def ours(layout: ModelLayout, name: str):
+    """(encoding, bytes) of tensor `name` in a colibri model, experts concatenated as in GGUF."""
+    if name in layout.tensors:
+        return layout.tensors[name].encoding, layout.tensor_data(name).reshape(-1)
+    layer, matrix = int(name.split(".")[1]), name.split(".")[2].split("_")[1]
+    table = layout.expert_layers[layer]
+    data = [layout.expert_matrix_data(layer, e, matrix).reshape(-1) for e in range(table.count)]
+    return table.matrices[matrix].encoding, np.concatenate(data)
+
+
+def compare(arch: str, mixes: list[str], llama_bin: Path, work: Path) -> list[str]:
+    src = write_checkpoint(work / f"src-{arch}", arch, dtype="f32")
+    convert(str(src), work / f"f32-{arch}", ConvertOptions(quant="F32", progress=False))
+    f32_gguf = work / f"{arch}-f32.gguf"
+    subprocess.run([sys.executable, "-m", "colibri.cli", "export-gguf", str(work / f"f32-{arch}"), str(f32_gguf),
+                    "--no-progress"], check=True, capture_output=True)
+    plan, rng = make_plan(Checkpoint(src)), np.random.default_rng(0)
+    entries = {t.name: rng.uniform(0.1, 5.0, (1, t.shape[-1])) for t in plan.resident if len(t.shape) == 2}
+    for layer in plan.expert_layers:
+        for m, name in layer.canonical.items():
+            entries[name] = rng.uniform(0.1, 5.0, (layer.count, layer.shapes[m][1]))
+    imatrix = write_imatrix(work / f"imatrix-{arch}.gguf", entries)
+    lines = []
+    for mix in mixes:
+        for use_imatrix in (False, True):
+            if mix == "Q2_K_S" and not use_imatrix:
+                continue  # both refuse it without an importance matrix
+            theirs = work / f"llama-{arch}-{mix}-{use_imatrix}.gguf"
+            subprocess.run([str(llama_bin / "llama-quantize"), *(["--imatrix", str(imatrix)] if use_imatrix else []),
+                            str(f32_gguf), str(theirs), mix, "2"], check=True, capture_output=True)
+            mine = work / f"ours-{arch}-{mix}-{use_imatrix}"
+            convert(str(src), mine, ConvertOptions(quant=mix, imatrix=imatrix if use_imatrix else None, progress=False))
+            layout = ModelLayout(mine)
+            names = set(layout.tensors) | {f"blk.{layer}.ffn_{m}_exps.weight"
+                                           for layer, t in layout.expert_layers.items() for m in t.matrices}
+            types = data = compared = 0
+            for t in gguf.GGUFReader(theirs).tensors:
+                if t.name not in names:
+                    continue
+                compared += 1
+                encoding, stored = ours(layout, t.name)
+                if t.tensor_type.name != encoding:
+                    types += 1
+                elif not t.name.endswith(PERMUTED) or arch != "mixtral":
+                    data += not np.array_equal(np.asarray(t.data).view(np.uint8).reshape(-1), stored)
+            lines.append(f"{arch:<12} {mix:<7} {'imatrix' if use_imatrix else 'plain':<8} {compared:>3} tensors: "
+                         f"{types} types differ, {data} differ in bytes")
+            print(lines[-1], flush=True)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-bin", type=Path, required=True, help="folder with llama.cpp's llama-quantize")
+    parser.add_argument("--archs", default="qwen3_moe,deepseek_v3,mixtral")
+    parser.add_argument("--mixes", default=",".join(MIXES))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as work:
+        lines = [line for arch in args.archs.split(",")
+                 for line in compare(arch, args.mixes.split(","), args.llama_bin, Path(work))]
+    print(f"{sum(' 0 types differ, 0 differ' in line for line in lines)} of {len(lines)} conversions identical")
+
+
+if __name__ == "__main__":
+    main()
