@@ -23,7 +23,7 @@ import numpy as np
 
 from colibri.convert.hf_to_colibri import ConvertOptions, convert
 from colibri.convert.plan import make_plan
-from colibri.convert.synthetic import write_checkpoint
+from colibri.convert.synthetic import tiny_config, write_checkpoint
 from colibri.formats.checkpoint import Checkpoint
 from colibri.formats.layout import ModelLayout
 from colibri.formats.recipe import MIXES
@@ -33,6 +33,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 from test_imatrix import write_imatrix  # noqa: E402
 
 PERMUTED = ("attn_q.weight", "attn_k.weight")  # llama's GGUF row order differs from the checkpoint's
+EXPERT_KEYS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts"}
+# the tiny models (2-3 layers, 8 experts: llama.cpp's 8-expert rules) and a deeper one with 16
+# experts, where the layer-dependent rules (use_more_bits, the first n/8 and n/16 layers) apply
+VARIANTS = {"tiny": {}, "16 layers, 16 experts": {"num_hidden_layers": 16, "experts": 16}}
 
 
 def ours(layout: ModelLayout, name: str):
@@ -45,8 +49,13 @@ def ours(layout: ModelLayout, name: str):
     return table.matrices[matrix].encoding, np.concatenate(data)
 
 
-def compare(arch: str, mixes: list[str], llama_bin: Path, work: Path) -> list[str]:
-    src = write_checkpoint(work / f"src-{arch}", arch, dtype="f32")
+def compare(arch: str, variant: str, mixes: list[str], llama_bin: Path, work: Path) -> list[str]:
+    options = dict(VARIANTS[variant])
+    if "experts" in options:
+        options[EXPERT_KEYS[arch]] = options.pop("experts")
+    work = work / f"{arch}-{variant.split()[0]}"
+    work.mkdir()
+    src = write_checkpoint(work / f"src-{arch}", arch, dtype="f32", config=tiny_config(arch, **options))
     convert(str(src), work / f"f32-{arch}", ConvertOptions(quant="F32", progress=False))
     f32_gguf = work / f"{arch}-f32.gguf"
     subprocess.run([sys.executable, "-m", "colibri.cli", "export-gguf", str(work / f"f32-{arch}"), str(f32_gguf),
@@ -80,7 +89,7 @@ def compare(arch: str, mixes: list[str], llama_bin: Path, work: Path) -> list[st
                     types += 1
                 elif not t.name.endswith(PERMUTED) or arch != "mixtral":
                     data += not np.array_equal(np.asarray(t.data).view(np.uint8).reshape(-1), stored)
-            lines.append(f"{arch:<12} {mix:<7} {'imatrix' if use_imatrix else 'plain':<8} {compared:>3} tensors: "
+            lines.append(f"{arch:<12} {variant:<22} {mix:<7} {'imatrix' if use_imatrix else 'plain':<8} {compared:>3} tensors: "
                          f"{types} types differ, {data} differ in bytes")
             print(lines[-1], flush=True)
     return lines
@@ -93,8 +102,8 @@ def main() -> None:
     parser.add_argument("--mixes", default=",".join(MIXES))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work:
-        lines = [line for arch in args.archs.split(",")
-                 for line in compare(arch, args.mixes.split(","), args.llama_bin, Path(work))]
+        lines = [line for arch in args.archs.split(",") for variant in VARIANTS
+                 for line in compare(arch, variant, args.mixes.split(","), args.llama_bin, Path(work))]
     print(f"{sum(' 0 types differ, 0 differ' in line for line in lines)} of {len(lines)} conversions identical")
 
 
