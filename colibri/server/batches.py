@@ -133,7 +133,7 @@ def parse_requests(data: bytes, endpoint: str) -> tuple[list[tuple[str, str]], l
     def error(line: int, code: str, message: str) -> None:
         errors.append({"code": code, "message": message, "param": None, "line": line})
 
-    lines = [line for line in data.split(b"\n")]
+    lines = data.split(b"\n")
     if lines and not lines[-1].strip():
         lines.pop()
     if len(lines) > MAX_REQUESTS:
