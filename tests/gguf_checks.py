@@ -15,7 +15,7 @@ NOT_IN_GGUF = {
 
 
 def logits(path, ids=PROMPT):
-    return open_model(path, ctx=64, kv_quant="f32", ram_budget="2G").prefill(ids)
+    return open_model(path, ctx=64, kv_quant="f32", ram_budget="8G").prefill(ids)
 
 
 def model_bytes(path):

@@ -48,7 +48,7 @@ def run(path, parallel, order, admit_late=(), kv_quant="f16"):
     `parallel` slots; those in `admit_late` are added only after three steps."""
     from colibri.runtime import open_model
 
-    model = open_model(path, ctx=256, ram_budget="4G", parallel=parallel, kv_quant=kv_quant)
+    model = open_model(path, ctx=256, ram_budget="8G", parallel=parallel, kv_quant=kv_quant)
     scheduler = model.scheduler(keep_logits=True)
     texts, index, out = prompts(), {}, {}
 
@@ -105,7 +105,7 @@ def test_a_batch_reads_each_expert_once_per_step(models):
     union of the batch's choices, each read once."""
     from colibri.runtime import open_model
 
-    model = open_model(models("mixtral"), ctx=64, ram_budget="4G", parallel=8)
+    model = open_model(models("mixtral"), ctx=64, ram_budget="8G", parallel=8)
     scheduler = model.scheduler()
     for prompt in prompts():
         scheduler.add(prompt[:20], 2)
@@ -121,7 +121,7 @@ def test_a_batch_reads_each_expert_once_per_step(models):
 def test_finished_sequences_free_their_slots_for_queued_ones(models):
     from colibri.runtime import open_model
 
-    model = open_model(models("mixtral"), ctx=64, ram_budget="4G", parallel=2)
+    model = open_model(models("mixtral"), ctx=64, ram_budget="8G", parallel=2)
     scheduler = model.scheduler()
     ids = [scheduler.add([5 + i, 6, 7], 3) for i in range(5)]
     finished, most_running = [], 0
@@ -137,7 +137,7 @@ def test_finished_sequences_free_their_slots_for_queued_ones(models):
 def test_cancel_ends_a_queued_or_running_sequence(models):
     from colibri.runtime import open_model
 
-    model = open_model(models("mixtral"), ctx=64, ram_budget="4G", parallel=1)
+    model = open_model(models("mixtral"), ctx=64, ram_budget="8G", parallel=1)
     scheduler = model.scheduler()
     first, second = scheduler.add([5, 6, 7], 50), scheduler.add([8, 9], 50)
     scheduler.step()
@@ -153,7 +153,7 @@ def test_text_generation_of_many_prompts_equals_each_alone(models):
     texts = ["The quick brown fox", "Once upon a time", "Numbers: 1, 2, 3", "A"]
     outputs = {}
     for parallel, group in ((1, [[t] for t in texts]), (4, [texts])):
-        model = open_model(models("mixtral"), ctx=128, ram_budget="4G", parallel=parallel)
+        model = open_model(models("mixtral"), ctx=128, ram_budget="8G", parallel=parallel)
         for batch in group:
             pieces = {}
             for i, piece in model.generate_many(batch, max_tokens=12, temperature=0.7, seed=3):
@@ -166,7 +166,7 @@ def test_text_generation_of_many_prompts_equals_each_alone(models):
 def test_a_stop_string_ends_the_sequence_and_is_not_returned(models):
     from colibri.runtime import open_model
 
-    model = open_model(models("mixtral"), ctx=128, ram_budget="4G")
+    model = open_model(models("mixtral"), ctx=128, ram_budget="8G")
     free = "".join(piece for _, piece in model.generate_many(["Once upon a time"], max_tokens=20))
     assert len(free) > 4
     stop = free[2:4]
@@ -184,12 +184,12 @@ def test_slots_are_in_the_budget(models):
     from colibri.runtime import open_model
     from colibri.runtime.engine import BudgetError
 
-    one = open_model(models("mixtral"), ctx=1024, ram_budget="4G", parallel=1)
-    four = open_model(models("mixtral"), ctx=1024, ram_budget="4G", parallel=4)
+    one = open_model(models("mixtral"), ctx=1024, ram_budget="8G", parallel=1)
+    four = open_model(models("mixtral"), ctx=1024, ram_budget="8G", parallel=4)
     assert four.budget.kv == 4 * one.budget.kv and len(four.slots) == 4
     assert sum(s.nbytes for s in four.slots) == four.budget.kv
     with pytest.raises(BudgetError, match="parallel"):
-        open_model(models("mixtral"), ctx=1 << 16, ram_budget="4G", parallel=4096)
+        open_model(models("mixtral"), ctx=1 << 16, ram_budget="8G", parallel=4096)
     one.close()
     four.close()
 

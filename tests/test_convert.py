@@ -116,7 +116,7 @@ def test_overrides_to_the_newer_types_convert_verify_and_run(checkpoint, tmp_pat
     layout = ModelLayout(out)
     assert {m.encoding for t in layout.expert_layers.values() for m in t.matrices.values()} == {kind}
     assert verify_model(out, progress=False).ok
-    m = open_model(out, ctx=64, ram_budget="4G")
+    m = open_model(out, ctx=64, ram_budget="8G")
     logits = m.prefill([5, 6, 7, 8])
     assert np.isfinite(logits).all() and m.stats()["expert_bytes_read"] > 0
     m.close()
@@ -140,7 +140,7 @@ def test_llama_quantize_mixes_convert_verify_and_run(checkpoint, tmp_path, arch,
     experts = {m.encoding for t in layout.expert_layers.values() for m in t.matrices.values()}
     assert MIXES[mix] in experts
     assert verify_model(out, progress=False).ok
-    m = open_model(out, ctx=64, ram_budget="4G")
+    m = open_model(out, ctx=64, ram_budget="8G")
     assert np.isfinite(m.prefill([5, 6, 7, 8])).all()
     m.close()
     assert summary["output_bytes"] > 0

@@ -61,7 +61,7 @@ def test_read_ahead_is_neither_hit_nor_miss_and_keeps_protected_slots():
 def _logits(model, ids, **options):
     from colibri.runtime import open_model
 
-    m = open_model(model, ctx=64, ram_budget="2G", **options)
+    m = open_model(model, ctx=64, ram_budget="8G", **options)
     try:
         logits = [m.prefill(ids[:8])] + [m.decode(t)[None] for t in ids[8:]]
         return np.concatenate(logits), m.stats()
@@ -98,7 +98,7 @@ def test_a_failed_read_ahead_is_reported_by_the_fetch_that_needs_it(model):
     from colibri.formats.layout import ModelLayout
 
     all_experts = sum(t.stride * t.count for t in ModelLayout(model).expert_layers.values())
-    m = open_model(model, ctx=64, ram_budget="2G", expert_cache=all_experts // 3, prefetch=True)
+    m = open_model(model, ctx=64, ram_budget="8G", expert_cache=all_experts // 3, prefetch=True)
     store = m.store
     layer = min(store.tables)
     store.prefetch(layer, [0, 1], in_use=set())
@@ -121,7 +121,7 @@ def test_a_failed_read_ahead_is_reported_by_the_fetch_that_needs_it(model):
 def test_prefill_of_the_last_position_only_gives_its_row(model):
     from colibri.runtime import open_model
 
-    m = open_model(model, ctx=64, ram_budget="2G")
+    m = open_model(model, ctx=64, ram_budget="8G")
     ids = list(range(3, 14))
     every = m.prefill(ids)
     m.reset()
@@ -135,7 +135,7 @@ def test_a_prompt_longer_than_a_chunk_gives_the_logits_of_one_pass(model, monkey
     # int8 products only: a token's result then does not depend on the tokens beside it (the
     # tile path serves a product of at least amx.MIN_TOKENS rows, which chunks change)
     monkeypatch.setattr(amx, "available", lambda: False)
-    m = open_model(model, ctx=64, ram_budget="2G")
+    m = open_model(model, ctx=64, ram_budget="8G")
     ids = list(range(3, 40))
     whole = m.prefill(ids)
     monkeypatch.setattr(engine, "PREFILL_CHUNK", 8)  # 4 chunks of 8 and one of 5

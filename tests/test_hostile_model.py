@@ -51,7 +51,7 @@ def rewrite_config(model, **fields):
 def test_manifest_config_contradicting_the_tensors(model, capsys, fields):
     rewrite_config(model, **fields)
     with pytest.raises(FormatError, match=f"colibri.json: config: .*{next(iter(fields)).split('_')[0]}"):
-        open_model(model, ctx=64, ram_budget="4G")
+        open_model(model, ctx=64, ram_budget="8G")
     for argv in (["verify", str(model)], ["run", "--model", str(model), "--prompt", "hi", "--max-tokens", "1"]):
         code, out, err = run(argv, capsys)
         assert code == 1 and "colibri.json" in out + err and "Traceback" not in err
@@ -71,7 +71,7 @@ def test_links_outside_the_folder(model, tmp_path, capsys, target):
     code, out, err = run(["verify", str(model)], capsys)
     assert code == 1 and "outside the model folder" in out + err and target.split("/")[0] in out + err
     with pytest.raises((FormatError, TokenizerError, OSError), match="outside the model folder"):
-        m = open_model(model, ctx=64, ram_budget="4G")
+        m = open_model(model, ctx=64, ram_budget="8G")
         list(m.generate([{"role": "user", "content": "hi"}], max_tokens=1))
 
 
@@ -123,7 +123,7 @@ def test_fuzzed_manifest(converted, tmp_path_factory, capsys, data):
 def test_manifest_that_is_no_json_a_reader_takes(model, capsys, text):
     (model / "colibri.json").write_bytes(text.encode("utf-8", "surrogateescape") if text != "\xff\xfe" else b"\xff\xfe")
     with pytest.raises(FormatError, match="colibri.json"):
-        open_model(model, ctx=64, ram_budget="4G")
+        open_model(model, ctx=64, ram_budget="8G")
     code, out, err = run(["verify", str(model)], capsys)
     assert code == 1 and "colibri.json" in out + err and "Traceback" not in err
 

@@ -22,7 +22,7 @@ def mla_model(tmp_path_factory):
 
 
 def logits(path, kv_quant, ids):
-    model = open_model(path, ctx=64, kv_quant=kv_quant, ram_budget="4G")
+    model = open_model(path, ctx=64, kv_quant=kv_quant, ram_budget="8G")
     out = [model.prefill(ids[:12])]
     out += [model.decode(t)[None] for t in ids[12:]]
     return np.concatenate(out)

@@ -58,7 +58,7 @@ def compare(tmp_path_factory, arch, quant):
     src = write_checkpoint(root / "src", arch)
     convert(str(src), root / "colibri", ConvertOptions(quant=quant, progress=False))
     export_gguf(root / "colibri", root / "model.gguf", progress=False)
-    ours = open_model(root / "colibri", ctx=64, kv_quant="f32", ram_budget="2G").prefill(TOKENS)
+    ours = open_model(root / "colibri", ctx=64, kv_quant="f32", ram_budget="8G").prefill(TOKENS)
     theirs = llama_cpp_logits(root / "model.gguf")
     return ours, theirs, np.abs(theirs - ours).max(-1) / ours.std()
 

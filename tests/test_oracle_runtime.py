@@ -58,7 +58,7 @@ def prompt(vocab, length, seed=0):
 def open_f32(path, **kwargs):
     from colibri.runtime import open_model
 
-    return open_model(path, ctx=128, kv_quant="f32", ram_budget="4G", **kwargs)
+    return open_model(path, ctx=128, kv_quant="f32", ram_budget="8G", **kwargs)
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])

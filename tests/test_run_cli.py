@@ -28,7 +28,7 @@ def run(argv, capsys):
 
 
 def test_prompt_json_gives_output_and_stats(model_dir, capsys):
-    code, out, err = run(["run", "--model", str(model_dir), "--prompt", "The river", "--max-tokens", "8", "--json", "--ram-budget", "2G"], capsys)
+    code, out, err = run(["run", "--model", str(model_dir), "--prompt", "The river", "--max-tokens", "8", "--json", "--ram-budget", "8G"], capsys)
     assert code == 0, err
     result = json.loads(out)
     stats = result["stats"]
@@ -48,7 +48,7 @@ def test_greedy_run_is_deterministic_and_prints_stats(model_dir, capsys):
 
 
 def test_streaming_flags_keep_the_text_and_report_prefetch(model_dir, capsys):
-    argv = ["run", "--model", str(model_dir), "--prompt", "Fishermen pulled", "--max-tokens", "6", "--ram-budget", "2G"]
+    argv = ["run", "--model", str(model_dir), "--prompt", "Fishermen pulled", "--max-tokens", "6", "--ram-budget", "8G"]
     _, in_ram, in_ram_err = run(argv, capsys)
     code, streamed, err = run(argv + ["--expert-cache", "1M", "--prefetch", "on", "--direct-io"], capsys)
     assert code == 0, err
@@ -227,7 +227,7 @@ def test_prompts_the_model_cannot_take_are_one_line_errors(model_dir, capsys):
 
     code, out, err = run(["run", "--model", str(model_dir), "--prompt", ""], capsys)
     assert code == 1 and "prompt is empty" in err and err.count("\n") == 1
-    m = open_model(model_dir, ctx=256, ram_budget="4G")
+    m = open_model(model_dir, ctx=256, ram_budget="8G")
     for ids in ([], [m.config.vocab_size], [-1]):
         with pytest.raises(PromptError):
             m.prefill(ids)

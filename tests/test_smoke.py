@@ -32,7 +32,7 @@ def smoke(argv, capsys=None):
     """Run `colibri smoke ARGV`; returns (exit code, stdout, stderr) — the output only with capsys."""
     parser = argparse.ArgumentParser(prog="colibri smoke")
     add_smoke_arguments(parser)
-    code = smoke_command(parser.parse_args([*argv, "--ram-budget", "2G"]))
+    code = smoke_command(parser.parse_args([*argv, "--ram-budget", "8G"]))
     out = capsys.readouterr() if capsys else None
     return code, out and out.out, out and out.err
 
