@@ -9,7 +9,9 @@ comment above each pair gives ggml's block layout (fp16 fields little-endian).
 import gguf
 import numpy as np
 
-from colibri.convert.quantize_q4k.scalars import as_int8, block_bytes, load_fp16, nearest_int, njit_c, store_fp16
+from colibri.convert.quantize_q4k.scalars import (
+    as_int8, block_bytes, load_fp16, nearest_int, njit_c, store_fp16, sum_of_squares,
+)
 from colibri.convert.quantize_q4k.searches import (
     GROUP_MAX_EPS, IMATRIX_SEARCH, Q2_K_SEARCH, Q4_K_SEARCH, Q5_K_SEARCH, make_q3_quants, make_qkx_quants,
     make_qp_quants, make_qx_quants,
@@ -42,10 +44,7 @@ def _quantize_scale_min_k4(x, qw, nmax, y, L):
     if qw.size == 0:  # quantize_row_qX_K_ref
         for j in range(8):
             xs = x[32 * j:32 * j + 32]
-            sum_x2 = F32(0.0)
-            for v in xs:
-                sum_x2 += v * v
-            av_x = np.sqrt(sum_x2 / F32(32))
+            av_x = np.sqrt(sum_of_squares(xs) / F32(32))
             for i in range(32):
                 weights[i] = av_x + abs(xs[i])
             if nmax == 15:
@@ -68,10 +67,7 @@ def _quantize_scale_min_k4(x, qw, nmax, y, L):
         m_block = max_min / F32(63.0)
     else:  # quantize_row_qX_K_impl with quant_weights
         sw = np.empty(8, np.float32)
-        sum_x2 = F32(0.0)
-        for v in x:
-            sum_x2 += v * v
-        sigma2 = F32(2.0) * sum_x2 / F32(QK_K)
+        sigma2 = F32(2.0) * sum_of_squares(x) / F32(QK_K)
         for j in range(8):
             xs = x[32 * j:32 * j + 32]
             for i in range(32):
@@ -335,10 +331,7 @@ def _quantize_q2_k_weighted(x, qw, y, L):
     group_weights = np.zeros(16, np.float32)
     Ls = np.empty(16, np.uint8)
     Lm = np.empty(16, np.uint8)
-    sum_x2 = F32(0.0)
-    for v in x:
-        sum_x2 += v * v
-    sigma2 = sum_x2 / F32(QK_K)
+    sigma2 = sum_of_squares(x) / F32(QK_K)
     for j in range(16):
         xs = x[16 * j:16 * j + 16]
         for i in range(16):
@@ -380,14 +373,19 @@ def _pack_q3_k_scale(y, j, level):
 
 
 @njit_c
+def _q3_k_scale(y, j):
+    """Scale j (-32..31) of the 12 scale bytes at y[96:108], as _pack_q3_k_scale stored it."""
+    low = (y[96 + j] & 0xF) if j < 8 else (y[96 + j - 8] >> 4)
+    return (np.int64(low) | (((np.int64(y[96 + 8 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
+
+
+@njit_c
 def _store_q3_k_levels(x, y, L):
     """Requantize the 256 weights with the stored scales (a group whose scale is 0 keeps the
     levels of its search), then split the levels into hmask and the 2-bit qs."""
     d_all = load_fp16(y, 108)
     for j in range(16):
-        low = (y[96 + j] & 0xF) if j < 8 else (y[96 + j - 8] >> 4)
-        sc = (np.int64(low) | (((np.int64(y[96 + 8 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
-        d = d_all * F32(sc)
+        d = d_all * F32(_q3_k_scale(y, j))
         if d == 0:
             continue
         for i in range(16):
@@ -413,10 +411,7 @@ def quantize_q3_k(rows, imatrix, out):
             y = out[r, Q3_K_BYTES * b:Q3_K_BYTES * (b + 1)]
             y[96:108] = 0
             if imatrix.size:  # quantize_row_q3_K_impl
-                sum_x2 = F32(0.0)
-                for v in x:
-                    sum_x2 += v * v
-                sigma2 = F32(2.0) * sum_x2 / F32(QK_K)
+                sigma2 = F32(2.0) * sum_of_squares(x) / F32(QK_K)
                 for j in range(16):
                     xs = x[16 * j:16 * j + 16]
                     total = F32(0.0)
@@ -456,9 +451,7 @@ def dequantize_q3_k(blocks, out):
             for h in range(2):
                 for s in range(4):
                     for i in range(32):
-                        j = 8 * h + 2 * s + i // 16
-                        low = (y[96 + j] & 0xF) if j < 8 else (y[96 + j - 8] >> 4)
-                        sc = (np.int64(low) | (((np.int64(y[104 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
+                        sc = _q3_k_scale(y, 8 * h + 2 * s + i // 16)
                         level = (np.int64(y[32 + 32 * h + i]) >> (2 * s)) & 3
                         high = (np.int64(y[i]) >> (4 * h + s)) & 1
                         out[r, QK_K * b + 128 * h + 32 * s + i] = (d * F32(sc)) * F32(level - (0 if high else 4))

@@ -7,7 +7,9 @@ comment above each pair gives ggml's block layout (fp16 fields little-endian).
 
 import numpy as np
 
-from colibri.convert.quantize_q4k.scalars import as_int8, block_bytes, load_fp16, njit_c, round_half_away, store_fp16
+from colibri.convert.quantize_q4k.scalars import (
+    as_int8, block_bytes, load_fp16, njit_c, round_half_away, store_fp16, sum_of_squares,
+)
 from colibri.convert.quantize_q4k.searches import IMATRIX_SEARCH, make_qkx_quants, make_qx_quants, signed_max
 
 F32 = np.float32
@@ -66,10 +68,7 @@ def _load_q5_level(y, offset, j):
 
 @njit_c
 def _row_sigma2(x):
-    sum_x2 = F32(0.0)
-    for v in x:
-        sum_x2 += v * v
-    return sum_x2 / F32(x.size)
+    return sum_of_squares(x) / F32(x.size)
 
 
 @njit_c
@@ -90,6 +89,7 @@ def quantize_q5_1(rows, imatrix, out):
 @njit_c
 def dequantize_q5_1(blocks, out):
     _dequantize(blocks, out, 31, Q5_1_BYTES, True)
+
 
 # block_q4_0: d (fp16), qs[16] (nibbles: low = weights 0-15, high = weights 16-31); block_q4_1 adds m after d
 @njit_c

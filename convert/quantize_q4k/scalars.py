@@ -18,6 +18,15 @@ def block_bytes(qtype: str) -> int:
     return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][1]
 
 
+@njit_c
+def sum_of_squares(x):
+    """The float32 sum of x[i]^2, left to right (the start of every imatrix weighting)."""
+    total = F32(0.0)
+    for v in x:
+        total += v * v
+    return total
+
+
 @intrinsic
 def _float_bits(typingctx, value):
     """The IEEE bits of a float32, as a non-negative int64 (C: memcpy to uint32_t)."""
