@@ -241,6 +241,7 @@ class MoE:
                                             tuple(m.offset for m in matrices), c.expert_ffn, c.hidden_size)
         self.shared = SharedExpert(w, layer, c.shared_expert_gate) if c.n_shared_experts else None
         self.last_route: tuple[np.ndarray, np.ndarray] | None = None
+        self.last_distinct = 0  # distinct experts the last call used
         # (next MoE layer, its FFN norm weight / ours): h times the ratio is what the next
         # router would see if this layer and the next attention added nothing
         self.lookahead: tuple[MoE, np.ndarray] | None = None
@@ -255,6 +256,7 @@ class MoE:
         self.last_route = ids, weights
         slab = self.store.slab
         if h.shape[0] == 1 and not batch_invariant:
+            self.last_distinct = ids.shape[1]  # a row's top-k are distinct experts
             slots = self.store.fetch(self.layer, ids[0])
             self.prefetch_next(h, ids[0])
             out = self.experts(slab, slots, h[0], weights[0])[None, :]
@@ -274,6 +276,7 @@ class MoE:
         flat = ids.reshape(-1)
         order = np.argsort(flat, kind="stable")  # by expert, then by row: np.nonzero's order
         experts, starts = np.unique(flat[order], return_index=True)
+        self.last_distinct = experts.size
         starts = np.append(starts, order.size).astype(np.int64)
         rows, routed = (order // ids.shape[1]).astype(np.int64), weights.reshape(-1)[order].astype(np.float32)
         grouped = self.experts.groupable(acts)
@@ -398,8 +401,7 @@ class Decoder:
 
     def distinct_experts(self) -> int:
         """Distinct experts the last forward pass used, summed over the MoE layers."""
-        return sum(np.unique(ffn.last_route[0]).size for *_, ffn in self.layers
-                   if isinstance(ffn, MoE) and ffn.last_route is not None)
+        return sum(ffn.last_distinct for *_, ffn in self.layers if isinstance(ffn, MoE))
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         return self.output(rms_norm(x, self.output_norm, self.config.norm_eps))
