@@ -5,7 +5,7 @@ weight column saw, per expert for an expert tensor) with `NAME.counts` (F32 [mat
 many activations) gives the importance of the columns of tensor NAME as in_sum2 / count, as
 llama-quantize computes it (1 where a matrix saw nothing). NAME is the gguf tensor name, which
 is also our canonical name. The file is read through the strict GGUF reader of the import,
-lazily: an entry is read when a tensor asks for it.
+whose memory map serves each entry when a tensor asks for it.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class Imatrix:
             tensors = {t.name: t for t in tensor_table(self.path, reader)}
         except GGUFError as e:
             raise ImatrixError(f"--imatrix {e}") from None
+        self.data = reader.data.view(np.ndarray)  # the reader's read-only map of the whole file
         if kind != "imatrix":
             raise ImatrixError(f"--imatrix {self.path.name}: not an importance matrix (general.type is {kind!r}; "
                                "llama-imatrix's GGUF output is expected)")
@@ -73,11 +74,9 @@ class Imatrix:
             raise ImatrixError(f"--imatrix {self.path.name}: {name} has {matrices} matrices of {length} columns; "
                                f"the model's has rows of {row}" + (f" and expert {matrix}" if matrices > 1 else ""))
         index = matrix if matrices > 1 else 0
-        with open(self.path, "rb") as f:
-            f.seek(sums.offset + 4 * length * index)
-            values = np.frombuffer(f.read(4 * length), "<f4").astype(np.float32)
-            f.seek(counts.offset + 4 * index)
-            count = np.frombuffer(f.read(4), "<f4")[0]
+        start = sums.offset + 4 * length * index
+        values = self.data[start:start + 4 * length].view("<f4").astype(np.float32)
+        count = self.data[counts.offset + 4 * index:counts.offset + 4 * index + 4].view("<f4")[0]
         if not (np.isfinite(values).all() and np.isfinite(count)) or count < 0 or (values < 0).any():
             raise ImatrixError(f"--imatrix {self.path.name}: {name} holds a negative or non-finite value")
         return values / count if count > 0 else np.ones(length, np.float32)
