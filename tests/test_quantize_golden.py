@@ -12,25 +12,30 @@ GOLDEN_FILE = Path(__file__).resolve().parent / "data" / "ggml_quants_golden.npz
 MISSING = "golden-file-missing"
 
 
-def _quantized_keys() -> list[str]:
-    """Golden keys `CASE/type` and `CASE/type+imatrix`, or [MISSING] so that the tests fail."""
-    if not GOLDEN_FILE.exists():
+def _golden_keys(path: Path, wanted) -> list[str]:
+    """Keys `CASE/type` and `CASE/type+imatrix` of `path` with `wanted(type)`, or [MISSING]
+    so that the tests fail."""
+    if not path.exists():
         return [MISSING]
-    with np.load(GOLDEN_FILE) as data:
+    with np.load(path) as data:
         keys = data.files
-    return sorted(k for k in keys if k.count("/") == 1 and not k.endswith(("/input", "/imatrix")))
+    return sorted(k for k in keys if k.count("/") == 1 and wanted(k.split("/")[1].removesuffix("+imatrix")))
 
 
-QUANTIZED_KEYS = _quantized_keys()
+def _load_golden(path: Path) -> dict:
+    if not path.exists():
+        pytest.fail(f"golden vectors not found at {path} (tests/data/README.md says how they are made)")
+    with np.load(path) as data:
+        return dict(data)
+
+
+QUANTIZED_KEYS = _golden_keys(GOLDEN_FILE, lambda kind: kind not in ("input", "imatrix"))
 PLAIN_KEYS = [k for k in QUANTIZED_KEYS if "+" not in k]
 
 
 @pytest.fixture(scope="module")
 def golden():
-    if not GOLDEN_FILE.exists():
-        pytest.fail(f"golden vectors not found at {GOLDEN_FILE} (tests/data/README.md says how they are made)")
-    with np.load(GOLDEN_FILE) as data:
-        return dict(data)
+    return _load_golden(GOLDEN_FILE)
 
 
 def _quantize_case(golden, key):
@@ -115,29 +120,16 @@ ALL_TYPES_FILE = Path(__file__).resolve().parent / "data" / "ggml_quants_golden_
 OURS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # the types convert.quantize_q4k makes
 
 
-def _all_types_keys() -> list[str]:
-    if not ALL_TYPES_FILE.exists():
-        return [MISSING]
-    with np.load(ALL_TYPES_FILE) as data:
-        keys = data.files
-    return sorted(k for k in keys if k.count("/") == 1 and k.split("/")[1].removesuffix("+imatrix") in OURS)
-
-
 @pytest.fixture(scope="module")
 def golden_all():
-    if not ALL_TYPES_FILE.exists():
-        pytest.fail(f"golden vectors not found at {ALL_TYPES_FILE} (tests/data/README.md says how they are made)")
-    with np.load(ALL_TYPES_FILE) as data:
-        return dict(data)
+    return _load_golden(ALL_TYPES_FILE)
 
 
-@pytest.mark.parametrize("key", _all_types_keys())
+@pytest.mark.parametrize("key", _golden_keys(ALL_TYPES_FILE, lambda kind: kind in OURS))
 def test_bytes_match_ggml_0c1e570(golden_all, key):
     """The same against the file ggml 0.25.3 made for every type, with and without an imatrix."""
-    case, variant = key.split("/")
-    qtype = variant.removesuffix("+imatrix")
-    imatrix = golden_all[f"{case}/imatrix"] if variant.endswith("+imatrix") else None
-    ours = quantize(golden_all[f"{case}/input"], qtype, imatrix)
+    ours, qtype = _quantize_case(golden_all, key)
+    variant = key.split("/")[1]
     differ = np.flatnonzero((ours != golden_all[key]).any(axis=-1))
     assert differ.size == 0, f"{key}: rows {differ[:10].tolist()} differ from ggml's bytes"
     if "+" not in variant:
