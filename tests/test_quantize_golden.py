@@ -117,7 +117,9 @@ def test_row_length_must_fill_whole_blocks(qtype, n, block):
 
 
 ALL_TYPES_FILE = Path(__file__).resolve().parent / "data" / "ggml_quants_golden_all.npz"
-OURS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # the types convert.quantize_q4k makes
+# the types convert.quantize_q4k makes
+OURS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4",
+        "TQ1_0", "TQ2_0")
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,9 @@ no fastmath (a fused multiply-add rounds differently). Where a loop is restructu
 speed, the float32 operations and their order per sum are unchanged.
 
 `quantize` and `dequantize` (here) take every type; the block types live in `k_quants`
-(Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and `q32` (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1), built on ggml's scale searches (`searches`)
-and C's scalar conversions (`scalars`).
+(Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), `q32` (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1), `nonlinear` (IQ4_NL,
+IQ4_XS, MXFP4) and `ternary` (TQ1_0, TQ2_0), built on ggml's scale searches (`searches`) and
+C's scalar conversions (`scalars`).
 """
 
 import gguf
@@ -19,10 +20,14 @@ from colibri.convert.quantize_q4k.k_quants import (
     dequantize_q2_k, dequantize_q3_k, dequantize_q4_k, dequantize_q5_k, dequantize_q6_k, quantize_q2_k, quantize_q3_k,
     quantize_q4_k, quantize_q5_k, quantize_q6_k,
 )
+from colibri.convert.quantize_q4k.nonlinear import (
+    dequantize_iq4_nl, dequantize_iq4_xs, dequantize_mxfp4, quantize_iq4_nl, quantize_iq4_xs, quantize_mxfp4,
+)
 from colibri.convert.quantize_q4k.q32 import (
     dequantize_q4_0, dequantize_q4_1, dequantize_q5_0, dequantize_q5_1, dequantize_q8_0, quantize_q4_0, quantize_q4_1,
     quantize_q5_0, quantize_q5_1, quantize_q8_0,
 )
+from colibri.convert.quantize_q4k.ternary import dequantize_tq1_0, dequantize_tq2_0, quantize_tq1_0, quantize_tq2_0
 
 _BLOCK_CODECS = {
     "Q4_K": (quantize_q4_k, dequantize_q4_k),
@@ -35,6 +40,11 @@ _BLOCK_CODECS = {
     "Q4_1": (quantize_q4_1, dequantize_q4_1),
     "Q2_K": (quantize_q2_k, dequantize_q2_k),
     "Q3_K": (quantize_q3_k, dequantize_q3_k),
+    "IQ4_NL": (quantize_iq4_nl, dequantize_iq4_nl),
+    "IQ4_XS": (quantize_iq4_xs, dequantize_iq4_xs),
+    "MXFP4": (quantize_mxfp4, dequantize_mxfp4),
+    "TQ1_0": (quantize_tq1_0, dequantize_tq1_0),
+    "TQ2_0": (quantize_tq2_0, dequantize_tq2_0),
 }
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -62,7 +72,7 @@ def _fp32_to_bf16(x: np.ndarray) -> np.ndarray:
 def quantize(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.ndarray:
     """Encode float rows [..., n] as GGML qtype bytes [..., row_bytes], exactly as ggml's
     quantize_<qtype>(x, nrows, n, imatrix) does. imatrix: importance weights [n] or None
-    (ignored by F32, F16, BF16 and Q8_0, as in ggml)."""
+    (ignored by F32, F16, BF16, Q8_0, MXFP4, TQ1_0 and TQ2_0, as in ggml)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     n = x.shape[-1]
     row_bytes = _row_layout(qtype, n)
