@@ -41,6 +41,9 @@ FILE_TYPES = {
     "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
     "Q2_K": gguf.LlamaFileType.MOSTLY_Q2_K, "Q3_K": gguf.LlamaFileType.MOSTLY_Q3_K_M,
     "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M, "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_M, "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
+    "IQ4_NL": gguf.LlamaFileType.MOSTLY_IQ4_NL, "IQ4_XS": gguf.LlamaFileType.MOSTLY_IQ4_XS,
+    "MXFP4": gguf.LlamaFileType.MOSTLY_MXFP4_MOE, "TQ1_0": gguf.LlamaFileType.MOSTLY_TQ1_0,
+    "TQ2_0": gguf.LlamaFileType.MOSTLY_TQ2_0,
 }
 
 

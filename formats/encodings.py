@@ -14,14 +14,23 @@ from functools import cache
 import gguf
 import numpy as np
 
-ENCODINGS = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+ENCODINGS = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+             "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0", "TQ2_0")
+
+# The values the 4-bit indices of IQ4_NL / IQ4_XS and of MXFP4 stand for (ggml-common.h's
+# kvalues_iq4nl and kvalues_mxfp4, the latter twice the E2M1 values).
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
 # Float encodings that numpy can view directly (BF16 is read as uint16 and widened).
 FLOAT_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
 # Byte offsets of the f16 scales (`d`, then `dmin` or `m`) within one block of each block type.
 SCALE_OFFSETS = {"Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_0": (0,), "Q4_1": (0, 2), "Q2_K": (80, 82),
-                 "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+                 "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
+                 "MXFP4": (), "TQ1_0": (52,), "TQ2_0": (64,)}
+# Byte offsets of E8M0 exponent scales (0xFF is NaN) within one block.
+E8M0_OFFSETS = {"MXFP4": (0,)}
 
 
 class EncodingError(ValueError):

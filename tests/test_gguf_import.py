@@ -153,46 +153,60 @@ def test_tensor_contradicting_the_metadata(reference, tmp_path, capsys):
 def test_types_the_kernels_cannot_compute_are_listed(reference, tmp_path, capsys):
     _, source = reference("mixtral")
 
-    def to_iq4_xs(name, data, kind):  # any bytes of IQ4_XS's size: the types are refused before a block is read
+    def to_iq2_xxs(name, data, kind):  # any bytes of IQ2_XXS's size: the types are refused before a block is read
         if (data.ndim == 2 or "_exps" in name) and data.shape[-1] % 256 == 0:
-            shape = (*data.shape[:-1], data.shape[-1] // 256 * 136)
-            return np.zeros(shape, np.uint8), gguf.GGMLQuantizationType.IQ4_XS
+            shape = (*data.shape[:-1], data.shape[-1] // 256 * 66)
+            return np.zeros(shape, np.uint8), gguf.GGMLQuantizationType.IQ2_XXS
         return data, kind
 
-    iq4_xs = rewrite_gguf(source, tmp_path / "iq4_xs.gguf", tensor=to_iq4_xs)
-    err = refused(capsys, tmp_path, iq4_xs, "tensors have types colibri cannot compute", "supported: F32, F16", "Q6_K",
-                  "(IQ4_XS)")
-    assert all(kind in err for kind in ("Q4_0", "Q4_1", "Q2_K", "Q3_K"))  # among the supported
+    iq2_xxs = rewrite_gguf(source, tmp_path / "iq2_xxs.gguf", tensor=to_iq2_xxs)
+    err = refused(capsys, tmp_path, iq2_xxs, "tensors have types colibri cannot compute", "supported: F32, F16", "Q6_K",
+                  "(IQ2_XXS)")
+    assert all(kind in err for kind in ("Q4_0", "Q4_1", "Q2_K", "Q3_K", "IQ4_XS", "MXFP4"))  # among the supported
 
 
-def test_a_gguf_with_q2_k_and_q3_k_experts_imports_and_runs(reference, tmp_path):
-    """Blocks of the low-bit K-quants (ggml's own bytes, from the golden file) are imported,
-    verified and computed (their kernels against ggml's dequantization: tests/test_kernels.py)."""
-    from colibri.runtime import open_model
+def test_a_gguf_holding_every_type_imports_and_runs_as_its_dequantized_weights(reference, tmp_path):
+    """Every quantized type the kernels compute, spread over the tensors (experts and resident
+    ones): the GGUF imports, verifies and exports back byte for byte, and its logits are those
+    of the same weights dequantized to F32 (up to the int8 activations of the fast path)."""
+    from colibri.convert.colibri_to_gguf import FILE_TYPES, export_gguf
+    from colibri.convert.quantize_q4k import quantize
+    from colibri.runtime.kernels import FAST_ENCODINGS
     from colibri.verify.model_check import verify_model
 
     _, source = reference("mixtral")
-    golden = np.load(Path(__file__).parent / "data" / "ggml_quants_golden_all.npz")
-    kinds = {"ffn_gate_exps": "Q2_K", "ffn_up_exps": "Q3_K", "ffn_down_exps": "Q3_K"}
+    chosen = {}
 
-    def low_bits(name, data, kind):
-        part = next((k for k in kinds if k in name), None)
-        if part is None or data.shape[-1] % 256:
+    def quantized(name, data, kind):
+        if not ((data.ndim == 2 or "_exps" in name) and "norm" not in name and "ffn_gate_inp" not in name):
             return data, kind
-        qtype = gguf.GGMLQuantizationType[kinds[part]]
-        blocks = golden[f"randn/{kinds[part]}"].reshape(-1)
-        row = data.shape[-1] // 256 * gguf.GGML_QUANT_SIZES[qtype][1]
-        count = int(np.prod(data.shape[:-1]))
-        return np.resize(blocks, count * row).reshape(*data.shape[:-1], row), qtype
+        fitting = [e for e in FAST_ENCODINGS if data.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[e]][0] == 0]
+        encoding = fitting[len(chosen) % len(fitting)]
+        chosen[name] = encoding
+        return quantize(data, encoding), gguf.GGMLQuantizationType[encoding]
 
-    converted = rewrite_gguf(source, tmp_path / "low.gguf", tensor=low_bits)
-    convert(str(converted), tmp_path / "q", ConvertOptions(progress=False))
+    def dequantized(name, data, kind):
+        if name not in chosen:
+            return data, kind
+        return gguf.quants.dequantize(data, kind).astype(np.float32), gguf.GGMLQuantizationType.F32
+
+    mixed = rewrite_gguf(source, tmp_path / "mixed.gguf", tensor=quantized)
+    plain = rewrite_gguf(mixed, tmp_path / "plain.gguf", tensor=dequantized)
+    assert set(chosen.values()) == set(FAST_ENCODINGS) and set(FAST_ENCODINGS) <= set(FILE_TYPES)
+    convert(str(mixed), tmp_path / "q", ConvertOptions(progress=False))
+    convert(str(plain), tmp_path / "f", ConvertOptions(progress=False))
     layout = ModelLayout(tmp_path / "q")
-    assert {m.encoding for t in layout.expert_layers.values() for m in t.matrices.values()} == {"Q2_K", "Q3_K"}
+    held = {t.encoding for t in layout.tensors.values()} | {
+        m.encoding for t in layout.expert_layers.values() for m in t.matrices.values()}
+    assert set(FAST_ENCODINGS) <= held
     assert verify_model(tmp_path / "q", progress=False).ok
-    m = open_model(tmp_path / "q", ctx=64, ram_budget="8G")
-    assert np.isfinite(m.prefill([5, 6, 7])).all()
-    m.close()
+    export_gguf(tmp_path / "q", tmp_path / "again.gguf", progress=False)
+    convert(str(tmp_path / "again.gguf"), tmp_path / "again", ConvertOptions(progress=False))
+    assert model_bytes(tmp_path / "again") == model_bytes(tmp_path / "q")
+    got, want = logits(tmp_path / "q"), logits(tmp_path / "f")
+    cosine = (got * want).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))
+    assert cosine.min() >= 0.999, cosine
+    assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.9
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])

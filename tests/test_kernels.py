@@ -25,7 +25,8 @@ EXACT_TOLERANCE = 1e-5
 ROWS = 37  # not a multiple of the thread count
 # A row length per encoding, 256 to 2048 weights; 288 is not a whole number of 256-chunks.
 COLS = {"F32": 288, "F16": 256, "BF16": 2048, "Q8_0": 288, "Q5_0": 1056, "Q5_1": 288, "Q4_0": 544, "Q4_1": 320,
-        "Q2_K": 512, "Q3_K": 768, "Q4_K": 2048, "Q5_K": 256, "Q6_K": 1280}
+        "Q2_K": 512, "Q3_K": 768, "Q4_K": 2048, "Q5_K": 256, "Q6_K": 1280, "IQ4_NL": 352, "IQ4_XS": 768,
+        "MXFP4": 576, "TQ1_0": 512, "TQ2_0": 1024}
 
 
 def random_weights(encoding, rows, cols, seed=0):
@@ -120,7 +121,8 @@ def expert_reference(matrices, x):
 # (gate, up, down) encodings, ffn, hidden, exact: the Q4_K_M choice on both paths, the
 # fallback block types, and float weights mixed with int8 activations.
 EXPERTS = [(("Q4_K", "Q4_K", "Q6_K"), 512, 768, False), (("Q4_K", "Q4_K", "Q6_K"), 512, 768, True),
-           (("Q8_0", "Q5_1", "Q5_0"), 96, 288, False), (("BF16", "Q4_K", "F16"), 256, 256, False)]
+           (("Q8_0", "Q5_1", "Q5_0"), 96, 288, False), (("BF16", "Q4_K", "F16"), 256, 256, False),
+           (("MXFP4", "MXFP4", "MXFP4"), 96, 256, False), (("IQ4_XS", "IQ4_XS", "IQ4_XS"), 256, 512, False)]
 
 
 @pytest.mark.parametrize("encodings, ffn, hidden, exact", EXPERTS,
@@ -169,10 +171,11 @@ def test_set_threads_warns_once_about_workqueue(monkeypatch):
 
 
 PRODUCTS_FOR_CPU = """
+import sys
 import numpy as np
 from colibri.runtime import kernels
 x = np.load("x.npy")
-for encoding in ("Q4_K", "Q6_K", "Q8_0"):
+for encoding in sys.argv[1:]:
     w = np.load(f"{encoding}.npy")
     np.save(f"{encoding}-product.npy", kernels.matmul(w, encoding, w.shape[0], x.shape[1], x))
 """
@@ -183,16 +186,17 @@ for encoding in ("Q4_K", "Q6_K", "Q8_0"):
 def test_kernels_built_for_other_cpus_match_the_native_ones(tmp_path, cpu):
     """The int8 kernels built for a CPU without AVX2 or F16C (portable vector IR), with AVX2
     only, and with AVX-VNNI but no AVX-512 give the same products as the native ones: the
-    unsigned x signed, signed x signed and K-quant integer dot products, for whole groups,
-    a half group and single activations."""
+    unsigned x signed, signed x signed and K-quant integer dot products, table lookups and
+    signed levels in Q8_K dots, for whole groups, a half group and single activations."""
     x = np.random.default_rng(1).standard_normal((13, 512)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
-    weights = {encoding: random_weights(encoding, 37, 512)[0] for encoding in ("Q4_K", "Q6_K", "Q8_0")}
+    encodings = ("Q4_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0")
+    weights = {encoding: random_weights(encoding, 37, 512)[0] for encoding in encodings}
     for encoding, w in weights.items():
         np.save(tmp_path / f"{encoding}.npy", w)
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, NUMBA_CPU_NAME=cpu, PYTHONPATH=str(root))
-    subprocess.run([sys.executable, "-c", PRODUCTS_FOR_CPU], cwd=tmp_path, env=env, check=True)
+    subprocess.run([sys.executable, "-c", PRODUCTS_FOR_CPU, *encodings], cwd=tmp_path, env=env, check=True)
     for encoding, w in weights.items():
         native = kernels.matmul(w, encoding, 37, 512, x)
         assert relative_error(np.load(tmp_path / f"{encoding}-product.npy"), native) <= EXACT_TOLERANCE
@@ -326,8 +330,8 @@ def test_grouped_experts_equal_the_per_expert_path(encodings, ffn, hidden, exact
     assert kernel.groupable(acts) and np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("encoding", ["Q2_K", "Q3_K"])
-def test_low_bit_k_quants_decode_ggml_blocks_as_ggml_does(encoding):
+@pytest.mark.parametrize("encoding", [e for e in ENCODINGS if e in kernels.FAST_ENCODINGS])
+def test_ggml_blocks_decode_as_ggml_does(encoding):
     """Blocks ggml's quantizer made (tests/data, every case): our dequantization is ggml's
     `dequantize_row_<type>` bit for bit, and both product paths are close to it."""
     from pathlib import Path
@@ -335,7 +339,8 @@ def test_low_bit_k_quants_decode_ggml_blocks_as_ggml_does(encoding):
     with np.load(Path(__file__).parent / "data" / "ggml_quants_golden_all.npz") as golden:
         cases = sorted({k.split("/")[0] for k in golden.files})
         for case in cases:
-            w, want = golden[f"{case}/{encoding}"], golden[f"{case}/{encoding}/dequant"]
+            w = golden[f"{case}/{encoding}"] if f"{case}/{encoding}" in golden.files else golden[f"{case}/{encoding}+imatrix"]
+            want = golden[f"{case}/{encoding}/dequant"]
             rows, cols = want.shape
             assert np.array_equal(kernels.dequantize_rows(w.reshape(-1), encoding, cols, 0, rows), want), case
             x = np.random.default_rng(0).standard_normal((3, cols)).astype(np.float32)

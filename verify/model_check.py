@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri.formats.encodings import SCALE_OFFSETS, block_size
+from colibri.formats.encodings import E8M0_OFFSETS, SCALE_OFFSETS, block_size
 from colibri.formats.layout import (
     EXPERT_MATRICES, JOURNAL_NAME, MANIFEST_NAME, FormatError, ModelLayout, data_files, expert_file_name, manifest_digest_problem,
     reserved_name, unhashed_files,
@@ -37,6 +37,7 @@ RAW = "bytes"  # a whole file hashed, its contents not interpreted
 # Float encodings: the unsigned view and the exponent mask that marks NaN/Inf.
 EXPONENTS = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80)}
 F16_EXPONENT = 0x7C00
+E8M0_NAN = 0xFF  # the E8M0 exponent byte that stands for NaN
 PROBLEMS = {PAD: "non-zero padding bytes", **dict.fromkeys(EXPONENTS, "NaN/Inf values")}
 
 
@@ -61,7 +62,8 @@ class Task:
 
 
 def bad_offsets(chunk, kind: str) -> np.ndarray:
-    """Offsets in `chunk` of non-zero padding bytes, NaN/Inf floats, or blocks with a NaN/Inf f16 scale."""
+    """Offsets in `chunk` of non-zero padding bytes, NaN/Inf floats, or blocks with a NaN/Inf
+    scale (f16, or E8M0)."""
     if kind == RAW:
         return np.empty(0, np.int64)
     if kind == PAD:
@@ -73,8 +75,11 @@ def bad_offsets(chunk, kind: str) -> np.ndarray:
         return np.flatnonzero((values & mask) == mask) * values.itemsize
     block = block_size(kind)[1]
     count = len(chunk) // block
-    scales = [np.ndarray((count,), "<u2", chunk, offset, (block,)) for offset in SCALE_OFFSETS[kind]]
-    return np.unique(np.concatenate([np.flatnonzero((s & F16_EXPONENT) == F16_EXPONENT) for s in scales])) * block
+    bad = [np.flatnonzero((np.ndarray((count,), "<u2", chunk, offset, (block,)) & F16_EXPONENT) == F16_EXPONENT)
+           for offset in SCALE_OFFSETS[kind]]
+    bad += [np.flatnonzero(np.ndarray((count,), np.uint8, chunk, offset, (block,)) == E8M0_NAN)
+            for offset in E8M0_OFFSETS.get(kind, ())]
+    return np.unique(np.concatenate(bad)) * block
 
 
 def chunk_bytes(kind: str) -> int:

@@ -8,6 +8,7 @@ each pair gives ggml's block layout (fp16 fields little-endian).
 
 import numpy as np
 
+from colibri.formats.encodings import IQ4_VALUES, MXFP4_VALUES
 from colibri.convert.quantize_q4k.scalars import (
     _bits_float, block_bytes, load_fp16, nearest_int, njit_c, store_fp16, sum_of_squares,
 )
@@ -15,9 +16,6 @@ from colibri.convert.quantize_q4k.scalars import (
 F32 = np.float32
 QK_K = 256
 IQ4_NL_BYTES, IQ4_XS_BYTES, MXFP4_BYTES = block_bytes("IQ4_NL"), block_bytes("IQ4_XS"), block_bytes("MXFP4")
-# ggml-common.h: kvalues_iq4nl and kvalues_mxfp4 (twice the E2M1 values, hence the half scale)
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
-MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 GROUP_MAX_EPS = F32(1e-15)
 IQ4_TRIES = 7  # scale candidates either side of the first guess, as quantize_iq4_nl / _xs
 

@@ -14,7 +14,7 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 
-from colibri.formats.encodings import ENCODINGS, block_size
+from colibri.formats.encodings import ENCODINGS, IQ4_VALUES, MXFP4_VALUES, block_size
 from colibri.runtime.kernels.activations import FAST_ENCODINGS
 from colibri.runtime.kernels.emitter import CONTRACT, FLOAT, I1, I8, I16, I32, I64, vec
 
@@ -43,10 +43,11 @@ class _Block:
     `scale * (level - bias) + offset`: `levels[j]` a <32 x i8> (`signed` or not), `scales`
     and `offsets` (or None) one float per sub-block, or per 16 weights when `per16`. The order of the float operations is ggml's (and gguf's).
 
-    K-quant blocks also carry their integer form, for the dot with Q8_K activations
+    Blocks of 256 also carry their integer form, for the dot with Q8_K activations
     (`k_int8_dot`): `d * sum_m int_scales[m // pairs_per_scale] * (level_2m x_2m + level_2m+1
-    x_2m+1)` over the 128 pairs of weights, plus `offsets16 . (the sum of x over each 16)`;
-    `int_scales` is a <16 x i16>, `offsets16` a <16 x float>."""
+    x_2m+1)` over the 128 pairs of weights, plus `offsets16 . (the sum of x over each 16)`
+    (when not None); `int_scales` is a <16 x i16> (<8 x i16> for one scale per 32),
+    `offsets16` a <16 x float>."""
 
     def __init__(self, levels, scales, signed=False, bias=0, offsets=None, per16=False,
                  d=None, int_scales=None, pairs_per_scale=None, offsets16=None):
@@ -228,9 +229,72 @@ def _unpack_q3_k(e, block):
                   offsets16=b.fmul(scales, e.splat(ir.Constant(FLOAT, -4.0), 16)))
 
 
+def _unpack_iq4_nl(e, block):
+    """IQ4_NL (18 bytes): d (f16), nibbles as Q4_0's, each an index into IQ4_VALUES."""
+    return _Block([e.lookup16(IQ4_VALUES, _q4_levels(e, block, 2))], e.splat(e.half(block, 0), 1), signed=True)
+
+
+def _unpack_mxfp4(e, block):
+    """MXFP4 (17 bytes): an E8M0 exponent byte, nibbles as Q4_0's, each an index into
+    MXFP4_VALUES (twice the E2M1 values); weight = value * 2**(e - 128)."""
+    scale = e.e8m0_half(e.load(block, 0, I8))
+    return _Block([e.lookup16(MXFP4_VALUES, _q4_levels(e, block, 1))], e.splat(scale, 1), signed=True)
+
+
+def _unpack_iq4_xs(e, block):
+    """IQ4_XS (136 bytes): d (f16); scales_h (u16, 2 high bits of sub-block i's 6-bit scale at
+    bit 2i); scales_l (4 bytes, low 4 bits: sub-block 2k low nibble, 2k + 1 high); 8 sub-blocks
+    of IQ4_NL nibbles. Weight = d * (scale - 32) * IQ4_VALUES[nibble]."""
+    b = e.b
+    low = b.zext(e.pick(e.load(block, 4, I8, 4), [i // 2 for i in range(8)]), vec(I16, 8))
+    low = b.and_(b.lshr(low, ir.Constant(vec(I16, 8), [ir.Constant(I16, 4 * (i % 2)) for i in range(8)])),
+                 e.const(I16, 8, 0x0F))
+    high = b.lshr(e.splat(e.load(block, 2, I16), 8), ir.Constant(vec(I16, 8), [ir.Constant(I16, 2 * i) for i in range(8)]))
+    high = b.shl(b.and_(high, e.const(I16, 8, 3)), e.const(I16, 8, 4))
+    int_scales = b.sub(b.or_(low, high), e.const(I16, 8, 32))
+    d = e.half(block, 0)
+    levels = [e.lookup16(IQ4_VALUES, _q4_levels(e, block, 8 + 16 * i)) for i in range(8)]
+    return _Block(levels, b.fmul(e.splat(d, 8), b.sitofp(int_scales, vec(FLOAT, 8))), signed=True,
+                  d=d, int_scales=int_scales, pairs_per_scale=16)
+
+
+def _ternary_block(e, levels, d):
+    """A TQ1_0 / TQ2_0 block: levels 0..2 stand for -1..1, times d."""
+    return _Block(levels, e.splat(d, 8), bias=1, d=d, int_scales=e.const(I16, 8, 1), pairs_per_scale=16,
+                  offsets16=e.b.fneg(e.splat(d, 16)))
+
+
+def _unpack_tq2_0(e, block):
+    """TQ2_0 (66 bytes): 64 bytes of 2-bit levels as Q2_K's, d (f16)."""
+    return _ternary_block(e, _two_bit_levels(e, block, 0), e.half(block, 64))
+
+
+def _trits(e, packed, n):
+    """Trit n (0 the most significant) of each byte of a TQ1_0 run: ((byte * 3**n mod 256) * 3) >> 8."""
+    b, count = e.b, packed.type.count
+    shifted = b.zext(b.mul(packed, e.const(I8, count, 3**n % 256)), vec(I16, count))
+    return b.trunc(b.lshr(b.mul(shifted, e.const(I16, count, 3)), e.const(I16, count, 8)), vec(I8, count))
+
+
+def _unpack_tq1_0(e, block):
+    """TQ1_0 (54 bytes): 48 bytes of 5 trits (bytes 0-31: weights 32n + m; bytes 32-47:
+    160 + 16n + m), 4 bytes of 4 trits (240 + 4n + m), d (f16) last."""
+    first = e.load(block, 0, I8, 32)
+    second, last = e.load(block, 32, I8, 16), e.load(block, 48, I8, 4)
+    levels = [_trits(e, first, n) for n in range(5)]
+    halves = [_trits(e, second, n) for n in range(5)]
+    quarters = [_trits(e, last, n) for n in range(4)]
+    eight = e.shuffle(e.shuffle(quarters[0], quarters[1], range(8)), e.shuffle(quarters[2], quarters[3], range(8)), range(16))
+    for pair in ((halves[0], halves[1]), (halves[2], halves[3]), (halves[4], eight)):
+        levels.append(e.shuffle(*pair, range(32)))
+    return _ternary_block(e, levels, e.half(block, 52))
+
+
 UNPACKERS = {"Q4_K": _unpack_q4_k, "Q5_K": _unpack_q5_k, "Q6_K": _unpack_q6_k,
              "Q8_0": _unpack_q8_0, "Q5_0": _unpack_q5_0, "Q5_1": _unpack_q5_1,
-             "Q4_0": _unpack_q4_0, "Q4_1": _unpack_q4_1, "Q2_K": _unpack_q2_k, "Q3_K": _unpack_q3_k}
+             "Q4_0": _unpack_q4_0, "Q4_1": _unpack_q4_1, "Q2_K": _unpack_q2_k, "Q3_K": _unpack_q3_k,
+             "IQ4_NL": _unpack_iq4_nl, "IQ4_XS": _unpack_iq4_xs, "MXFP4": _unpack_mxfp4,
+             "TQ1_0": _unpack_tq1_0, "TQ2_0": _unpack_tq2_0}
 assert set(UNPACKERS) == set(FAST_ENCODINGS)
 
 
@@ -286,9 +350,14 @@ def k_int8_dot(e, block, xq, xd, xs, total):
         if per == 2:
             levels = e.shuffle(levels, block.levels[per * c + 1], range(64))
         scales = e.pick(block.int_scales, [(c * width // 2 + m) // block.pairs_per_scale for m in range(width // 2)])
-        acc = e.add_pair_products(acc, e.pair_products(levels, e.load(xq, width * c, I8, width)), scales)
+        x = e.load(xq, width * c, I8, width)
+        if block.signed:  # vpmaddubsw takes unsigned weights: move their signs to the activations
+            levels, x = e.abs_bytes(levels), e.signed_like(x, levels)
+        acc = e.add_pair_products(acc, e.pair_products(levels, x), scales)
     sums = e.load(xs, 0, FLOAT, 16)
-    if lanes == 8:
+    if block.offsets16 is None:
+        pass
+    elif lanes == 8:
         total = e.fma(e.pick(block.offsets16, range(8)), e.pick(sums, range(8)), total)
         total = e.fma(e.pick(block.offsets16, range(8, 16)), e.pick(sums, range(8, 16)), total)
     else:

@@ -188,6 +188,39 @@ class Emitter:
         wide = vec(I32, 32)
         return self._sum_quads(self.b.mul(self.b.sext(left, wide), self.b.sext(right, wide)))
 
+    def signed_like(self, values, signs):
+        """values with the sign of `signs` (zero where `signs` is zero): vpsignb with AVX2,
+        a select otherwise (AVX-512 has no 64-byte vpsignb). |values| <= 127."""
+        if self.avx2 and values.type.count == 32:
+            return self.call("llvm.x86.avx2.psign.b", values.type, values, signs)
+        b, zero = self.b, ir.Constant(values.type, None)
+        negated = b.select(b.icmp_signed("<", signs, zero), b.sub(zero, values), values)
+        return b.select(b.icmp_signed("==", signs, zero), zero, negated)
+
+    def abs_bytes(self, values):
+        return self.call(f"llvm.abs.v{values.type.count}i8", values.type, values, ir.Constant(I1, 0))
+
+    def lookup16(self, table, indices):
+        """table[indices] for a 16-entry table of int8 constants and a byte vector of indices
+        0..15: vpshufb with AVX2 (the table repeated in each 16-byte lane), selects otherwise."""
+        b, n = self.b, indices.type.count
+        intrinsics = {16: "llvm.x86.ssse3.pshuf.b.128", 32: "llvm.x86.avx2.pshuf.b", 64: "llvm.x86.avx512.pshuf.b.512"}
+        if self.avx2 and n in intrinsics and (n < 64 or self.avx512):
+            lanes = ir.Constant(indices.type, [ir.Constant(I8, int(table[i % 16])) for i in range(n)])
+            return self.call(intrinsics[n], indices.type, lanes, indices)
+        result = self.const(I8, n, int(table[0]))
+        for i in range(1, 16):
+            result = b.select(b.icmp_unsigned("==", indices, self.const(I8, n, i)), self.const(I8, n, int(table[i])), result)
+        return result
+
+    def e8m0_half(self, byte):
+        """float32 2**(e - 128) of an E8M0 exponent byte e (ggml_e8m0_to_fp32_half)."""
+        b = self.b
+        e = b.zext(byte, I32)
+        subnormal = b.shl(ir.Constant(I32, 0x00200000), e)
+        normal = b.shl(b.sub(e, ir.Constant(I32, 1)), ir.Constant(I32, 23))
+        return b.bitcast(b.select(b.icmp_unsigned("<", e, ir.Constant(I32, 2)), subnormal, normal), FLOAT)
+
     def nibbles(self, packed):
         """(low, high) 4-bit halves of a byte vector."""
         n = packed.type.count
