@@ -45,8 +45,9 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
                         "(for a split GGUF, any part: the others are found next to it)")
     p.add_argument("out", metavar="OUT", help="output folder; an unfinished conversion there is resumed")
     p.add_argument("--quant", default=None, choices=RECIPES, type=str.upper,
-                   help="quantization recipe: one of llama-quantize's mixes (Q2_K ... Q6_K, Q4_0 ... Q5_1: its "
-                        "per-tensor choices, about 2.6 to 6.6 bits a weight) or a uniform Q8_0/BF16/F16/F32 "
+                   help="quantization recipe: one of llama-quantize's mixes (Q2_K ... Q6_K, Q4_0 ... Q5_1, IQ4_NL, "
+                        "IQ4_XS, MXFP4_MOE, TQ1_0, TQ2_0: its per-tensor choices, about 1.7 to 6.6 bits a weight) "
+                        "or a uniform Q8_0/BF16/F16/F32 "
                         "(default: Q4_K_M; a GGUF keeps its own types and takes no --quant)")
     p.add_argument("--override", action="append", default=[], type=_override, metavar="REGEX=TYPE",
                    help="force TYPE for tensors whose canonical name matches REGEX (first match wins; repeatable)")

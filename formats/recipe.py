@@ -1,6 +1,7 @@
 """Quantization recipes: which encoding each canonical tensor gets.
 
-The mixes (`Q2_K` ... `Q6_K`, `Q4_0` ... `Q5_1`) follow llama.cpp's
+The mixes (`Q2_K` ... `Q6_K`, `Q4_0` ... `Q5_1`, `IQ4_NL`, `IQ4_XS`, `MXFP4_MOE`, `TQ1_0`,
+`TQ2_0`) follow llama.cpp's
 `llama_tensor_get_type_impl` (src/llama-quant.cpp) for their file types, so the same
 checkpoint gets the same type per tensor as `llama-quantize ... TYPE` (with or without an
 importance matrix); `Q8_0`, `BF16`, `F16` and `F32` are uniform. Names are gguf's canonical tensor names
@@ -24,12 +25,14 @@ from colibri.formats.encodings import ENCODINGS, fits
 # each mix and the type most of its tensors get (llama.cpp's default type of the file type)
 MIXES = {"Q2_K": "Q2_K", "Q2_K_S": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K",
          "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
-         "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0", "Q5_1": "Q5_1"}
+         "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0", "Q5_1": "Q5_1", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS",
+         "MXFP4_MOE": "MXFP4", "TQ1_0": "TQ1_0", "TQ2_0": "TQ2_0"}
 RECIPES = (*MIXES, "Q8_0", "BF16", "F16", "F32")
 IMATRIX_REQUIRED = ("Q2_K_S",)  # llama-quantize refuses these without an importance matrix
 
 # llama.cpp's fallback when a row is not a whole number of 256-weight super-blocks.
-K_QUANT_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+K_QUANT_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL",
+                    "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
@@ -143,9 +146,13 @@ class Recipe:
         layer, n = (int(layer_match.group(1)) if layer_match else -1), self.n_layers
         eight_experts = self.n_experts == 8
         if name == "output.weight" or (self.tied_embeddings and name == "token_embd.weight"):
-            if not fits(chosen, shape[-1]):
+            if mix == "MXFP4_MOE" or not fits(chosen, shape[-1]):
                 return "Q8_0"
             return "Q6_K"
+        if mix == "MXFP4_MOE":  # routed experts in MXFP4, everything else Q8_0
+            return chosen if "_exps." in name else "Q8_0"
+        if name == "token_embd.weight" and mix in ("TQ1_0", "TQ2_0"):
+            return "Q4_K"
         if any(k in name for k in ("attn_v.weight", "attn_qkv.weight", "attn_kv_b.weight")):
             if eight_experts:
                 return "Q8_0"
@@ -156,6 +163,8 @@ class Recipe:
             if mix == "Q3_K_M":
                 return "Q5_K" if layer < 2 else "Q4_K"
             if mix == "Q3_K_L":
+                return "Q5_K"
+            if mix in ("IQ4_NL", "IQ4_XS") and self.n_gqa >= 4:
                 return "Q5_K"
             if mix in ("Q4_K_M", "Q5_K_M") and use_more_bits(layer, n):
                 return "Q6_K"
@@ -170,6 +179,8 @@ class Recipe:
                     "Q3_K_M": "Q5_K" if layer < n // 16 else "Q4_K",
                     "Q3_K_L": "Q5_K",
                     "Q4_K_M": "Q6_K" if use_more_bits(layer, n) else chosen,
+                    "IQ4_NL": "Q5_K" if layer < n // 8 and not self.has_imatrix else chosen,
+                    "IQ4_XS": "Q5_K" if layer < n // 8 and not self.has_imatrix else chosen,
                     "Q5_K_M": "Q6_K" if use_more_bits(layer, n) else chosen,
                     "Q4_K_S": "Q5_K" if layer < n // 8 else chosen,
                     # with an imatrix, llama.cpp guards the first ffn_down layers of Q4_0 / Q5_0
@@ -177,6 +188,6 @@ class Recipe:
                     "Q5_0": "Q5_1" if self.has_imatrix and layer < n // 8 else chosen}.get(mix, chosen)
         if "attn_output" in name:
             if eight_experts:
-                return "Q5_K" if mix in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M") else chosen
+                return "Q5_K" if mix in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS") else chosen
             return {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K"}.get(mix, chosen)
         return chosen

@@ -140,3 +140,46 @@ def test_a_mix_on_rows_that_do_not_fill_super_blocks_falls_back_as_llama_cpp():
     assert r.encoding("blk.0.ffn_gate_exps.weight", (64, 96, 288)) == "Q4_0"  # 288 weights: not 256-blocks
     assert r.encoding("blk.0.ffn_down_exps.weight", (64, 288, 96)) == "Q4_0"  # Q3_K → Q4_0 too
     assert r.encoding("blk.0.attn_q.weight", (288, 100)) == "F16"  # no 32-block either
+
+
+def test_iq4_mxfp4_and_ternary_mixes_choose_llama_cpps_types():
+    """IQ4_NL / IQ4_XS (attn_v up with GQA >= 4, the first n/8 ffn_down layers up without an
+    imatrix, 8-expert rules), MXFP4_MOE (routed experts MXFP4, all else Q8_0) and the ternary
+    mixes (token embeddings Q4_K), as llama_tensor_get_type_impl chooses them."""
+    listing = moe_tensors()
+
+    def chosen(mix, experts=64, gqa=4, imatrix=False):
+        return types(Recipe(mix, 32, experts, False, n_gqa=gqa, has_imatrix=imatrix), listing)
+
+    for mix in ("IQ4_NL", "IQ4_XS"):
+        plain = chosen(mix)
+        assert plain["blk.9.attn_v.weight"] == "Q5_K" and chosen(mix, gqa=2)["blk.9.attn_v.weight"] == mix
+        assert (plain["blk.3.ffn_down_exps.weight"], plain["blk.4.ffn_down_exps.weight"]) == ("Q5_K", mix)
+        assert chosen(mix, imatrix=True)["blk.3.ffn_down_exps.weight"] == mix
+        assert plain["blk.9.ffn_up_exps.weight"] == plain["blk.9.attn_output.weight"] == mix
+        assert plain["output.weight"] == "Q6_K" and plain["token_embd.weight"] == mix
+        eight = chosen(mix, experts=8)
+        assert eight["blk.9.attn_v.weight"] == eight["blk.9.attn_k.weight"] == "Q8_0"
+        assert eight["blk.9.attn_output.weight"] == "Q5_K"
+    mxfp4 = chosen("MXFP4_MOE")
+    assert {mxfp4[f"blk.9.ffn_{m}_exps.weight"] for m in ("gate", "up", "down")} == {"MXFP4"}
+    assert {mxfp4[n] for n in ("blk.9.attn_v.weight", "blk.9.attn_q.weight", "output.weight", "token_embd.weight")} == {"Q8_0"}
+    for mix in ("TQ1_0", "TQ2_0"):
+        ternary = chosen(mix)
+        assert ternary["token_embd.weight"] == "Q4_K" and ternary["output.weight"] == "Q6_K"
+        assert ternary["blk.9.ffn_down_exps.weight"] == ternary["blk.9.attn_q.weight"] == mix
+    r = Recipe("IQ4_XS", 4, 64, False)
+    assert r.encoding("blk.0.ffn_gate_exps.weight", (64, 96, 288)) == "IQ4_NL"  # not 256-blocks
+    assert Recipe("TQ1_0", 4, 64, False).encoding("blk.0.ffn_gate_exps.weight", (64, 96, 288)) == "Q4_0"
+
+
+def test_the_manifest_schema_knows_every_recipe_and_encoding():
+    import json
+    from pathlib import Path
+
+    from colibri.formats.encodings import ENCODINGS
+    from colibri.formats.recipe import RECIPES
+
+    schema = json.loads((Path(__file__).parents[1] / "formats" / "manifest.schema.json").read_text())
+    assert schema["properties"]["quant"]["properties"]["recipe"]["enum"] == [*RECIPES, "GGUF"]
+    assert schema["$defs"]["encoding"]["enum"] == list(ENCODINGS)
