@@ -43,7 +43,10 @@ FILE_TYPES = {
     "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M, "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_M, "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
     "IQ4_NL": gguf.LlamaFileType.MOSTLY_IQ4_NL, "IQ4_XS": gguf.LlamaFileType.MOSTLY_IQ4_XS,
     "MXFP4": gguf.LlamaFileType.MOSTLY_MXFP4_MOE, "TQ1_0": gguf.LlamaFileType.MOSTLY_TQ1_0,
-    "TQ2_0": gguf.LlamaFileType.MOSTLY_TQ2_0,
+    "TQ2_0": gguf.LlamaFileType.MOSTLY_TQ2_0, "IQ3_XXS": gguf.LlamaFileType.MOSTLY_IQ3_XXS,
+    "IQ3_S": gguf.LlamaFileType.MOSTLY_IQ3_S, "IQ2_XXS": gguf.LlamaFileType.MOSTLY_IQ2_XXS,
+    "IQ2_XS": gguf.LlamaFileType.MOSTLY_IQ2_XS, "IQ2_S": gguf.LlamaFileType.MOSTLY_IQ2_S,
+    "IQ1_S": gguf.LlamaFileType.MOSTLY_IQ1_S, "IQ1_M": gguf.LlamaFileType.MOSTLY_IQ1_M,
 }
 
 

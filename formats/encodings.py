@@ -15,7 +15,11 @@ import gguf
 import numpy as np
 
 ENCODINGS = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-             "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0", "TQ2_0")
+             "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0", "TQ2_0", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+             "IQ1_S", "IQ1_M")
+# Encodings a model can hold (from a GGUF) but colibri-convert does not make: ggml's grid
+# searches for them are not reproduced byte for byte, so recipes and --override refuse them.
+READ_ONLY_ENCODINGS = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 
 # The values the 4-bit indices of IQ4_NL / IQ4_XS and of MXFP4 stand for (ggml-common.h's
 # kvalues_iq4nl and kvalues_mxfp4, the latter twice the E2M1 values).
@@ -28,7 +32,8 @@ FLOAT_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype
 # Byte offsets of the f16 scales (`d`, then `dmin` or `m`) within one block of each block type.
 SCALE_OFFSETS = {"Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_0": (0,), "Q4_1": (0, 2), "Q2_K": (80, 82),
                  "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
-                 "MXFP4": (), "TQ1_0": (52,), "TQ2_0": (64,)}
+                 "MXFP4": (), "TQ1_0": (52,), "TQ2_0": (64,), "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ2_XXS": (0,),
+                 "IQ2_XS": (0,), "IQ2_S": (0,), "IQ1_S": (0,), "IQ1_M": ()}  # IQ1_M's d is spread over its scales
 # Byte offsets of E8M0 exponent scales (0xFF is NaN) within one block.
 E8M0_OFFSETS = {"MXFP4": (0,)}
 

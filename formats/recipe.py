@@ -20,7 +20,9 @@ except ImportError:  # Python 3.10
     import sre_constants as _regex_constants
     import sre_parse as _regex_parser
 
-from colibri.formats.encodings import ENCODINGS, fits
+from colibri.formats.encodings import ENCODINGS, READ_ONLY_ENCODINGS, fits
+
+MADE_ENCODINGS = tuple(e for e in ENCODINGS if e not in READ_ONLY_ENCODINGS)
 
 # each mix and the type most of its tensors get (llama.cpp's default type of the file type)
 MIXES = {"Q2_K": "Q2_K", "Q2_K_S": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K",
@@ -48,8 +50,10 @@ def parse_override(text: str) -> tuple[str, str]:
     if not sep or not pattern:
         raise ValueError(f"override {text!r} is not of the form REGEX=TYPE")
     encoding = encoding.upper()
+    if encoding in READ_ONLY_ENCODINGS:
+        raise ValueError(f"override {text!r}: colibri-convert does not make {encoding} (its kernels read it from a GGUF)")
     if encoding not in ENCODINGS:
-        raise ValueError(f"override {text!r}: unknown type {encoding} (known: {', '.join(ENCODINGS)})")
+        raise ValueError(f"override {text!r}: unknown type {encoding} (known: {', '.join(MADE_ENCODINGS)})")
     problem = pattern_problem(pattern)
     if problem:
         raise ValueError(f"override {text!r}: {problem}")

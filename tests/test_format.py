@@ -61,8 +61,9 @@ def test_sizes_follow_ggml_blocks():
     with pytest.raises(EncodingError, match="multiple of 256"):
         row_bytes("Q4_K", 300)
     assert row_bytes("Q3_K", 256) == 110 and row_bytes("Q4_0", 64) == 36
+    assert row_bytes("IQ2_XXS", 512) == 132 and row_bytes("MXFP4", 64) == 34
     with pytest.raises(EncodingError, match="unknown encoding"):
-        row_bytes("IQ2_XXS", 256)
+        row_bytes("NVFP4", 256)
 
 
 def test_minimal_manifest_is_valid_and_round_trips(tmp_path):

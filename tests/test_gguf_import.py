@@ -153,28 +153,33 @@ def test_tensor_contradicting_the_metadata(reference, tmp_path, capsys):
 def test_types_the_kernels_cannot_compute_are_listed(reference, tmp_path, capsys):
     _, source = reference("mixtral")
 
-    def to_iq2_xxs(name, data, kind):  # any bytes of IQ2_XXS's size: the types are refused before a block is read
-        if (data.ndim == 2 or "_exps" in name) and data.shape[-1] % 256 == 0:
-            shape = (*data.shape[:-1], data.shape[-1] // 256 * 66)
-            return np.zeros(shape, np.uint8), gguf.GGMLQuantizationType.IQ2_XXS
+    def to_nvfp4(name, data, kind):  # any bytes of NVFP4's size: the types are refused before a block is read
+        if (data.ndim == 2 or "_exps" in name) and data.shape[-1] % 64 == 0:
+            shape = (*data.shape[:-1], data.shape[-1] // 64 * 36)
+            return np.zeros(shape, np.uint8), gguf.GGMLQuantizationType.NVFP4
         return data, kind
 
-    iq2_xxs = rewrite_gguf(source, tmp_path / "iq2_xxs.gguf", tensor=to_iq2_xxs)
-    err = refused(capsys, tmp_path, iq2_xxs, "tensors have types colibri cannot compute", "supported: F32, F16", "Q6_K",
-                  "(IQ2_XXS)")
-    assert all(kind in err for kind in ("Q4_0", "Q4_1", "Q2_K", "Q3_K", "IQ4_XS", "MXFP4"))  # among the supported
+    nvfp4 = rewrite_gguf(source, tmp_path / "nvfp4.gguf", tensor=to_nvfp4)
+    err = refused(capsys, tmp_path, nvfp4, "tensors have types colibri cannot compute", "supported: F32, F16", "Q6_K",
+                  "(NVFP4)")
+    assert all(kind in err for kind in ("Q4_0", "Q2_K", "IQ4_XS", "MXFP4", "IQ2_XXS", "IQ1_M"))  # among the supported
 
 
-def test_a_gguf_holding_every_type_imports_and_runs_as_its_dequantized_weights(reference, tmp_path):
+def test_a_gguf_holding_every_type_imports_and_runs_as_its_dequantized_weights(checkpoint, tmp_path):
     """Every quantized type the kernels compute, spread over the tensors (experts and resident
     ones): the GGUF imports, verifies and exports back byte for byte, and its logits are those
     of the same weights dequantized to F32 (up to the int8 activations of the fast path)."""
     from colibri.convert.colibri_to_gguf import FILE_TYPES, export_gguf
     from colibri.convert.quantize_q4k import quantize
+    from colibri.formats.encodings import READ_ONLY_ENCODINGS
     from colibri.runtime.kernels import FAST_ENCODINGS
     from colibri.verify.model_check import verify_model
 
-    _, source = reference("mixtral")
+    from colibri.convert.synthetic import tiny_config
+
+    src = checkpoint("mixtral", dtype="f32", config=tiny_config("mixtral", num_hidden_layers=6))
+    source = write_reference_gguf(src, tmp_path / "mixtral.gguf")  # enough tensors for every type
+    golden = np.load(Path(__file__).parent / "data" / "ggml_quants_golden_all.npz")
     chosen = {}
 
     def quantized(name, data, kind):
@@ -183,7 +188,12 @@ def test_a_gguf_holding_every_type_imports_and_runs_as_its_dequantized_weights(r
         fitting = [e for e in FAST_ENCODINGS if data.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[e]][0] == 0]
         encoding = fitting[len(chosen) % len(fitting)]
         chosen[name] = encoding
-        return quantize(data, encoding), gguf.GGMLQuantizationType[encoding]
+        if encoding not in READ_ONLY_ENCODINGS:
+            return quantize(data, encoding), gguf.GGMLQuantizationType[encoding]
+        blocks = golden[f"randn/{encoding}+imatrix"].reshape(-1)  # ggml's own blocks, for the types we do not make
+        row = data.shape[-1] // 256 * gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[encoding]][1]
+        return np.resize(blocks, data.size // data.shape[-1] * row).reshape(*data.shape[:-1], row), \
+            gguf.GGMLQuantizationType[encoding]
 
     def dequantized(name, data, kind):
         if name not in chosen:
@@ -205,7 +215,7 @@ def test_a_gguf_holding_every_type_imports_and_runs_as_its_dequantized_weights(r
     assert model_bytes(tmp_path / "again") == model_bytes(tmp_path / "q")
     got, want = logits(tmp_path / "q"), logits(tmp_path / "f")
     cosine = (got * want).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))
-    assert cosine.min() >= 0.999, cosine
+    assert cosine.min() >= 0.995 and np.median(cosine) >= 0.999, cosine  # 6 layers of int8 activations
     assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.9
 
 

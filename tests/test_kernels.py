@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from colibri.convert.quantize_q4k import quantize
-from colibri.formats.encodings import ENCODINGS
+from colibri.formats.encodings import ENCODINGS, READ_ONLY_ENCODINGS, block_size
 from colibri.runtime import kernels
 from colibri.runtime.kernels import threads
 
@@ -26,13 +26,23 @@ ROWS = 37  # not a multiple of the thread count
 # A row length per encoding, 256 to 2048 weights; 288 is not a whole number of 256-chunks.
 COLS = {"F32": 288, "F16": 256, "BF16": 2048, "Q8_0": 288, "Q5_0": 1056, "Q5_1": 288, "Q4_0": 544, "Q4_1": 320,
         "Q2_K": 512, "Q3_K": 768, "Q4_K": 2048, "Q5_K": 256, "Q6_K": 1280, "IQ4_NL": 352, "IQ4_XS": 768,
-        "MXFP4": 576, "TQ1_0": 512, "TQ2_0": 1024}
+        "MXFP4": 576, "TQ1_0": 512, "TQ2_0": 1024, "IQ3_XXS": 512, "IQ3_S": 768, "IQ2_XXS": 1280, "IQ2_XS": 256,
+        "IQ2_S": 512, "IQ1_S": 768, "IQ1_M": 1024}
+
+
+GOLDEN_ALL = Path(__file__).parent / "data" / "ggml_quants_golden_all.npz"
 
 
 def random_weights(encoding, rows, cols, seed=0):
-    """(bytes [rows, row_bytes], float64 decoding of them by gguf)."""
-    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
-    w = quantize(values, encoding)
+    """(bytes [rows, row_bytes], float64 decoding of them by gguf). The types colibri-convert
+    does not make are ggml's own blocks (tests/data) in a random order."""
+    rng = np.random.default_rng(seed)
+    if encoding in READ_ONLY_ENCODINGS:
+        with np.load(GOLDEN_ALL) as golden:
+            blocks = golden[f"randn/{encoding}+imatrix"].reshape(-1, block_size(encoding)[1])
+        w = blocks[rng.integers(0, len(blocks), rows * cols // block_size(encoding)[0])].reshape(rows, -1)
+    else:
+        w = quantize(rng.standard_normal((rows, cols)).astype(np.float32), encoding)
     return w, gguf.quants.dequantize(w, gguf.GGMLQuantizationType[encoding]).astype(np.float64)
 
 
@@ -122,7 +132,8 @@ def expert_reference(matrices, x):
 # fallback block types, and float weights mixed with int8 activations.
 EXPERTS = [(("Q4_K", "Q4_K", "Q6_K"), 512, 768, False), (("Q4_K", "Q4_K", "Q6_K"), 512, 768, True),
            (("Q8_0", "Q5_1", "Q5_0"), 96, 288, False), (("BF16", "Q4_K", "F16"), 256, 256, False),
-           (("MXFP4", "MXFP4", "MXFP4"), 96, 256, False), (("IQ4_XS", "IQ4_XS", "IQ4_XS"), 256, 512, False)]
+           (("MXFP4", "MXFP4", "MXFP4"), 96, 256, False), (("IQ4_XS", "IQ4_XS", "IQ4_XS"), 256, 512, False),
+           (("IQ2_XXS", "IQ2_XXS", "IQ3_XXS"), 256, 512, False), (("IQ1_S", "IQ1_S", "IQ1_M"), 256, 256, False)]
 
 
 @pytest.mark.parametrize("encodings, ffn, hidden, exact", EXPERTS,
@@ -190,7 +201,7 @@ def test_kernels_built_for_other_cpus_match_the_native_ones(tmp_path, cpu):
     signed levels in Q8_K dots, for whole groups, a half group and single activations."""
     x = np.random.default_rng(1).standard_normal((13, 512)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
-    encodings = ("Q4_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0")
+    encodings = ("Q4_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0", "IQ2_XXS", "IQ2_S", "IQ3_S", "IQ1_M")
     weights = {encoding: random_weights(encoding, 37, 512)[0] for encoding in encodings}
     for encoding, w in weights.items():
         np.save(tmp_path / f"{encoding}.npy", w)
@@ -334,12 +345,11 @@ def test_grouped_experts_equal_the_per_expert_path(encodings, ffn, hidden, exact
 def test_ggml_blocks_decode_as_ggml_does(encoding):
     """Blocks ggml's quantizer made (tests/data, every case): our dequantization is ggml's
     `dequantize_row_<type>` bit for bit, and both product paths are close to it."""
-    from pathlib import Path
-
-    with np.load(Path(__file__).parent / "data" / "ggml_quants_golden_all.npz") as golden:
+    with np.load(GOLDEN_ALL) as golden:
         cases = sorted({k.split("/")[0] for k in golden.files})
         for case in cases:
-            w = golden[f"{case}/{encoding}"] if f"{case}/{encoding}" in golden.files else golden[f"{case}/{encoding}+imatrix"]
+            plain = f"{case}/{encoding}"
+            w = golden[plain] if plain in golden.files else golden[f"{plain}+imatrix"]
             want = golden[f"{case}/{encoding}/dequant"]
             rows, cols = want.shape
             assert np.array_equal(kernels.dequantize_rows(w.reshape(-1), encoding, cols, 0, rows), want), case

@@ -83,6 +83,8 @@ def test_overrides_first_match_wins_and_are_checked():
     with pytest.raises(ValueError, match="REGEX=TYPE"):
         parse_override("no-equals-sign")
     with pytest.raises(ValueError, match="unknown type"):
+        parse_override("attn=Q9_9")
+    with pytest.raises(ValueError, match="does not make IQ2_XXS"):
         parse_override("attn=IQ2_XXS")
     with pytest.raises(ValueError, match="bad regex"):
         parse_override("attn[=Q8_0")

@@ -79,6 +79,10 @@ def bad_offsets(chunk, kind: str) -> np.ndarray:
            for offset in SCALE_OFFSETS[kind]]
     bad += [np.flatnonzero(np.ndarray((count,), np.uint8, chunk, offset, (block,)) == E8M0_NAN)
             for offset in E8M0_OFFSETS.get(kind, ())]
+    if kind == "IQ1_M":  # its f16 d is the top nibbles of the four scale words
+        words = [np.ndarray((count,), "<u2", chunk, 48 + 2 * k, (block,)) for k in range(4)]
+        d = (words[0] >> 12) | ((words[1] >> 8) & 0x00F0) | ((words[2] >> 4) & 0x0F00) | (words[3] & 0xF000)
+        bad.append(np.flatnonzero((d & F16_EXPONENT) == F16_EXPONENT))
     return np.unique(np.concatenate(bad)) * block
 
 

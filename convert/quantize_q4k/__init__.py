@@ -16,6 +16,8 @@ C's scalar conversions (`scalars`).
 import gguf
 import numpy as np
 
+from colibri.formats.iq_grids import GRID_ENCODINGS
+
 from colibri.convert.quantize_q4k.k_quants import (
     dequantize_q2_k, dequantize_q3_k, dequantize_q4_k, dequantize_q5_k, dequantize_q6_k, quantize_q2_k, quantize_q3_k,
     quantize_q4_k, quantize_q5_k, quantize_q6_k,
@@ -49,9 +51,10 @@ _BLOCK_CODECS = {
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
-def _row_layout(qtype: str, n: int) -> int:
-    """Bytes per row of n weights; ValueError for an unknown type or a ragged row."""
-    if qtype not in _BLOCK_CODECS and qtype not in _FLOAT_TYPES:
+def _row_layout(qtype: str, n: int, decoding: bool = False) -> int:
+    """Bytes per row of n weights; ValueError for an unknown type (or one only decoded, unless
+    `decoding`) or a ragged row."""
+    if qtype not in _BLOCK_CODECS and qtype not in _FLOAT_TYPES and not (decoding and qtype in GRID_ENCODINGS):
         raise ValueError(f"unsupported quantization type {qtype!r}; "
                          f"expected one of {sorted(_BLOCK_CODECS) + list(_FLOAT_TYPES)}")
     block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
@@ -95,9 +98,10 @@ def quantize(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np
 
 
 def dequantize(data: np.ndarray, qtype: str, n: int) -> np.ndarray:
-    """Decode GGML qtype bytes [..., row_bytes] into float32 rows [..., n]."""
+    """Decode GGML qtype bytes [..., row_bytes] into float32 rows [..., n] (the IQ1/2/3 grid
+    types too, which `quantize` does not make)."""
     data = np.ascontiguousarray(data, dtype=np.uint8)
-    row_bytes = _row_layout(qtype, n)
+    row_bytes = _row_layout(qtype, n, decoding=True)
     if data.shape[-1] != row_bytes:
         raise ValueError(f"a row of {n} {qtype} weights takes {row_bytes} bytes, got {data.shape[-1]}")
     lead = data.shape[:-1]
@@ -107,6 +111,8 @@ def dequantize(data: np.ndarray, qtype: str, n: int) -> np.ndarray:
         return data.view(np.float16).astype(np.float32).reshape(*lead, n)
     if qtype == "BF16":
         return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(*lead, n)
+    if qtype in GRID_ENCODINGS:  # read-only types: gguf-py's decoder, bit-identical to ggml's
+        return gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype]).reshape(*lead, n)
     out = np.empty((*lead, n), np.float32)
     _, dequantize_rows = _BLOCK_CODECS[qtype]
     dequantize_rows(data.reshape(-1, row_bytes), out.reshape(-1, n))

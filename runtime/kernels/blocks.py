@@ -17,6 +17,8 @@ from numba.core import cgutils
 from colibri.formats.encodings import ENCODINGS, IQ4_VALUES, MXFP4_VALUES, block_size
 from colibri.runtime.kernels.activations import FAST_ENCODINGS
 from colibri.runtime.kernels.emitter import CONTRACT, FLOAT, I1, I8, I16, I32, I64, vec
+from colibri.runtime.kernels.grid_blocks import GRID_UNPACKERS
+from colibri.runtime.kernels.unpacked import Block
 
 PREFETCH_BYTES = 4096  # how far ahead of the current block the weight stream is prefetched
 CACHE_LINE = 64
@@ -36,24 +38,6 @@ def encoding_of(tag) -> str | None:
         name = next(iter(tag.dtype.fields))
         return name if name in BLOCK_TAGS else None
     return None
-
-
-class _Block:
-    """One block unpacked to IR values. Weight i of sub-block j (32 weights each) is
-    `scale * (level - bias) + offset`: `levels[j]` a <32 x i8> (`signed` or not), `scales`
-    and `offsets` (or None) one float per sub-block, or per 16 weights when `per16`. The order of the float operations is ggml's (and gguf's).
-
-    Blocks of 256 also carry their integer form, for the dot with Q8_K activations
-    (`k_int8_dot`): `d * sum_m int_scales[m // pairs_per_scale] * (level_2m x_2m + level_2m+1
-    x_2m+1)` over the 128 pairs of weights, plus `offsets16 . (the sum of x over each 16)`
-    (when not None); `int_scales` is a <16 x i16> (<8 x i16> for one scale per 32),
-    `offsets16` a <16 x float>."""
-
-    def __init__(self, levels, scales, signed=False, bias=0, offsets=None, per16=False,
-                 d=None, int_scales=None, pairs_per_scale=None, offsets16=None):
-        self.levels, self.scales, self.signed, self.bias = levels, scales, signed, bias
-        self.offsets, self.per16 = offsets, per16
-        self.d, self.int_scales, self.pairs_per_scale, self.offsets16 = d, int_scales, pairs_per_scale, offsets16
 
 
 def _k_scales(e, block, offset):
@@ -83,7 +67,7 @@ def _k_block(e, block, levels):
     values = b.uitofp(packed, vec(FLOAT, 16))
     d, dmin = e.half(block, 0), e.half(block, 2)
     offsets = b.fneg(b.fmul(e.splat(dmin), e.pick(values, range(8, 16))))
-    return _Block(levels, b.fmul(e.splat(d), e.pick(values, range(8))), offsets=offsets,
+    return Block(levels, b.fmul(e.splat(d), e.pick(values, range(8))), offsets=offsets,
                   d=d, int_scales=b.zext(packed, vec(I16, 16)), pairs_per_scale=16,
                   offsets16=e.pick(offsets, [j // 2 for j in range(16)]))
 
@@ -121,14 +105,14 @@ def _unpack_q6_k(e, block):
             levels.append(b.or_(low, b.shl(two_bits, e.const(I8, 32, 4))))
     d, packed = e.half(block, 208), e.load(block, 192, I8, 16)
     scales = b.fmul(e.splat(d, 16), b.sitofp(packed, vec(FLOAT, 16)))
-    return _Block(levels, scales, bias=32, per16=True,
+    return Block(levels, scales, bias=32, per16=True,
                   d=d, int_scales=b.sext(packed, vec(I16, 16)), pairs_per_scale=8,
                   offsets16=b.fmul(scales, e.splat(ir.Constant(FLOAT, -32.0), 16)))
 
 
 def _unpack_q8_0(e, block):
     """Q8_0 (34 bytes): d (f16), 32 int8 levels."""
-    return _Block([e.load(block, 2, I8, 32)], e.splat(e.half(block, 0), 1), signed=True)
+    return Block([e.load(block, 2, I8, 32)], e.splat(e.half(block, 0), 1), signed=True)
 
 
 def _q5_levels(e, block, qh_offset):
@@ -142,12 +126,12 @@ def _q5_levels(e, block, qh_offset):
 
 def _unpack_q5_0(e, block):
     """Q5_0 (22 bytes): d (f16), fifth bits, nibbles. Levels 0..31 stand for -16..15."""
-    return _Block([_q5_levels(e, block, 2)], e.splat(e.half(block, 0), 1), bias=16)
+    return Block([_q5_levels(e, block, 2)], e.splat(e.half(block, 0), 1), bias=16)
 
 
 def _unpack_q5_1(e, block):
     """Q5_1 (24 bytes): d, m (f16), fifth bits, nibbles; weight = d * level + m."""
-    return _Block([_q5_levels(e, block, 4)], e.splat(e.half(block, 0), 1),
+    return Block([_q5_levels(e, block, 4)], e.splat(e.half(block, 0), 1),
                   offsets=e.splat(e.half(block, 2), 1))
 
 
@@ -160,12 +144,12 @@ def _q4_levels(e, block, offset):
 
 def _unpack_q4_0(e, block):
     """Q4_0 (18 bytes): d (f16), nibbles. Levels 0..15 stand for -8..7."""
-    return _Block([_q4_levels(e, block, 2)], e.splat(e.half(block, 0), 1), bias=8)
+    return Block([_q4_levels(e, block, 2)], e.splat(e.half(block, 0), 1), bias=8)
 
 
 def _unpack_q4_1(e, block):
     """Q4_1 (20 bytes): d, m (f16), nibbles; weight = d * level + m."""
-    return _Block([_q4_levels(e, block, 4)], e.splat(e.half(block, 0), 1), offsets=e.splat(e.half(block, 2), 1))
+    return Block([_q4_levels(e, block, 4)], e.splat(e.half(block, 0), 1), offsets=e.splat(e.half(block, 2), 1))
 
 
 def _two_bit_levels(e, block, qs_offset):
@@ -189,7 +173,7 @@ def _unpack_q2_k(e, block):
     d, dmin = e.half(block, 80), e.half(block, 82)
     scales = b.fmul(e.splat(d, 16), b.uitofp(scale4, vec(FLOAT, 16)))
     offsets = b.fneg(b.fmul(e.splat(dmin, 16), b.uitofp(min4, vec(FLOAT, 16))))
-    return _Block(_two_bit_levels(e, block, 16), scales, offsets=offsets, per16=True,
+    return Block(_two_bit_levels(e, block, 16), scales, offsets=offsets, per16=True,
                   d=d, int_scales=b.zext(scale4, vec(I16, 16)), pairs_per_scale=8, offsets16=offsets)
 
 
@@ -224,21 +208,21 @@ def _unpack_q3_k(e, block):
               for s, low in enumerate(_two_bit_levels(e, block, 32))]
     packed, d = _q3_k_scales(e, block, 96), e.half(block, 108)
     scales = b.fmul(e.splat(d, 16), b.sitofp(packed, vec(FLOAT, 16)))
-    return _Block(levels, scales, bias=4, per16=True,
+    return Block(levels, scales, bias=4, per16=True,
                   d=d, int_scales=b.sext(packed, vec(I16, 16)), pairs_per_scale=8,
                   offsets16=b.fmul(scales, e.splat(ir.Constant(FLOAT, -4.0), 16)))
 
 
 def _unpack_iq4_nl(e, block):
     """IQ4_NL (18 bytes): d (f16), nibbles as Q4_0's, each an index into IQ4_VALUES."""
-    return _Block([e.lookup16(IQ4_VALUES, _q4_levels(e, block, 2))], e.splat(e.half(block, 0), 1), signed=True)
+    return Block([e.lookup16(IQ4_VALUES, _q4_levels(e, block, 2))], e.splat(e.half(block, 0), 1), signed=True)
 
 
 def _unpack_mxfp4(e, block):
     """MXFP4 (17 bytes): an E8M0 exponent byte, nibbles as Q4_0's, each an index into
     MXFP4_VALUES (twice the E2M1 values); weight = value * 2**(e - 128)."""
     scale = e.e8m0_half(e.load(block, 0, I8))
-    return _Block([e.lookup16(MXFP4_VALUES, _q4_levels(e, block, 1))], e.splat(scale, 1), signed=True)
+    return Block([e.lookup16(MXFP4_VALUES, _q4_levels(e, block, 1))], e.splat(scale, 1), signed=True)
 
 
 def _unpack_iq4_xs(e, block):
@@ -254,13 +238,13 @@ def _unpack_iq4_xs(e, block):
     int_scales = b.sub(b.or_(low, high), e.const(I16, 8, 32))
     d = e.half(block, 0)
     levels = [e.lookup16(IQ4_VALUES, _q4_levels(e, block, 8 + 16 * i)) for i in range(8)]
-    return _Block(levels, b.fmul(e.splat(d, 8), b.sitofp(int_scales, vec(FLOAT, 8))), signed=True,
+    return Block(levels, b.fmul(e.splat(d, 8), b.sitofp(int_scales, vec(FLOAT, 8))), signed=True,
                   d=d, int_scales=int_scales, pairs_per_scale=16)
 
 
 def _ternary_block(e, levels, d):
     """A TQ1_0 / TQ2_0 block: levels 0..2 stand for -1..1, times d."""
-    return _Block(levels, e.splat(d, 8), bias=1, d=d, int_scales=e.const(I16, 8, 1), pairs_per_scale=16,
+    return Block(levels, e.splat(d, 8), bias=1, d=d, int_scales=e.const(I16, 8, 1), pairs_per_scale=16,
                   offsets16=e.b.fneg(e.splat(d, 16)))
 
 
@@ -294,7 +278,7 @@ UNPACKERS = {"Q4_K": _unpack_q4_k, "Q5_K": _unpack_q5_k, "Q6_K": _unpack_q6_k,
              "Q8_0": _unpack_q8_0, "Q5_0": _unpack_q5_0, "Q5_1": _unpack_q5_1,
              "Q4_0": _unpack_q4_0, "Q4_1": _unpack_q4_1, "Q2_K": _unpack_q2_k, "Q3_K": _unpack_q3_k,
              "IQ4_NL": _unpack_iq4_nl, "IQ4_XS": _unpack_iq4_xs, "MXFP4": _unpack_mxfp4,
-             "TQ1_0": _unpack_tq1_0, "TQ2_0": _unpack_tq2_0}
+             "TQ1_0": _unpack_tq1_0, "TQ2_0": _unpack_tq2_0, **GRID_UNPACKERS}
 assert set(UNPACKERS) == set(FAST_ENCODINGS)
 
 

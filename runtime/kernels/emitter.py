@@ -213,6 +213,29 @@ class Emitter:
             result = b.select(b.icmp_unsigned("==", indices, self.const(I8, n, i)), self.const(I8, n, int(table[i])), result)
         return result
 
+    def table(self, name, values):
+        """i8* to a constant table of bytes in the module (one copy per module, by `name`)."""
+        module = self.b.module
+        data = bytes(values)
+        table = module.globals.get(name)
+        if table is None:
+            kind = ir.ArrayType(I8, len(data))
+            table = ir.GlobalVariable(module, kind, name=name)
+            table.initializer = ir.Constant(kind, bytearray(data))
+            table.global_constant, table.linkage = True, "internal"
+        return self.b.bitcast(table, _BYTE_PTR)
+
+    def gather(self, table, indices, width):
+        """The `width`-byte entries table[i] for IR integer indices, one byte vector in order."""
+        b = self.b
+        parts = [self.load(table, b.mul(b.zext(i, I64), ir.Constant(I64, width)), I8, width) if width > 1
+                 else b.insert_element(ir.Constant(vec(I8, 1), None), b.load(self.at(table, b.zext(i, I64))),
+                                       ir.Constant(I32, 0))
+                 for i in indices]
+        while len(parts) > 1:
+            parts = [self.shuffle(parts[k], parts[k + 1], range(2 * parts[k].type.count)) for k in range(0, len(parts), 2)]
+        return parts[0]
+
     def e8m0_half(self, byte):
         """float32 2**(e - 128) of an E8M0 exponent byte e (ggml_e8m0_to_fp32_half)."""
         b = self.b

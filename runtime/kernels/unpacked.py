@@ -1,0 +1,21 @@
+"""A quantized block unpacked to LLVM IR values: what every block type's unpacker returns."""
+
+from __future__ import annotations
+
+
+class Block:
+    """One block unpacked to IR values. Weight i of sub-block j (32 weights each) is
+    `scale * (level - bias) + offset`: `levels[j]` a <32 x i8> (`signed` or not), `scales`
+    and `offsets` (or None) one float per sub-block, or per 16 weights when `per16`. The order of the float operations is ggml's (and gguf's).
+
+    Blocks of 256 also carry their integer form, for the dot with Q8_K activations
+    (`k_int8_dot`): `d * sum_m int_scales[m // pairs_per_scale] * (level_2m x_2m + level_2m+1
+    x_2m+1)` over the 128 pairs of weights, plus `offsets16 . (the sum of x over each 16)`
+    (when not None); `int_scales` is a <16 x i16> (<8 x i16> for one scale per 32),
+    `offsets16` a <16 x float>."""
+
+    def __init__(self, levels, scales, signed=False, bias=0, offsets=None, per16=False,
+                 d=None, int_scales=None, pairs_per_scale=None, offsets16=None):
+        self.levels, self.scales, self.signed, self.bias = levels, scales, signed, bias
+        self.offsets, self.per16 = offsets, per16
+        self.d, self.int_scales, self.pairs_per_scale, self.offsets16 = d, int_scales, pairs_per_scale, offsets16
