@@ -19,13 +19,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from colibri.formats.checkpoint import CheckpointError
     from colibri.formats.encodings import EncodingError
     from colibri.formats.layout import FormatError
+    from colibri.imatrix_command import ImatrixInputError
     from colibri.runtime.engine import BudgetError, PromptError
     from colibri.runtime.kv_cache import ContextOverflow
     from colibri.runtime.plan import TraceError
     from colibri.runtime.text import TokenizerError
 
     return (ConfigError, ConvertError, CheckpointError, EncodingError, FormatError, BudgetError, ContextOverflow,
-            TokenizerError, PromptError, TraceError)
+            TokenizerError, PromptError, TraceError, ImatrixInputError)
 
 
 def _override(text: str) -> tuple[str, str]:
@@ -142,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     from colibri.verify.cli import add_verify_arguments, add_verify_source_arguments, verify_command, verify_source_command
     from colibri.server.command import add_serve_arguments, serve_command
     from colibri.verify.smoke import add_smoke_arguments, smoke_command
+    from colibri.imatrix_command import add_imatrix_arguments, imatrix_command
 
     for name, help_text, add_arguments, command in (
         ("convert", "convert a Hugging Face checkpoint or a GGUF file to the colibri layout", add_convert_arguments, run_convert),
@@ -154,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("verify-source", "check a downloaded checkpoint: shards, headers, tensors, sha256", add_verify_source_arguments, verify_source_command),
         ("verify", "check a converted model: manifest, sizes, every tensor and expert checksum", add_verify_arguments, verify_command),
         ("smoke", "fixed-prompt baseline: --record FILE, or --compare FILE (KL, top-1, agreement, speed)", add_smoke_arguments, smoke_command),
+        ("imatrix", "an importance matrix from a text (llama-imatrix's GGUF, for colibri-convert --imatrix)",
+         add_imatrix_arguments, imatrix_command),
     ):
         sub = commands.add_parser(name, help=help_text, description=help_text)
         add_arguments(sub)

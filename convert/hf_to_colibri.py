@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri.convert.imatrix import Imatrix
+from colibri.convert.imatrix import Imatrix, imatrix_record
 from colibri.convert.expert_layout import expert_file_bytes, write_expert_layer
 from colibri.convert.pipeline import TOKENIZER_FILES, ConvertError, ConvertOptions, Job, format_summary, run_job
 from colibri.convert.plan import ConversionPlan, ExpertLayerSource, ResidentTensor, make_plan
@@ -195,7 +195,7 @@ def checkpoint_job(src: str, options: ConvertOptions) -> Job:
             source_bytes={u.name: unit_source_bytes(checkpoint, u) for u in units},
             output_bytes={u.name: unit_output_bytes(u) for u in units},
             quant={"recipe": quant, "overrides": [list(o) for o in options.overrides],
-                   "imatrix": f"{imatrix.path.name} sha256={imatrix.sha256()}" if imatrix else None},
+                   "imatrix": imatrix_record(imatrix) if imatrix else None},
             provenance={**provenance, "source_files": source_files(checkpoint), "skipped_tensors": plan.skipped},
             tokenizer_files=tokenizer_files(source_dir),
             total_source_bytes=checkpoint.source_bytes(),

@@ -19,6 +19,7 @@ from colibri.convert.gguf_source import GGUFError, field_value, open_reader, ten
 from colibri.convert.pipeline import ConvertError
 
 SUMS, COUNTS = ".in_sum2", ".counts"
+MAX_DATASETS, MAX_DATASET_NAME = 8, 200  # of the dataset names a manifest records
 
 
 class ImatrixError(ConvertError):
@@ -31,6 +32,7 @@ class Imatrix:
         try:
             reader = open_reader(self.path)
             kind = field_value(reader, "general.type")
+            datasets = field_value(reader, "imatrix.datasets")
             tensors = {t.name: t for t in tensor_table(self.path, reader)}
         except GGUFError as e:
             raise ImatrixError(f"--imatrix {e}") from None
@@ -38,6 +40,8 @@ class Imatrix:
         if kind != "imatrix":
             raise ImatrixError(f"--imatrix {self.path.name}: not an importance matrix (general.type is {kind!r}; "
                                "llama-imatrix's GGUF output is expected)")
+        # the texts it was computed from, as llama-imatrix records them (names, at most a few)
+        self.datasets = [str(d)[:MAX_DATASET_NAME] for d in datasets[:MAX_DATASETS]] if isinstance(datasets, list) else []
         self.entries = {}
         for name, sums in tensors.items():
             if not name.endswith(SUMS):
@@ -80,3 +84,9 @@ class Imatrix:
         if not (np.isfinite(values).all() and np.isfinite(count)) or count < 0 or (values < 0).any():
             raise ImatrixError(f"--imatrix {self.path.name}: {name} holds a negative or non-finite value")
         return values / count if count > 0 else np.ones(length, np.float32)
+
+
+def imatrix_record(imatrix: Imatrix) -> str:
+    """What a manifest records of the importance matrix a conversion used: file, sha256, texts."""
+    texts = f" text={','.join(imatrix.datasets)}" if imatrix.datasets else ""
+    return f"{imatrix.path.name} sha256={imatrix.sha256()}{texts}"

@@ -40,6 +40,7 @@ class Weights:
     def __init__(self, layout: ModelLayout):
         self.layout = layout
         self.raw: dict[str, np.ndarray] = {}
+        self.matrices: dict[str, kernels.Matrix] = {}
         starts = np.cumsum([0] + [align_up(info.nbytes, CACHE_LINE) for info in layout.tensors.values()])
         memory = huge_page_buffer(int(starts[-1]))
         fds: dict[str, int] = {}
@@ -63,8 +64,11 @@ class Weights:
         return name in self.raw
 
     def linear(self, name: str) -> kernels.Matrix:
-        info = self.layout.tensors[name]
-        return kernels.Matrix(self.raw[name], info.encoding, *info.shape)
+        """The matrix `name` (one object per name: `matrices` lists them)."""
+        if name not in self.matrices:
+            info = self.layout.tensors[name]
+            self.matrices[name] = kernels.Matrix(self.raw[name], info.encoding, *info.shape)
+        return self.matrices[name]
 
     def vector(self, name: str) -> np.ndarray:
         """A 1-D (norm, bias) tensor as float32."""
@@ -142,6 +146,8 @@ class Attention:
         """q, k, v of h; the activation is quantized once for the matrices that share a path."""
         matrices, acts = (self.q, self.k, self.v), {}
         for m in matrices:
+            if m.observe is not None:
+                m.observe(h)
             if m.dot_type not in acts:
                 acts[m.dot_type] = m.activation(h)
         return tuple(m.times(acts[m.dot_type], h.shape[0]) for m in matrices)
@@ -242,6 +248,7 @@ class MoE:
         self.shared = SharedExpert(w, layer, c.shared_expert_gate) if c.n_shared_experts else None
         self.last_route: tuple[np.ndarray, np.ndarray] | None = None
         self.last_distinct = 0  # distinct experts the last call used
+        self.observe = None  # called as observe(this MoE, h, expert ids) before each call's experts run, when set
         # (next MoE layer, its FFN norm weight / ours): h times the ratio is what the next
         # router would see if this layer and the next attention added nothing
         self.lookahead: tuple[MoE, np.ndarray] | None = None
@@ -254,6 +261,8 @@ class MoE:
         row takes the one-token kernel unless `batch_invariant` asks for the many-row path
         whatever the row count (their sums differ in the last bits)."""
         self.last_route = ids, weights
+        if self.observe is not None:
+            self.observe(self, h, ids)
         slab = self.store.slab
         if h.shape[0] == 1 and not batch_invariant:
             self.last_distinct = ids.shape[1]  # a row's top-k are distinct experts

@@ -119,6 +119,7 @@ class Matrix:
         self.encoding, self.rows, self.cols = encoding, rows, cols
         self.tag = BLOCK_TAGS[encoding]
         self.dot_type = dot_type_for(encoding, exact)
+        self.observe = None  # called with every x this matrix multiplies, when set (importance matrices)
 
     def activation(self, x: np.ndarray, tiles: bool = True):
         """x float32 [n, cols] as this matrix's kernel takes it (on AMX tiles for a prompt,
@@ -136,6 +137,8 @@ class Matrix:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x float32 [n, cols] -> float32 [n, rows]."""
+        if self.observe is not None:
+            self.observe(x)
         return self.times(self.activation(x), x.shape[0])
 
     def times_per_head(self, x: np.ndarray, heads: int, rows: int, stride: int, first: int = 0) -> np.ndarray:
