@@ -3,7 +3,7 @@
 ``write_reference_gguf(src, out)`` reads a tiny Hugging Face checkpoint (F32 safetensors)
 and writes, with gguf-py's own ``GGUFWriter`` -- never colibri's exporter -- what
 ``convert_hf_to_gguf.py --outtype f32`` writes (llama.cpp as vendored by
-llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm}.py``):
+llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm,minimax}.py``):
 
 * the metadata of ``TextModel.set_gguf_parameters`` and of each model class;
 * tensor names from gguf's ``TensorNameMap`` (``map_tensor_name``), with
@@ -132,10 +132,16 @@ def glm4moe_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
     w.add_nextn_predict_layers(hp["num_nextn_predict_layers"])
 
 
+def minimaxm2_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
+    w.add_expert_feed_forward_length(hp["intermediate_size"])
+    w.add_rope_dimension_count(hp["rotary_dim"])
+
+
 # llama.cpp's converter: one model class per architecture it writes
 MODEL_CLASS_KEYS = {
     gguf.MODEL_ARCH.LLAMA: llama_keys, gguf.MODEL_ARCH.QWEN2MOE: qwen_moe_keys, gguf.MODEL_ARCH.QWEN3MOE: qwen_moe_keys,
     gguf.MODEL_ARCH.OLMOE: olmoe_keys, gguf.MODEL_ARCH.DEEPSEEK2: deepseek2_keys, gguf.MODEL_ARCH.GLM4_MOE: glm4moe_keys,
+    gguf.MODEL_ARCH.MINIMAXM2: minimaxm2_keys,
 }
 
 

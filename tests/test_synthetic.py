@@ -205,9 +205,16 @@ _MUST_HAVE = {
         "model.layers.3.eh_proj.weight": [256, 512],
         "model.layers.3.shared_head.head.weight": [512, 256],
     },
+    "minimax_m2": {
+        "model.layers.1.block_sparse_moe.e_score_correction_bias": [8],
+        "model.layers.1.block_sparse_moe.experts.7.w3.weight": [256, 256],
+        "model.layers.1.self_attn.q_norm.weight": [256],  # over the whole projection
+        "model.layers.1.self_attn.k_norm.weight": [128],
+    },
 }
 _MUST_NOT_HAVE = {
     "mixtral": ["model.layers.0.mlp.gate.weight", "model.layers.0.self_attn.q_proj.bias"],
+    "minimax_m2": ["model.layers.0.block_sparse_moe.gate.e_score_correction_bias", "model.layers.0.self_attn.q_proj.bias"],
     "qwen3_moe": ["model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.shared_expert_gate.weight"],
     "deepseek_v2": ["model.layers.1.self_attn.q_a_proj.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
                     "model.layers.0.mlp.gate.weight"],
@@ -228,6 +235,7 @@ def test_config_and_arch_specific_tensors(ckpt, arch):
         "qwen3_moe": ["Qwen3MoeForCausalLM"], "olmoe": ["OlmoeForCausalLM"],
         "deepseek_v2": ["DeepseekV2ForCausalLM"], "deepseek_v3": ["DeepseekV3ForCausalLM"],
         "kimi_k2": ["DeepseekV3ForCausalLM"], "glm4_moe": ["Glm4MoeForCausalLM"],
+        "minimax_m2": ["MiniMaxM2ForCausalLM"],
     }[arch]
     if arch in ("deepseek_v3", "kimi_k2"):
         assert cfg["rope_scaling"]["type"] == "yarn"

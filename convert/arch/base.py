@@ -177,6 +177,7 @@ class Adapter:
     moe_block = "mlp"  # module holding router and experts
     expert_leaves = ("gate_proj", "up_proj", "down_proj")
     shared_block = "shared_experts"
+    router_bias_leaf = "gate.e_score_correction_bias"  # the selection bias, within moe_block
     o_proj_bias = False  # the hub's o_proj has a bias too when attention_bias is set
     # llama.cpp's `gguf_arch`, as its converter writes it and its loader reads it
     gguf_names: dict[str, str] = {}  # colibri's tensor name part → llama.cpp's, where they differ
@@ -256,7 +257,7 @@ class Adapter:
         m = f"{p}.{self.moe_block}"
         t = {f"{m}.gate.weight": (c.n_experts, c.hidden_size)}
         if c.router_bias:
-            t[f"{m}.gate.e_score_correction_bias"] = (c.n_experts,)
+            t[f"{m}.{self.router_bias_leaf}"] = (c.n_experts,)
         if c.n_shared_experts:
             t.update(self.mlp_tensors(f"{m}.{self.shared_block}", c.shared_expert_ffn, c.hidden_size))
         if c.shared_expert_gate:

@@ -159,7 +159,7 @@ class _Planner:
         m = f"{p}{self.adapter.moe_block}."
         self.plain(m + "gate.weight", (c.n_experts, D), "router", self.router_std)
         if c.router_bias:
-            self.plain(m + "gate.e_score_correction_bias", (c.n_experts,), "score_bias", SCORE_BIAS_STD, dtype="F32")
+            self.plain(m + self.adapter.router_bias_leaf, (c.n_experts,), "score_bias", SCORE_BIAS_STD, dtype="F32")
         self.experts(m, c.n_experts, c.expert_ffn)
         if c.n_shared_experts:
             self.dense_mlp(f"{m}{self.adapter.shared_block}.", c.shared_expert_ffn)
