@@ -13,23 +13,33 @@ IQ4_XS, MXFP4) and `ternary` (TQ1_0, TQ2_0), built on ggml's scale searches (`se
 C's scalar conversions (`scalars`).
 """
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 
+from colibri import kernel_cache
+from colibri.formats import encodings
 from colibri.formats.iq_grids import GRID_ENCODINGS
 
-from colibri.convert.quantize_q4k.k_quants import (
+_HERE = Path(__file__).resolve().parent
+# the scalar intrinsics and tables the quantizers are compiled with (kernel_cache says why)
+kernel_cache.drop_if_stale("quantizers", [*_HERE.glob("*.py"), encodings.__file__], [_HERE / "__pycache__"])
+
+from colibri.convert.quantize_q4k.k_quants import (  # noqa: E402
     dequantize_q2_k, dequantize_q3_k, dequantize_q4_k, dequantize_q5_k, dequantize_q6_k, quantize_q2_k, quantize_q3_k,
     quantize_q4_k, quantize_q5_k, quantize_q6_k,
 )
-from colibri.convert.quantize_q4k.nonlinear import (
+from colibri.convert.quantize_q4k.nonlinear import (  # noqa: E402
     dequantize_iq4_nl, dequantize_iq4_xs, dequantize_mxfp4, quantize_iq4_nl, quantize_iq4_xs, quantize_mxfp4,
 )
-from colibri.convert.quantize_q4k.q32 import (
+from colibri.convert.quantize_q4k.q32 import (  # noqa: E402
     dequantize_q4_0, dequantize_q4_1, dequantize_q5_0, dequantize_q5_1, dequantize_q8_0, quantize_q4_0, quantize_q4_1,
     quantize_q5_0, quantize_q5_1, quantize_q8_0,
 )
-from colibri.convert.quantize_q4k.ternary import dequantize_tq1_0, dequantize_tq2_0, quantize_tq1_0, quantize_tq2_0
+from colibri.convert.quantize_q4k.ternary import (  # noqa: E402
+    dequantize_tq1_0, dequantize_tq2_0, quantize_tq1_0, quantize_tq2_0,
+)
 
 _BLOCK_CODECS = {
     "Q4_K": (quantize_q4_k, dequantize_q4_k),

@@ -10,7 +10,7 @@ import numpy as np
 
 from colibri.formats.encodings import IQ4_VALUES, MXFP4_VALUES
 from colibri.convert.quantize_q4k.scalars import (
-    _bits_float, block_bytes, load_fp16, nearest_int, njit_c, store_fp16, sum_of_squares,
+    bits_float, block_bytes, load_fp16, nearest_int, njit_c, store_fp16, sum_of_squares,
 )
 
 F32 = np.float32
@@ -186,7 +186,7 @@ def dequantize_iq4_xs(blocks, out):
 @njit_c
 def e8m0_half(e):
     """ggml_e8m0_to_fp32_half: 2**(e - 128) as a float32 (subnormal for e < 2)."""
-    return _bits_float(np.int64(0x00200000) << e if e < 2 else np.int64(e - 1) << 23)
+    return bits_float(np.int64(0x00200000) << e if e < 2 else np.int64(e - 1) << 23)
 
 
 @njit_c

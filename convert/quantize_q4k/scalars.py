@@ -40,7 +40,7 @@ def _float_bits(typingctx, value):
 
 
 @intrinsic
-def _bits_float(typingctx, bits):
+def bits_float(typingctx, bits):
     """The float32 whose IEEE bits are the low 32 bits of an int64."""
     if bits != types.int64:
         return None
@@ -72,12 +72,12 @@ def round_half_away(value):
 @njit_c
 def _fp32_to_fp16(f):
     """ggml_compute_fp32_to_fp16 (round to nearest even), as int bits."""
-    base = (abs(f) * _bits_float(0x77800000)) * _bits_float(0x08800000)
+    base = (abs(f) * bits_float(0x77800000)) * bits_float(0x08800000)
     w = _float_bits(f)
     shl1_w = (w + w) & 0xFFFFFFFF
     sign = w & 0x80000000
     bias = max(shl1_w & 0xFF000000, 0x71000000)
-    base = _bits_float((bias >> 1) + 0x07800000) + base
+    base = bits_float((bias >> 1) + 0x07800000) + base
     bits = _float_bits(base)
     nonsign = ((bits >> 13) & 0x7C00) + (bits & 0x0FFF)
     return ((sign >> 16) | (0x7E00 if shl1_w > 0xFF000000 else nonsign)) & 0xFFFF
@@ -93,8 +93,8 @@ def _fp16_to_fp32(h):
         magnitude = F32(mantissa) * F32(2.0**-24)
         return -magnitude if sign else magnitude
     if exponent == 31:
-        return _bits_float(sign | 0x7F800000 | (mantissa << 13))
-    return _bits_float(sign | ((exponent + 112) << 23) | (mantissa << 13))
+        return bits_float(sign | 0x7F800000 | (mantissa << 13))
+    return bits_float(sign | ((exponent + 112) << 23) | (mantissa << 13))
 
 
 @njit_c
