@@ -30,10 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from colibri.convert.quantize_q4k import quantize  # noqa: E402
-from colibri.formats.encodings import row_bytes  # noqa: E402
+from colibri.formats.encodings import READ_ONLY_ENCODINGS, row_bytes  # noqa: E402
 from colibri.runtime import amx, kernels  # noqa: E402
 
 COLS = 4096
+GOLDEN = ROOT / "tests" / "data" / "ggml_quants_golden_all.npz"
 MATMUL_N = 64
 
 
@@ -64,9 +65,14 @@ def memory_bandwidth(nbytes: int, repeat: int, thread_counts) -> dict:
 
 def weight_bytes(encoding: str, rows: int, cols: int) -> np.ndarray:
     """rows x cols weights in `encoding`: 256 random rows quantized by the project's
-    quantizer, tiled (real block contents, no denormals, quick to make)."""
-    sample = np.random.default_rng(0).standard_normal((256, cols)).astype(np.float32)
-    tile = quantize(sample, encoding).reshape(-1)
+    quantizer, tiled (real block contents, no denormals, quick to make); for the types it
+    does not make, ggml's own blocks from the golden file, tiled."""
+    if encoding in READ_ONLY_ENCODINGS:
+        with np.load(GOLDEN) as golden:
+            tile = golden[f"randn/{encoding}+imatrix"].reshape(-1)
+    else:
+        sample = np.random.default_rng(0).standard_normal((256, cols)).astype(np.float32)
+        tile = quantize(sample, encoding).reshape(-1)
     return np.resize(tile, rows * row_bytes(encoding, cols))
 
 
