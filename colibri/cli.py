@@ -29,6 +29,20 @@ def _user_errors() -> tuple[type[BaseException], ...]:
             TokenizerError, PromptError, TraceError, ImatrixInputError)
 
 
+def _recipe(text: str) -> str:
+    from colibri.formats.recipe import RECIPES, UNMADE_MIXES
+
+    name = text.upper()
+    if name in UNMADE_MIXES:
+        raise argparse.ArgumentTypeError(
+            f"{name}: llama-quantize's grid-searched IQ1/IQ2/IQ3 mixes are not made by colibri-convert (their "
+            "quantizers are not reproduced byte for byte yet); a GGUF in them imports as it is, or choose Q2_K, "
+            "Q3_K_S or IQ4_XS")
+    if name not in RECIPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a recipe (choose from {', '.join(RECIPES)})")
+    return name
+
+
 def _override(text: str) -> tuple[str, str]:
     from colibri.formats.recipe import parse_override
 
@@ -39,13 +53,11 @@ def _override(text: str) -> tuple[str, str]:
 
 
 def add_convert_arguments(p: argparse.ArgumentParser) -> None:
-    from colibri.formats.recipe import RECIPES
-
     p.add_argument("src", metavar="SRC",
                    help="checkpoint folder (config.json + safetensors), a Hugging Face repo id, or a .gguf file "
                         "(for a split GGUF, any part: the others are found next to it)")
     p.add_argument("out", metavar="OUT", help="output folder; an unfinished conversion there is resumed")
-    p.add_argument("--quant", default=None, choices=RECIPES, type=str.upper,
+    p.add_argument("--quant", default=None, type=_recipe, metavar="RECIPE",
                    help="quantization recipe: one of llama-quantize's mixes (Q2_K ... Q6_K, Q4_0 ... Q5_1, IQ4_NL, "
                         "IQ4_XS, MXFP4_MOE, TQ1_0, TQ2_0: its per-tensor choices, about 1.7 to 6.6 bits a weight) "
                         "or a uniform Q8_0/BF16/F16/F32 "

@@ -31,6 +31,8 @@ MIXES = {"Q2_K": "Q2_K", "Q2_K_S": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "
          "MXFP4_MOE": "MXFP4", "TQ1_0": "TQ1_0", "TQ2_0": "TQ2_0"}
 RECIPES = (*MIXES, "Q8_0", "BF16", "F16", "F32")
 IMATRIX_REQUIRED = ("Q2_K_S",)  # llama-quantize refuses these without an importance matrix
+# llama-quantize's mixes of the grid types, which colibri-convert does not make (READ_ONLY_ENCODINGS)
+UNMADE_MIXES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M")
 
 # llama.cpp's fallback when a row is not a whole number of 256-weight super-blocks.
 K_QUANT_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL",

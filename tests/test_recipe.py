@@ -185,3 +185,15 @@ def test_the_manifest_schema_knows_every_recipe_and_encoding():
     schema = json.loads((Path(__file__).parents[1] / "formats" / "manifest.schema.json").read_text())
     assert schema["properties"]["quant"]["properties"]["recipe"]["enum"] == [*RECIPES, "GGUF"]
     assert schema["$defs"]["encoding"]["enum"] == list(ENCODINGS)
+
+
+def test_the_grid_mixes_are_refused_in_one_line_naming_what_to_do(capsys):
+    from colibri.cli import convert_main
+
+    with pytest.raises(SystemExit) as stop:
+        convert_main(["src", "out", "--quant", "iq2_xxs"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and "IQ2_XXS: llama-quantize's grid-searched" in err and "IQ4_XS" in err
+    with pytest.raises(SystemExit):
+        convert_main(["src", "out", "--quant", "Q9_K"])
+    assert "'Q9_K' is not a recipe (choose from Q2_K" in capsys.readouterr().err
