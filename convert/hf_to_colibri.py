@@ -23,6 +23,7 @@ from colibri.convert.plan import ConversionPlan, ExpertLayerSource, ResidentTens
 from colibri.convert.quantize_q4k import quantize
 from colibri.convert.resident_layout import ResidentTensorData, resident_file_bytes, write_resident_file
 from colibri.formats.checkpoint import HUB_REPO_ID, Checkpoint, cache_blob_sha256
+from colibri.formats.compressed_tensors import Q4_0_GROUP
 from colibri.formats.layout import EXPERT_MATRICES
 from colibri.formats.recipe import IMATRIX_REQUIRED, Recipe
 
@@ -103,12 +104,15 @@ def write_resident(checkpoint: Checkpoint, out_dir: Path, unit: ResidentUnit, ad
     def importance(tensor):
         return imatrix.importance(tensor.name, tensor.shape[-1]) if imatrix is not None and len(tensor.shape) == 2 else None
 
+    def encoded(tensor, encoding):
+        copy = checkpoint.q4_0_copy(tensor.source) if encoding == "Q4_0" else None
+        if copy is not None:
+            return iter([copy])
+        return (quantize(chunk, encoding, weights) for weights in [importance(tensor)]
+                for chunk in read_row_chunks(checkpoint, tensor.source, tensor.shape))
+
     tensors = (
-        ResidentTensorData(tensor.name, encoding, tensor.shape,
-                           (quantize(chunk, encoding, weights)
-                            for weights in [importance(tensor)]
-                            for chunk in read_row_chunks(checkpoint, tensor.source, tensor.shape)),
-                           checkpoint.tensors[tensor.source].nbytes)
+        ResidentTensorData(tensor.name, encoding, tensor.shape, encoded(tensor, encoding), checkpoint.tensors[tensor.source].nbytes)
         for tensor, encoding in unit.tensors
     )
     return write_resident_file(out_dir, tensors, advance)
@@ -126,8 +130,13 @@ def write_experts(checkpoint: Checkpoint, out_dir: Path, unit: ExpertUnit, advan
         return [checkpoint.read(name) for name in src.names.per_expert_names(e)]
 
     def encode(e: int):
-        return [quantize(m, encodings[name], imatrix.importance(src.canonical[name], m.shape[-1], e) if imatrix else None)
-                for name, m in zip(EXPERT_MATRICES, expert_matrices(e))]
+        copies = [None] * 3 if src.fused else [checkpoint.q4_0_copy(name) if encodings[m] == "Q4_0" else None
+                                               for m, name in zip(EXPERT_MATRICES, src.names.per_expert_names(e))]
+        if all(c is not None for c in copies):  # packed INT4 experts kept as they are
+            return copies
+        return [copy if copy is not None else
+                quantize(m, encodings[name], imatrix.importance(src.canonical[name], m.shape[-1], e) if imatrix else None)
+                for name, m, copy in zip(EXPERT_MATRICES, expert_matrices(e), copies)]
 
     source_bytes_per_expert = expert_source_bytes(checkpoint, src) // src.count
     return write_expert_layer(out_dir, src.layer, src.count, encodings, src.shapes, encode, lambda e: advance(source_bytes_per_expert))
@@ -165,13 +174,22 @@ def run_unit(source_dir: Path, imatrix_path: Path | None, out_dir: Path, unit, a
 # --- the whole conversion ---------------------------------------------------------------
 
 
-def make_units(plan: ConversionPlan, recipe: Recipe) -> list:
-    resident = ResidentUnit(tuple((t, recipe.encoding(t.name, t.shape)) for t in plan.resident))
+def make_units(plan: ConversionPlan, recipe: Recipe, checkpoint: Checkpoint) -> list:
+    resident = ResidentUnit(tuple((t, recipe.encoding(t.name, t.shape, kept_encoding(checkpoint, t.source)))
+                                  for t in plan.resident))
     experts = [
-        ExpertUnit(src, tuple((m, recipe.encoding(name, src.shapes[m])) for m, name in src.canonical.items()))
+        ExpertUnit(src, tuple((m, recipe.encoding(name, src.shapes[m], None if src.fused else kept_encoding(
+            checkpoint, src.names.per_expert_names(0)[EXPERT_MATRICES.index(m)]))) for m, name in src.canonical.items()))
         for src in plan.expert_layers
     ]
     return [resident, *experts]
+
+
+def kept_encoding(checkpoint: Checkpoint, name: str) -> str | None:
+    """The encoding that holds source tensor `name` exactly, if one does: packed INT4 in groups
+    of 32 is Q4_0 (formats/compressed_tensors.py)."""
+    weight = checkpoint.packed.get(name)
+    return "Q4_0" if weight is not None and weight.group == Q4_0_GROUP else None
 
 
 def checkpoint_job(src: str, options: ConvertOptions) -> Job:
@@ -187,7 +205,7 @@ def checkpoint_job(src: str, options: ConvertOptions) -> Job:
         imatrix = Imatrix(options.imatrix) if options.imatrix is not None else None
         recipe = Recipe(quant, config.n_layers, config.n_experts, config.tie_word_embeddings, list(options.overrides),
                         n_gqa=config.n_heads // max(config.n_kv_heads, 1), has_imatrix=imatrix is not None)
-        units = make_units(plan, recipe)
+        units = make_units(plan, recipe, checkpoint)
         return Job(
             config=config,
             units=units,

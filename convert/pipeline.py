@@ -368,5 +368,6 @@ def format_summary(s: dict, out) -> str:
     if s["units_resumed"]:
         lines.append(f"  resumed        {s['units_resumed']} units were already done and kept")
     if s["skipped_tensors"]:
-        lines.append(f"  skipped        {s['skipped_tensors']} tensors ({s['mtp_layers_skipped']} multi-token-prediction layers, not used for generation)")
+        lines.append(f"  skipped        {s['skipped_tensors']} tensors not used for generation "
+                     f"({s['mtp_layers_skipped']} multi-token-prediction layers, and any beside a multimodal checkpoint's text model)")
     return "\n".join(lines)

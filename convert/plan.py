@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from colibri.convert.arch import Adapter, adapter_for
 from colibri.convert.arch.base import ExpertNames, normalized_config
-from colibri.formats.checkpoint import FLOAT_DTYPES, Checkpoint, CheckpointError
+from colibri.formats.checkpoint import CONVERTIBLE_DTYPES, Checkpoint, CheckpointError
 from colibri.formats.layout import EXPERT_MATRICES
 from colibri.formats.messages import some
 from colibri.formats.model_config import ModelConfig
@@ -45,7 +45,7 @@ class ConversionPlan:
     config: ModelConfig
     resident: list[ResidentTensor]
     expert_layers: list[ExpertLayerSource]
-    skipped: list[str]  # tensors deliberately left out (multi-token prediction layers)
+    skipped: list[str]  # tensors deliberately left out (multi-token prediction layers, a vision tower)
 
 
 def expected_expert_tensors(src: ExpertLayerSource) -> dict[str, tuple]:
@@ -69,6 +69,7 @@ def make_plan(checkpoint: Checkpoint, adapter: Adapter | None = None) -> Convers
     skipped = sorted(n for n in present if _layer_of(n) in mtp_layers or IGNORED.search(n))
     for name in skipped:
         present.pop(name)
+    skipped += checkpoint.other_model_tensors  # a multimodal checkpoint's vision tower and projector
     scales = {n for n in present if n.endswith(".weight_scale_inv")}
     for name in scales:
         weight = name.removesuffix("_scale_inv")
@@ -116,5 +117,5 @@ def _compare(present: dict, expected: dict[str, tuple], architecture: str) -> No
         entry = present[name]
         if entry.shape != tuple(shape):
             raise CheckpointError(f"{entry.file.name}: tensor {name} has shape {list(entry.shape)}, config.json implies {list(shape)}")
-        if entry.dtype not in FLOAT_DTYPES:
-            raise CheckpointError(f"{entry.file.name}: tensor {name} has dtype {entry.dtype}, expected a float type")
+        if entry.dtype not in CONVERTIBLE_DTYPES:
+            raise CheckpointError(f"{entry.file.name}: tensor {name} has dtype {entry.dtype}, expected a float type or packed INT4")

@@ -15,11 +15,13 @@ import os
 import re
 import struct
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
+from colibri.formats import compressed_tensors
+from colibri.formats.compressed_tensors import PackedWeightError, find_packed
 from colibri.formats.messages import some
 from colibri.formats.safe_json import is_int, loads, read_json_object
 
@@ -34,6 +36,9 @@ DTYPE_BYTES = {
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
 }
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F8_E4M3")
+TEXT_MODEL_PREFIX = "language_model."  # a multimodal checkpoint's text model (Checkpoint._text_model_view)
+PACKED_DTYPE = "I4"  # compressed-tensors' packed INT4 weight with its group scales (formats.compressed_tensors)
+CONVERTIBLE_DTYPES = (*FLOAT_DTYPES, PACKED_DTYPE)
 FP8_BLOCK = 128
 HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # what a Hugging Face repo id looks like: owner/name
 
@@ -193,6 +198,34 @@ class Checkpoint:
                 self.tensors[name] = entry
         self._check_index()
         self._fds: dict[Path, int] = {}
+        self.other_model_tensors = self._text_model_view()
+        # compressed-tensors' packed INT4 weights, each listed as one tensor of dtype I4
+        try:
+            self.packed = find_packed(self.tensors, lambda entry: self.read_raw(entry.name).view(
+                "<i4" if entry.dtype == "I32" else "<i8"))
+        except PackedWeightError as e:
+            raise CheckpointError(str(e)) from None
+        self.parts: dict[str, TensorEntry] = {}  # the tensors a packed weight consists of
+        for name, weight in self.packed.items():
+            parts = [self.tensors.pop(n) for n in weight.component_names]
+            self.parts.update((p.name, p) for p in parts)
+            self.tensors[name] = TensorEntry(name, weight.packed.file, PACKED_DTYPE, (weight.rows, weight.cols),
+                                             weight.packed.offset, sum(p.nbytes for p in parts))
+
+    def _text_model_view(self) -> list[str]:
+        """A multimodal checkpoint (Kimi-K2.5 and K2.6: `text_config`, the text model's tensors
+        under `language_model.`) is read as its text model: that config, those tensors without
+        the prefix. Returns the names of the others (a vision tower, a projector), which no
+        conversion reads."""
+        text = self.config.get("text_config")
+        if not isinstance(text, dict) or not any(n.startswith(TEXT_MODEL_PREFIX) for n in self.tensors):
+            return []
+        outer = {k: v for k, v in self.config.items() if k == "quantization_config" and k not in text}
+        self.config = {**text, **outer}
+        others = sorted(n for n in self.tensors if not n.startswith(TEXT_MODEL_PREFIX))
+        self.tensors = {n[len(TEXT_MODEL_PREFIX):]: replace(e, name=n[len(TEXT_MODEL_PREFIX):])
+                        for n, e in self.tensors.items() if n.startswith(TEXT_MODEL_PREFIX)}
+        return others
 
     def _check_index(self) -> None:
         index_path = self.directory / INDEX_NAME
@@ -218,7 +251,7 @@ class Checkpoint:
 
     def read_raw(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
         """Bytes of `name[first:first+count]` (slicing the first axis), as a uint8 array."""
-        entry = self.tensors[name]
+        entry = self.tensors[name] if name in self.tensors else self.parts[name]
         rows = entry.shape[0] if entry.shape else 1
         count = rows - first if count is None else count
         row_bytes = entry.nbytes // rows if rows else 0
@@ -230,8 +263,13 @@ class Checkpoint:
         return buffer
 
     def read(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
-        """`name[first:first+count]` decoded to float32 (FP8 weights scaled by their `_scale_inv`)."""
-        entry = self.tensors[name]
+        """`name[first:first+count]` decoded to float32 (FP8 weights scaled by their `_scale_inv`,
+        packed INT4 by their group scales)."""
+        entry = self.tensors[name] if name in self.tensors else self.parts[name]
+        if entry.dtype == PACKED_DTYPE:
+            weight = self.packed[name]
+            return compressed_tensors.dequantize(self.read_raw(weight.packed.name, first, count),
+                                                 self.read(weight.scale.name, first, count), weight.cols)
         if entry.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"{entry.file.name}: tensor {name} has dtype {entry.dtype}, not a float type")
         count = (entry.shape[0] if entry.shape else 1) - first if count is None else count
@@ -244,6 +282,14 @@ class Checkpoint:
         if entry.dtype == "BF16":
             return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
         return self._dequantize_fp8(name, E4M3_TO_F32[raw].reshape(shape), first)
+
+    def q4_0_copy(self, name: str) -> np.ndarray | None:
+        """A packed INT4 weight with groups of 32 as Q4_0 bytes [rows, row bytes] (the same
+        values, no float in between), or None for any other tensor."""
+        weight = self.packed.get(name)
+        if weight is None or weight.group != compressed_tensors.Q4_0_GROUP:
+            return None
+        return compressed_tensors.q4_0_blocks(self.read_raw(weight.packed.name), self.read(weight.scale.name), weight.cols)
 
     def _dequantize_fp8(self, name: str, values: np.ndarray, first: int) -> np.ndarray:
         scale_name = name.removesuffix(".weight") + ".weight_scale_inv"

@@ -124,8 +124,11 @@ class Recipe:
             if problem:
                 raise ValueError(f"override {pattern!r}: {problem}")
 
-    def encoding(self, name: str, shape) -> str:
-        """The encoding of tensor `name` with row-major `shape`."""
+    def encoding(self, name: str, shape, kept: str | None = None) -> str:
+        """The encoding of tensor `name` with row-major `shape`; `kept`, when the source tensor
+        already is exactly that encoding (packed INT4 is Q4_0), unless an override says otherwise."""
+        if kept is not None:
+            return next((encoding for pattern, encoding in self.overrides if re.search(pattern, name)), kept)
         if self.name == "F32" or not is_quantizable(name, shape):
             return "F32"
         if self.name in ("BF16", "F16"):
