@@ -205,6 +205,9 @@ class Checkpoint:
                 "<i4" if entry.dtype == "I32" else "<i8"))
         except PackedWeightError as e:
             raise CheckpointError(str(e)) from None
+        problem = compressed_tensors.scheme_problem(self.config) if self.packed else None
+        if problem:
+            raise CheckpointError(f"{config_path}: {problem}")
         self.parts: dict[str, TensorEntry] = {}  # the tensors a packed weight consists of
         for name, weight in self.packed.items():
             parts = [self.tensors.pop(n) for n in weight.component_names]

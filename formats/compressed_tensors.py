@@ -46,6 +46,24 @@ class PackedWeight:
         return self.packed.name, self.scale.name, self.shape_entry.name
 
 
+def scheme_problem(config: dict) -> str | None:
+    """Why config.json's quantization_config describes packed weights other than symmetric
+    INT4 in groups (the only ones read here), or None."""
+    quantization = config.get("quantization_config")
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "compressed-tensors":
+        return None
+    groups = quantization.get("config_groups")
+    for name, group in (groups.items() if isinstance(groups, dict) else ()):
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if not isinstance(weights, dict) or weights.get("type", "int") != "int":
+            continue  # float schemes (FP8) store plain tensors
+        wanted = {"num_bits": 4, "symmetric": True, "strategy": "group"}
+        wrong = [f"{k} {weights.get(k)!r}" for k, v in wanted.items() if weights.get(k, v) != v]
+        if wrong:
+            return f"quantization_config group {name}: {', '.join(wrong)} (supported: 4-bit symmetric groups)"
+    return None
+
+
 def find_packed(tensors: dict, read_shape) -> dict[str, PackedWeight]:
     """The packed weights among `tensors` (name -> TensorEntry), checked: each needs its scale
     and shape, a shape that agrees with both, and whole groups. `read_shape(entry)` gives the

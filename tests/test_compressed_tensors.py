@@ -156,3 +156,12 @@ def test_a_kimi_k25_checkpoint_converts_as_its_text_model(int4, tmp_path):
     assert summary["skipped_tensors"] == 2
     skipped = ModelLayout(tmp_path / "a").manifest["provenance"]["skipped_tensors"]
     assert skipped == ["mm_projector.proj.0.weight", "vision_tower.encoder.blocks.0.wqkv.weight"]
+
+
+def test_other_packed_schemes_are_refused_naming_the_setting(int4, capsys):
+    _, source, _ = int4
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    (source / "config.json").write_text(json.dumps(config))
+    assert convert_main([str(source), str(source.parent / "out"), "--no-progress"]) == 1
+    assert "quantization_config group group_0: symmetric False (supported: 4-bit symmetric groups)" in capsys.readouterr().err
