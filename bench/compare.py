@@ -14,11 +14,15 @@ passes are this tree's `bench/decode.py` `run`, so a checkout needs the runtime 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,10 +30,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench.decode import reference_model  # noqa: E402
 
-# Runs inside a checkout (its own `runtime`, on PYTHONPATH), timing with this tree's
+# Runs on a checkout's code (`importable`), timing with this tree's
 # bench/decode.py `run`, and prints one JSON line.
 MEASURE = """
-import importlib.util, json, sys
+import importlib.util, json, os, sys
+import colibri.runtime
+assert colibri.runtime.__file__.startswith(os.getcwd()), colibri.runtime.__file__  # this checkout's code
 from colibri.formats.layout import ModelLayout
 from colibri.runtime import open_model
 from colibri.runtime.expert_store import cache_bytes_for_all
@@ -46,11 +52,31 @@ print(json.dumps({"prompt": [r["prompt_tok_per_s"] for r in runs], "decode": [r[
 """
 
 
+def importable(checkout: Path) -> Path:
+    """A folder from which `import colibri...` gives `checkout`'s code: its packages linked as
+    pyproject.toml's package-dir lays them out (the installed editable package points at the
+    working tree, and a checkout's own root has no `colibri/runtime`). One folder per
+    checkout, kept, so that numba's cache, keyed by source path, serves the next process."""
+    where = Path(tempfile.gettempdir()) / "colibri-compare" / hashlib.sha256(str(checkout).encode()).hexdigest()[:16]
+    shutil.rmtree(where, ignore_errors=True)
+    layout = tomllib.loads((checkout / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for package, folder in sorted(layout.items()):
+        link = where.joinpath(*package.split("."))
+        if package == "colibri":
+            link.mkdir(parents=True)
+            for item in (checkout / folder).iterdir():
+                (link / item.name).symlink_to(item)
+        else:
+            link.symlink_to(checkout / folder)
+    return where
+
+
 def measure(checkout: Path, args) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(checkout))
+    root = importable(checkout)
+    env = dict(os.environ, PYTHONPATH=str(root))
     command = [sys.executable, "-c", MEASURE, str(ROOT / "bench" / "decode.py"), str(args.model),
                str(args.prompt_tokens), str(args.tokens), str(args.passes), str(args.threads)]
-    done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"{checkout}: the measurement failed:\n{done.stderr.strip()}")
     return json.loads(done.stdout.strip().splitlines()[-1])
