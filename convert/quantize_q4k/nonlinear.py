@@ -77,6 +77,7 @@ def _sub_block_scale(xb, weight, L):
 
 @njit_c
 def _sub_block_weights(xb, qw, sigma2, weight):
+    """ggml's weights of a sub-block's errors: x² without an imatrix, qw·sqrt(σ² + x²) with one."""
     for j in range(xb.size):
         weight[j] = qw[j] * np.sqrt(sigma2 + xb[j] * xb[j]) if qw.size else xb[j] * xb[j]
 
@@ -91,6 +92,7 @@ def _store_iq4_levels(y, offset, L):
 
 @njit_c
 def _levels_at(xb, inverse_scale, L):
+    """The index of the value nearest each weight times `inverse_scale`, into L."""
     for j in range(xb.size):
         L[j] = _best_index(IQ4_VALUES, inverse_scale * xb[j])
 
