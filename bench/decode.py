@@ -9,10 +9,12 @@
     page cache, as on a real machine (O_DIRECT always reads the disk); the effective read
     bandwidth is reported next to the cold disk bandwidth, with prefetch accuracy and the
     share of read time hidden behind compute. Every mode must produce the same tokens.
-Prints a table against the ceilings and llama.cpp (tg128 33.7, pp512 142.6 tok/s on this
-machine and shape, Q4_K_M, 2 threads); writes bench/out/decode.json.
+Prints a table against the ceilings and llama.cpp: `--llama-bench BIN --gguf FILE` runs its
+tg128 and pp512 in the same run (else an earlier session's figures). `--isa avx2` compiles the
+kernels for an AVX2-only CPU, to compare with a llama.cpp built so. Writes bench/out/decode.json.
 
     python bench/decode.py [--model DIR] [--prompt-tokens 64] [--tokens 48] [--stream-share 0.25]
+        [--isa avx2] [--llama-bench BIN --gguf FILE]
 """
 
 from __future__ import annotations
@@ -30,10 +32,21 @@ import numpy as np
 from colibri.formats.layout import ModelLayout
 from colibri.runtime import open_model
 from colibri.runtime.expert_store import cache_bytes_for_all
+from colibri.runtime.kernels import kernel_paths
+from colibri.runtime.kernels.emitter import TARGET_CPUS, target_environment
 from colibri.runtime.plan import measure_disk_bandwidth
 
 BENCH = Path(__file__).resolve().parent
-LLAMA_CPP = {"tg128": 33.7, "pp512": 142.6}
+LLAMA_CPP = {"tg128": 33.7, "pp512": 142.6}  # an earlier session's llama-bench, when --llama-bench is not given
+
+
+def llama_bench(binary: Path, gguf: Path, threads: int) -> dict:
+    """llama.cpp's tg128 and pp512 (tok/s, mean of 3) on `gguf`, from its `llama-bench -o json`."""
+    done = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-p", "512", "-n", "128", "-r", "3",
+                           "-o", "json"], capture_output=True, text=True, check=True)
+    rows = json.loads(done.stdout)
+    return {"tg128": next(r["avg_ts"] for r in rows if r["n_gen"] == 128),
+            "pp512": next(r["avg_ts"] for r in rows if r["n_prompt"] == 512), "binary": str(binary)}
 
 
 def reference_model(out: Path) -> Path:
@@ -93,7 +106,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--stream-share", type=float, default=0.25, help="expert cache as a share of all experts when streaming")
+    parser.add_argument("--isa", choices=("native", *TARGET_CPUS), default="native",
+                        help="compile the kernels for this target: avx2 = this CPU without AVX-512, AMX or AVX-VNNI "
+                             "(an AMD Zen 2/3); avx2-vnni keeps AVX-VNNI (Intel Alder Lake)")
+    parser.add_argument("--llama-bench", type=Path, metavar="BIN",
+                        help="llama.cpp's llama-bench (built for the same target) to run on --gguf in this run")
+    parser.add_argument("--gguf", type=Path, help="the same model as a GGUF, for --llama-bench")
     args = parser.parse_args()
+    if args.isa != "native" and os.environ.get("NUMBA_CPU_NAME") != TARGET_CPUS[args.isa]:
+        # numba reads its target when it first compiles: start again with it set
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **target_environment(args.isa)})
+    llama = llama_bench(args.llama_bench, args.gguf, args.threads) if args.llama_bench else LLAMA_CPP
 
     layout = ModelLayout(reference_model(args.model))
     c = layout.config
@@ -132,18 +155,21 @@ def main() -> None:
           f"{'ceiling':>9}{'of it':>7}{'read ceil.':>11}{'of it':>7}{'eff. read GB/s':>15}{'prefetch acc.':>14}{'read hidden':>12}")
     for name, r in results.items():
         speed, read_ceiling = r["decode_tok_per_s"], r.get("read_ceiling")
-        cells = [f"{r['prompt_tok_per_s']:>13.1f}", f"{speed:>13.2f}", f"{speed / LLAMA_CPP['tg128']:>11.2f}x",
+        cells = [f"{r['prompt_tok_per_s']:>13.1f}", f"{speed:>13.2f}", f"{speed / llama['tg128']:>11.2f}x",
                  f"{r['hit_rate']:>9.1%}", f"{r['read_bytes_per_token'] / 1e6:>12.1f}", f"{r['ceiling']:>9.1f}",
                  f"{speed / r['ceiling']:>7.0%}", f"{optional(read_ceiling, '.1f'):>11}",
                  f"{optional(read_ceiling and speed / read_ceiling, '.0%'):>7}", f"{r['effective_read_bw'] / 1e9:>15.2f}",
                  f"{optional(r['prefetch_accuracy'], '.0%'):>14}", f"{optional(r['read_hidden_share'], '.0%'):>12}"]
         print(f"{name:<24}" + "".join(cells))
+    print(f"kernels compiled for: {args.isa}: {kernel_paths()}; llama.cpp "
+          f"{llama.get('binary', 'from an earlier session')}: tg128 {llama['tg128']:.1f}, pp512 {llama['pp512']:.1f} tok/s")
     print(f"same tokens in every mode: {'yes' if same else 'NO'}; prompt tok/s vs llama.cpp pp512: "
-          f"{results['in RAM']['prompt_tok_per_s'] / LLAMA_CPP['pp512']:.2f}x")
+          f"{results['in RAM']['prompt_tok_per_s'] / llama['pp512']:.2f}x")
     (BENCH / "out").mkdir(exist_ok=True)
     (BENCH / "out" / "decode.json").write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "threads": args.threads, "memory_read_bw": mem_bw, "disk_bw": disk_bw,
-        "stream_share": args.stream_share, "same_tokens": same, "modes": results, "llama_cpp": LLAMA_CPP}, indent=1))
+        "stream_share": args.stream_share, "same_tokens": same, "modes": results, "llama_cpp": llama,
+        "isa": args.isa, "kernels": kernel_paths()}, indent=1))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ Prints a table with each result as a fraction of the read bandwidth at the same 
 (what bounds a matvec) and in multiply-adds per second (what bounds a matmul), and writes
 bench/out/kernels.json. Every number is the median of --repeat runs.
 
-    python bench/kernels.py [--mb 1024] [--repeat 7] [--encodings Q4_K Q6_K Q8_0 BF16]
+    python bench/kernels.py [--mb 1024] [--repeat 7] [--encodings Q4_K Q6_K Q8_0 BF16] [--isa avx2]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from colibri.convert.quantize_q4k import quantize  # noqa: E402
 from colibri.formats.encodings import READ_ONLY_ENCODINGS, row_bytes  # noqa: E402
 from colibri.runtime import amx, kernels  # noqa: E402
+from colibri.runtime.kernels.emitter import TARGET_CPUS, target_environment  # noqa: E402
 
 COLS = 4096
 GOLDEN = ROOT / "tests" / "data" / "ggml_quants_golden_all.npz"
@@ -81,7 +82,13 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=1024, help="matvec matrix size (default 1024; above the L3 size)")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--encodings", nargs="+", default=["Q4_K", "Q6_K", "Q8_0", "BF16"])
+    parser.add_argument("--isa", choices=("native", *TARGET_CPUS), default="native",
+                        help="compile the kernels for this target (avx2: no AVX-512, AMX or AVX-VNNI)")
     args = parser.parse_args()
+    if args.isa != "native" and os.environ.get("NUMBA_CPU_NAME") != TARGET_CPUS[args.isa]:
+        # numba reads its target when it first compiles: start again with it set
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **target_environment(args.isa)})
+    print(f"kernels compiled for {args.isa}: {kernels.kernel_paths()}")
 
     if os.getloadavg()[0] > 0.5:
         print(f"warning: load average {os.getloadavg()[0]:.2f}: other processes share the cores and the memory "
@@ -125,6 +132,7 @@ def main() -> None:
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "numba": numba.__version__, "threading_layer": numba.threading_layer(),
                     "load_average": os.getloadavg()},
+        "isa": args.isa, "kernels": kernels.kernel_paths(),
         "memory_bandwidth": bandwidth,
         "results": results,
     }

@@ -281,6 +281,7 @@ class Model:
             "kv_cache_bytes": self.cache.nbytes,
             "ram_budget_bytes": self.budget.ram,
             "peak_rss_bytes": peak_rss(),
+            "kernels": kernels.kernel_paths(),
         }
 
 

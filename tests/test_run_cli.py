@@ -37,6 +37,9 @@ def test_prompt_json_gives_output_and_stats(model_dir, capsys):
         assert key in stats
     assert stats["prompt_tokens"] > 0 and 0 < stats["generated_tokens"] <= 8
     assert isinstance(result["output"], str)
+    from colibri.runtime.kernels import kernel_paths
+
+    assert stats["kernels"] == kernel_paths() and stats["kernels"]["k_quant_dot"]  # which instructions ran
 
 
 def test_greedy_run_is_deterministic_and_prints_stats(model_dir, capsys):

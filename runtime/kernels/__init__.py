@@ -42,7 +42,7 @@ from colibri.runtime.kernels.attention import (
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS, CACHE_LINE, PREFETCH_BYTES
 from colibri.runtime.kernels.experts import ExpertKernel, add_weighted_rows, moe_experts, moe_experts_batch
-from colibri.runtime.kernels.matrices import Matrix, dequantize_rows, matmul, matvec
+from colibri.runtime.kernels.matrices import Matrix, dequantize_rows, kernel_paths, matmul, matvec
 from colibri.runtime.kernels.numerics import rms_norm
 from colibri.runtime.kernels.routing import route
 from colibri.runtime.kernels.rows import CHUNK, GROUP, ROW_TILE
@@ -54,7 +54,7 @@ __all__ = [
     "PARALLEL_ATTENTION_WORK", "PROMPT_ATTENTION_BYTES", "PROMPT_ATTENTION_QUERIES", "QUERY_BLOCK", "attention",
     "BLOCK_TAGS", "CACHE_LINE", "PREFETCH_BYTES",
     "ExpertKernel", "add_weighted_rows", "moe_experts", "moe_experts_batch",
-    "Matrix", "dequantize_rows", "matmul", "matvec",
+    "Matrix", "dequantize_rows", "kernel_paths", "matmul", "matvec",
     "rms_norm",
     "route",
     "CHUNK", "GROUP", "ROW_TILE",

@@ -9,6 +9,8 @@ and a cache-line prefetch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import llvmlite.binding
 from llvmlite import ir
 from numba import types
@@ -28,21 +30,73 @@ def vec(element, n):
     return ir.VectorType(element, n)
 
 
+@dataclass(frozen=True)
+class Isa:
+    """What the target numba compiles for offers the kernels, from LLVM's (triple, cpu, features)."""
+
+    cpu: str
+    x86: bool
+    avx2: bool
+    vnni: bool  # vpdpbusd on 32 bytes (AVX-VNNI, or AVX-512 VNNI with VL)
+    avx512: bool  # 64-byte integer multiplies (AVX-512 BW)
+    vnni512: bool
+    f16c: bool
+
+    @classmethod
+    def of(cls, magic_tuple) -> "Isa":
+        triple, cpu, features = magic_tuple
+        enabled = {f[1:] for f in features.split(",") if f.startswith("+")}
+        x86 = triple.startswith(("x86_64", "i386", "i686"))
+        avx2, avx512 = x86 and "avx2" in enabled, x86 and "avx512bw" in enabled
+        return cls(cpu, x86, avx2, avx2 and ("avxvnni" in enabled or {"avx512vnni", "avx512vl"} <= enabled), avx512,
+                   avx512 and "avx512vnni" in enabled, x86 and "f16c" in enabled)
+
+    def paths(self) -> dict:
+        """The instructions each kernel path uses on this target, for reports."""
+        k_quant = ("vpmaddubsw + vpdpwssd, 64 bytes" if self.vnni512 else "vpmaddubsw + vpmaddwd, 64 bytes" if self.avx512
+                   else "vpmaddubsw + vpdpwssd, 32 bytes" if self.vnni else "vpmaddubsw + vpmaddwd, 32 bytes" if self.avx2
+                   else "portable vector IR")
+        q8_0 = "vpdpbusd" if self.vnni else "vpmaddubsw + vpmaddwd" if self.avx2 else "portable vector IR"
+        return {"cpu": self.cpu, "k_quant_dot": k_quant, "q8_0_dot": q8_0,
+                "table_lookup": "vpshufb" if self.avx2 else "selects", "half_to_float": "vcvtph2ps" if self.f16c else "integer"}
+
+
+# Targets other than this CPU, as numba environment variables (numba takes NUMBA_CPU_NAME's
+# scheduling model but keeps the host's features unless NUMBA_CPU_FEATURES says otherwise):
+# "avx2" is this CPU without AVX-512, AMX or AVX-VNNI (an AMD Zen 2/3), "avx2-vnni" keeps
+# AVX-VNNI (Intel Alder Lake), "generic" has no AVX at all.
+TARGET_CPUS = {"avx2": "haswell", "avx2-vnni": "alderlake", "generic": "generic"}
+_WIDE = ("avx512", "amx", "avx10", "avxvnni", "avxifma", "avxneconvert", "avxvnniint")
+
+
+def target_environment(target: str) -> dict[str, str]:
+    """NUMBA_CPU_NAME and NUMBA_CPU_FEATURES that make numba compile for `target`."""
+    if target == "generic":
+        return {"NUMBA_CPU_NAME": "generic", "NUMBA_CPU_FEATURES": ""}
+    host = llvmlite.binding.get_host_cpu_features().flatten().split(",")
+    keep_vnni = target == "avx2-vnni"
+    features = [f"-{f[1:]}" if f[1:].startswith(_WIDE) and not (keep_vnni and f[1:] == "avxvnni") else f for f in host]
+    if keep_vnni and "+avxvnni" not in features:
+        features.append("+avxvnni")
+    return {"NUMBA_CPU_NAME": TARGET_CPUS[target], "NUMBA_CPU_FEATURES": ",".join(features)}
+
+
+def target_isa() -> Isa:
+    """The Isa of the target numba compiles for in this process (NUMBA_CPU_NAME, or this CPU)."""
+    from numba.core.registry import cpu_target
+
+    return Isa.of(cpu_target.target_context.codegen().magic_tuple())
+
+
 class Emitter:
     """LLVM IR building blocks for the CPU numba compiles for: AVX-512, AVX-VNNI or AVX2 dot
     products and F16C conversions where the target has them, portable IR otherwise."""
 
     def __init__(self, context, builder):
-        triple, _, features = context.codegen().magic_tuple()
-        enabled = {f[1:] for f in features.split(",") if f.startswith("+")}
-        x86 = triple.startswith(("x86_64", "i386", "i686"))
         self.context, self.b = context, builder
-        self.avx2 = x86 and "avx2" in enabled
-        self.vnni = self.avx2 and ("avxvnni" in enabled or {"avx512vnni", "avx512vl"} <= enabled)
-        self.avx512 = x86 and "avx512bw" in enabled  # 64-byte integer multiplies
-        self.vnni512 = self.avx512 and "avx512vnni" in enabled
-        self.f16c = x86 and "f16c" in enabled
-        self.native_half = not x86 or self.f16c
+        isa = Isa.of(context.codegen().magic_tuple())
+        self.avx2, self.vnni, self.avx512, self.vnni512, self.f16c = isa.avx2, isa.vnni, isa.avx512, isa.vnni512, isa.f16c
+        self.native_half = not isa.x86 or self.f16c
         self.multiply_bytes = 64 if self.avx512 else 32  # bytes per vector of `pair_products`
 
     # memory

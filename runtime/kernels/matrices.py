@@ -30,6 +30,7 @@ from colibri.runtime.kernels.activations import (
     activation_row, dot_type_for, empty_activation, float_rows, make_activation,
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS
+from colibri.runtime.kernels.emitter import target_isa
 from colibri.runtime.kernels.rows import dequantize_into, row_dot, rows_times
 from colibri.runtime.kernels.threads import part_range
 
@@ -155,6 +156,12 @@ class Matrix:
 
     def rows_f32(self, first: int, count: int) -> np.ndarray:
         return dequantize_rows(self.data, self.encoding, self.cols, first, count)
+
+
+def kernel_paths() -> dict:
+    """Which instructions the kernels compiled in this process use, and whether prompts take
+    the AMX tiles: for `colibri run --json` and the benchmarks."""
+    return {**target_isa().paths(), "prompt_tiles": "AMX bfloat16" if amx.available() else "none (int8 path)"}
 
 
 def matmul(w: np.ndarray, encoding: str, rows: int, cols: int, x: np.ndarray, exact: bool = False) -> np.ndarray:
