@@ -96,7 +96,7 @@ class Emitter:
         self.context, self.b = context, builder
         isa = Isa.of(context.codegen().magic_tuple())
         self.avx2, self.vnni, self.avx512, self.vnni512, self.f16c = isa.avx2, isa.vnni, isa.avx512, isa.vnni512, isa.f16c
-        self.native_half = not isa.x86 or self.f16c
+        self.x86 = isa.x86
         self.multiply_bytes = 64 if self.avx512 else 32  # bytes per vector of `pair_products`
 
     # memory
@@ -131,7 +131,7 @@ class Emitter:
             converted = b.asm(ir.FunctionType(vec(FLOAT, 4), [I32]), "vmovd $1, $0\n\tvcvtph2ps $0, $0", "=x,r",
                               [b.zext(bits, I32)], False)
             return b.extract_element(converted, ir.Constant(I32, 0))
-        if self.native_half:
+        if not self.x86:  # other CPUs convert halves natively
             return b.fpext(b.bitcast(bits, _HALF), FLOAT)
         # Without F16C, LLVM would call a runtime function numba does not provide: move the
         # exponent and mantissa into float32 position and rescale the exponent by 2**112.
