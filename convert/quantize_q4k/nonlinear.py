@@ -8,10 +8,11 @@ each pair gives ggml's block layout (fp16 fields little-endian).
 
 import numpy as np
 
-from colibri.formats.encodings import IQ4_VALUES, MXFP4_VALUES
+from colibri.convert.quantize_q4k.q32 import store_q4_levels
 from colibri.convert.quantize_q4k.scalars import (
     bits_float, block_bytes, load_fp16, nearest_int, njit_c, store_fp16, sum_of_squares,
 )
+from colibri.formats.encodings import IQ4_VALUES, MXFP4_VALUES
 
 F32 = np.float32
 QK_K = 256
@@ -84,10 +85,9 @@ def _sub_block_weights(xb, qw, sigma2, weight):
 
 @njit_c
 def _store_iq4_levels(y, offset, L):
-    """Sub-block i's 32 levels as 16 bytes at offset + 16 i: weight j low, j + 16 high."""
+    """Sub-block i's 32 levels as Q4_0 packs them, in the 16 bytes at offset + 16 i."""
     for i in range(L.size // 32):
-        for j in range(16):
-            y[offset + 16 * i + j] = L[32 * i + j] | (L[32 * i + 16 + j] << 4)
+        store_q4_levels(y, offset + 16 * i, L[32 * i:32 * (i + 1)])
 
 
 @njit_c

@@ -93,7 +93,8 @@ def dequantize_q5_1(blocks, out):
 
 # block_q4_0: d (fp16), qs[16] (nibbles: low = weights 0-15, high = weights 16-31); block_q4_1 adds m after d
 @njit_c
-def _store_q4_levels(y, offset, L):
+def store_q4_levels(y, offset, L):
+    """32 four-bit levels as 16 bytes at `offset`: level j in the low nibble of byte j, j + 16 in the high."""
     for j in range(16):
         y[offset + j] = (L[j] & 0x0F) | ((L[j + 16] & 0x0F) << 4)
 
@@ -131,7 +132,7 @@ def _store_levels(y, offset, L, five_bits):
     if five_bits:
         _store_q5_levels(y, offset, L)
     else:
-        _store_q4_levels(y, offset, L)
+        store_q4_levels(y, offset, L)
 
 
 @njit_c
