@@ -23,7 +23,6 @@ from colibri.convert.plan import ConversionPlan, ExpertLayerSource, ResidentTens
 from colibri.convert.quantize_q4k import quantize
 from colibri.convert.resident_layout import ResidentTensorData, resident_file_bytes, write_resident_file
 from colibri.formats.checkpoint import HUB_REPO_ID, Checkpoint, cache_blob_sha256
-from colibri.formats.compressed_tensors import Q4_0_GROUP
 from colibri.formats.layout import EXPERT_MATRICES
 from colibri.formats.recipe import IMATRIX_REQUIRED, Recipe
 
@@ -122,21 +121,21 @@ def write_experts(checkpoint: Checkpoint, out_dir: Path, unit: ExpertUnit, advan
     src, encodings = unit.source, dict(unit.encodings)
     rows = src.shapes["gate"][0]
 
-    def expert_matrices(e: int):
+    def quantized(matrix: str, values: np.ndarray, e: int) -> np.ndarray:
+        weights = imatrix.importance(src.canonical[matrix], values.shape[-1], e) if imatrix else None
+        return quantize(values, encodings[matrix], weights)
+
+    def encode(e: int):
         if src.fused:
             gate_up_name, down_name = src.names.fused_names
             gate_up = checkpoint.read(gate_up_name, e, 1)[0]
-            return gate_up[:rows], gate_up[rows:], checkpoint.read(down_name, e, 1)[0]
-        return [checkpoint.read(name) for name in src.names.per_expert_names(e)]
-
-    def encode(e: int):
-        copies = [None] * 3 if src.fused else [checkpoint.q4_0_copy(name) if encodings[m] == "Q4_0" else None
-                                               for m, name in zip(EXPERT_MATRICES, src.names.per_expert_names(e))]
-        if all(c is not None for c in copies):  # packed INT4 experts kept as they are
-            return copies
-        return [copy if copy is not None else
-                quantize(m, encodings[name], imatrix.importance(src.canonical[name], m.shape[-1], e) if imatrix else None)
-                for name, m, copy in zip(EXPERT_MATRICES, expert_matrices(e), copies)]
+            values = gate_up[:rows], gate_up[rows:], checkpoint.read(down_name, e, 1)[0]
+            return [quantized(m, v, e) for m, v in zip(EXPERT_MATRICES, values)]
+        encoded = []
+        for matrix, name in zip(EXPERT_MATRICES, src.names.per_expert_names(e)):
+            copy = checkpoint.q4_0_copy(name) if encodings[matrix] == "Q4_0" else None  # packed INT4 kept as it is
+            encoded.append(copy if copy is not None else quantized(matrix, checkpoint.read(name), e))
+        return encoded
 
     source_bytes_per_expert = expert_source_bytes(checkpoint, src) // src.count
     return write_expert_layer(out_dir, src.layer, src.count, encodings, src.shapes, encode, lambda e: advance(source_bytes_per_expert))
@@ -188,8 +187,7 @@ def make_units(plan: ConversionPlan, recipe: Recipe, checkpoint: Checkpoint) -> 
 def kept_encoding(checkpoint: Checkpoint, name: str) -> str | None:
     """The encoding that holds source tensor `name` exactly, if one does: packed INT4 in groups
     of 32 is Q4_0 (formats/compressed_tensors.py)."""
-    weight = checkpoint.packed.get(name)
-    return "Q4_0" if weight is not None and weight.group == Q4_0_GROUP else None
+    return "Q4_0" if checkpoint.holds_q4_0(name) else None
 
 
 def checkpoint_job(src: str, options: ConvertOptions) -> Job:

@@ -223,8 +223,10 @@ class Checkpoint:
         text = self.config.get("text_config")
         if not isinstance(text, dict) or not any(n.startswith(TEXT_MODEL_PREFIX) for n in self.tensors):
             return []
-        outer = {k: v for k, v in self.config.items() if k == "quantization_config" and k not in text}
-        self.config = {**text, **outer}
+        quantization = self.config.get("quantization_config")
+        self.config = dict(text)
+        if quantization is not None:  # the wrapper's, unless the text model has its own
+            self.config.setdefault("quantization_config", quantization)
         others = sorted(n for n in self.tensors if not n.startswith(TEXT_MODEL_PREFIX))
         self.tensors = {n[len(TEXT_MODEL_PREFIX):]: replace(e, name=n[len(TEXT_MODEL_PREFIX):])
                         for n, e in self.tensors.items() if n.startswith(TEXT_MODEL_PREFIX)}
@@ -254,7 +256,7 @@ class Checkpoint:
 
     def read_raw(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
         """Bytes of `name[first:first+count]` (slicing the first axis), as a uint8 array."""
-        entry = self.tensors[name] if name in self.tensors else self.parts[name]
+        entry = self._entry(name)
         rows = entry.shape[0] if entry.shape else 1
         count = rows - first if count is None else count
         row_bytes = entry.nbytes // rows if rows else 0
@@ -268,7 +270,7 @@ class Checkpoint:
     def read(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
         """`name[first:first+count]` decoded to float32 (FP8 weights scaled by their `_scale_inv`,
         packed INT4 by their group scales)."""
-        entry = self.tensors[name] if name in self.tensors else self.parts[name]
+        entry = self._entry(name)
         if entry.dtype == PACKED_DTYPE:
             weight = self.packed[name]
             return compressed_tensors.dequantize(self.read_raw(weight.packed.name, first, count),
@@ -286,12 +288,21 @@ class Checkpoint:
             return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
         return self._dequantize_fp8(name, E4M3_TO_F32[raw].reshape(shape), first)
 
-    def q4_0_copy(self, name: str) -> np.ndarray | None:
-        """A packed INT4 weight with groups of 32 as Q4_0 bytes [rows, row bytes] (the same
-        values, no float in between), or None for any other tensor."""
+    def _entry(self, name: str) -> TensorEntry:
+        """A listed tensor, or one of the tensors a packed weight consists of."""
+        return self.tensors[name] if name in self.tensors else self.parts[name]
+
+    def holds_q4_0(self, name: str) -> bool:
+        """Whether tensor `name` is packed INT4 in groups of 32, which Q4_0 holds exactly."""
         weight = self.packed.get(name)
-        if weight is None or weight.group != compressed_tensors.Q4_0_GROUP:
+        return weight is not None and weight.group == compressed_tensors.Q4_0_GROUP
+
+    def q4_0_copy(self, name: str) -> np.ndarray | None:
+        """A tensor that `holds_q4_0` as Q4_0 bytes [rows, row bytes] (the same values, no float
+        in between), or None for any other tensor."""
+        if not self.holds_q4_0(name):
             return None
+        weight = self.packed[name]
         return compressed_tensors.q4_0_blocks(self.read_raw(weight.packed.name), self.read(weight.scale.name), weight.cols)
 
     def _dequantize_fp8(self, name: str, values: np.ndarray, first: int) -> np.ndarray:
