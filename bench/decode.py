@@ -33,7 +33,7 @@ from colibri.formats.layout import ModelLayout
 from colibri.runtime import open_model
 from colibri.runtime.expert_store import cache_bytes_for_all
 from colibri.runtime.kernels import kernel_paths
-from colibri.runtime.kernels.emitter import TARGET_CPUS, target_environment
+from colibri.runtime.kernels.emitter import TARGET_CPUS, restart_for
 from colibri.runtime.plan import measure_disk_bandwidth
 
 BENCH = Path(__file__).resolve().parent
@@ -113,9 +113,7 @@ def main() -> None:
                         help="llama.cpp's llama-bench (built for the same target) to run on --gguf in this run")
     parser.add_argument("--gguf", type=Path, help="the same model as a GGUF, for --llama-bench")
     args = parser.parse_args()
-    if args.isa != "native" and os.environ.get("NUMBA_CPU_NAME") != TARGET_CPUS[args.isa]:
-        # numba reads its target when it first compiles: start again with it set
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **target_environment(args.isa)})
+    restart_for(args.isa)
     llama = llama_bench(args.llama_bench, args.gguf, args.threads) if args.llama_bench else LLAMA_CPP
 
     layout = ModelLayout(reference_model(args.model))

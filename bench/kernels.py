@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from colibri.convert.quantize_q4k import quantize  # noqa: E402
 from colibri.formats.encodings import READ_ONLY_ENCODINGS, row_bytes  # noqa: E402
 from colibri.runtime import amx, kernels  # noqa: E402
-from colibri.runtime.kernels.emitter import TARGET_CPUS, target_environment  # noqa: E402
+from colibri.runtime.kernels.emitter import TARGET_CPUS, restart_for  # noqa: E402
 
 COLS = 4096
 GOLDEN = ROOT / "tests" / "data" / "ggml_quants_golden_all.npz"
@@ -85,9 +85,7 @@ def main() -> None:
     parser.add_argument("--isa", choices=("native", *TARGET_CPUS), default="native",
                         help="compile the kernels for this target (avx2: no AVX-512, AMX or AVX-VNNI)")
     args = parser.parse_args()
-    if args.isa != "native" and os.environ.get("NUMBA_CPU_NAME") != TARGET_CPUS[args.isa]:
-        # numba reads its target when it first compiles: start again with it set
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **target_environment(args.isa)})
+    restart_for(args.isa)
     print(f"kernels compiled for {args.isa}: {kernels.kernel_paths()}")
 
     if os.getloadavg()[0] > 0.5:

@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from colibri.formats.encodings import ENCODINGS, FLOAT_DTYPES, block_size
 from colibri.runtime import amx
 from colibri.runtime.kernels.emitter import int_bits_to_float
 
@@ -23,16 +24,13 @@ F32 = np.float32
 _njit = njit(cache=True, nogil=True)
 
 # The int8 activation format each block type is multiplied with, as in ggml: the blocks of 256
-# (K-quants, IQ4_XS, TQ1_0, TQ2_0, the IQ1/2/3 grid types) take Q8_K (one float32 scale per 256 values), so that a
-# block's sub-block products stay integer to the end of the block; the 32-weight block types
-# take Q8_0 (a float32 scale per 32).
+# (K-quants, IQ4_XS, TQ1_0, TQ2_0, the IQ1/2/3 grid types) take Q8_K (one float32 scale per
+# 256 values), so that a block's sub-block products stay integer to the end of the block; the
+# 32-weight block types take Q8_0 (a float32 scale per 32).
 # Both also hold the scaled sum of each 16 values, for the blocks' offsets and biases:
 # q int8 [n, cols], d float32 [n, cols / block], sums float32 [n, cols / 16].
-DOT_TYPES = {"Q8_0": "Q8_0", "Q5_0": "Q8_0", "Q5_1": "Q8_0", "Q4_0": "Q8_0", "Q4_1": "Q8_0", "Q2_K": "Q8_K",
-             "Q3_K": "Q8_K", "Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K", "IQ4_NL": "Q8_0", "MXFP4": "Q8_0",
-             "IQ4_XS": "Q8_K", "TQ1_0": "Q8_K", "TQ2_0": "Q8_K", "IQ3_XXS": "Q8_K", "IQ3_S": "Q8_K", "IQ2_XXS": "Q8_K",
-             "IQ2_XS": "Q8_K", "IQ2_S": "Q8_K", "IQ1_S": "Q8_K", "IQ1_M": "Q8_K"}
 ACT_BLOCKS = {"Q8_0": 32, "Q8_K": 256}  # activation values per int8 scale
+DOT_TYPES = {e: "Q8_K" if block_size(e)[0] == ACT_BLOCKS["Q8_K"] else "Q8_0" for e in ENCODINGS if e not in FLOAT_DTYPES}
 WIDEST_ACT_BLOCK = 256
 Q8_0Activation = namedtuple("Q8_0Activation", "q d sums")
 Q8_KActivation = namedtuple("Q8_KActivation", "q d sums")

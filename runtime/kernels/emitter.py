@@ -9,6 +9,8 @@ and a cache-line prefetch.
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 
 import llvmlite.binding
@@ -79,6 +81,13 @@ def target_environment(target: str) -> dict[str, str]:
     if keep_vnni and "+avxvnni" not in features:
         features.append("+avxvnni")
     return {"NUMBA_CPU_NAME": TARGET_CPUS[target], "NUMBA_CPU_FEATURES": ",".join(features)}
+
+
+def restart_for(target: str) -> None:
+    """Run this program again compiling for `target` ("native": go on as it is), unless it
+    already does: numba reads its target when it first compiles."""
+    if target != "native" and os.environ.get("NUMBA_CPU_NAME") != TARGET_CPUS[target]:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **target_environment(target)})
 
 
 def target_isa() -> Isa:

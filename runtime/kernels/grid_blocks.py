@@ -14,7 +14,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from colibri.formats.iq_grids import KSIGNS, grid
-from colibri.runtime.kernels.emitter import FLOAT, I8, I16, I32, I64, vec
+from colibri.runtime.kernels.emitter import FLOAT, I8, I16, I32, vec
 from colibri.runtime.kernels.unpacked import Block
 
 _BIT_MASKS = [1 << j for j in range(8)] * 4  # weight j of a group of 8 has sign bit j
@@ -29,11 +29,10 @@ def _ksigns(e):
 
 
 def _vector(e, scalars, element):
-    """A vector of IR scalars (each cast to `element`)."""
-    b, v = e.b, ir.Constant(vec(element, len(scalars)), None)
+    """A vector of IR scalars (each widened or narrowed to `element`, as `_u`)."""
+    v = ir.Constant(vec(element, len(scalars)), None)
     for i, s in enumerate(scalars):
-        s = b.trunc(s, element) if s.type.width > element.width else b.zext(s, element) if s.type.width < element.width else s
-        v = b.insert_element(v, s, ir.Constant(I32, i))
+        v = e.b.insert_element(v, _u(e, s, element), ir.Constant(I32, i))
     return v
 
 
