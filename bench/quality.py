@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import shutil
 import subprocess
@@ -43,18 +44,11 @@ def model_numbers(path: Path) -> dict:
     c = layout.config
     resident = sum(t.nbytes for t in layout.tensors.values())
     experts = sum(t.count * t.expert_bytes for t in layout.expert_layers.values())
-    weights = sum(_count(t.shape) for t in layout.tensors.values()) + sum(
-        t.count * sum(_count(m.shape) for m in t.matrices.values()) for t in layout.expert_layers.values())
+    weights = sum(math.prod(t.shape) for t in layout.tensors.values()) + sum(
+        t.count * sum(math.prod(m.shape) for m in t.matrices.values()) for t in layout.expert_layers.values())
     per_token = sum(c.n_experts_used * t.expert_bytes for t in layout.expert_layers.values())
     return {"gb": (resident + experts) / 1e9, "bits_per_weight": 8 * (resident + experts) / weights,
             "expert_mb_per_token": per_token / 1e6}
-
-
-def _count(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def main() -> None:
