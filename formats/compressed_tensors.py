@@ -94,13 +94,18 @@ def find_packed(tensors: dict, read_shape) -> dict[str, PackedWeight]:
     return found
 
 
+def nibbles(packed: np.ndarray, cols: int) -> np.ndarray:
+    """The stored 4-bit values [rows, cols] (level + 8) of packed bytes [rows, cols / 2]."""
+    packed = packed.reshape(-1, cols // 2)
+    out = np.empty((packed.shape[0], cols), np.uint8)
+    out[:, 0::2] = packed & 0x0F
+    out[:, 1::2] = packed >> 4
+    return out
+
+
 def levels(packed: np.ndarray, cols: int) -> np.ndarray:
     """int8 levels [rows, cols] (-8..7) of packed bytes [rows, cols / 2]."""
-    packed = packed.reshape(-1, cols // 2)
-    out = np.empty((packed.shape[0], cols), np.int8)
-    out[:, 0::2] = (packed & 0x0F).astype(np.int8) - 8
-    out[:, 1::2] = (packed >> 4).astype(np.int8) - 8
-    return out
+    return nibbles(packed, cols).astype(np.int8) - 8
 
 
 def dequantize(packed: np.ndarray, scales: np.ndarray, cols: int) -> np.ndarray:
@@ -113,8 +118,8 @@ def q4_0_blocks(packed: np.ndarray, scales: np.ndarray, cols: int) -> np.ndarray
     """Q4_0 bytes [rows, cols / 32 × 18] holding the same weights (group 32); a scale that is
     not an f16 value is rounded to the nearest one."""
     rows = packed.size // (cols // 2)
-    nibbles = (levels(packed, cols).astype(np.int16) + 8).astype(np.uint8).reshape(rows, cols // 32, 32)
+    values = nibbles(packed, cols).reshape(rows, cols // 32, 32)  # Q4_0's nibbles are the same level + 8
     blocks = np.empty((rows, cols // 32, 18), np.uint8)
     blocks[:, :, :2] = scales.astype(np.float32).astype(np.float16).reshape(rows, -1, 1).view(np.uint8)
-    blocks[:, :, 2:] = nibbles[:, :, :16] | (nibbles[:, :, 16:] << 4)
+    blocks[:, :, 2:] = values[:, :, :16] | (values[:, :, 16:] << 4)
     return blocks.reshape(rows, -1)
