@@ -133,7 +133,7 @@ def counted_numba_calls():
 def model_speed(model: pathlib.Path, threads: int, tokens: int, prompts: tuple[int, ...]) -> dict:
     from colibri.runtime import open_model
 
-    m = open_model(model, threads=threads, ctx=max(prompts) + tokens + 8, ram_budget="16G")
+    m = open_model(model, threads=threads, ctx=max(prompts) + 5 * tokens + 16, ram_budget="16G")
     layers = m.config.n_layers
     rng = np.random.default_rng(0)
     result = {"layers": layers, "moe_layers": len(m.config.moe_layers), "prompt_tok_per_s": {}}
@@ -156,10 +156,13 @@ def model_speed(model: pathlib.Path, threads: int, tokens: int, prompts: tuple[i
     token = int(np.argmax(m.prefill([1, 2, 3], all_logits=False)[-1]))
     for _ in range(4):
         token = int(np.argmax(m.decode(token)))
-    started = time.perf_counter()
-    for _ in range(tokens):
-        token = int(np.argmax(m.decode(token)))
-    elapsed = time.perf_counter() - started
+    runs = []
+    for _ in range(5):  # the median of five runs of `tokens` (a shared machine is noisy)
+        started = time.perf_counter()
+        for _ in range(tokens):
+            token = int(np.argmax(m.decode(token)))
+        runs.append(time.perf_counter() - started)
+    elapsed = statistics.median(runs)
     with counted_numba_calls() as calls:
         for _ in range(4):
             token = int(np.argmax(m.decode(token)))
@@ -173,7 +176,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=pathlib.Path, help="a converted wide model to time decode and prompts on")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=32, help="decoded tokens timed (default: %(default)s)")
+    parser.add_argument("--tokens", type=int, default=32, help="decoded tokens per timed run, median of 5 runs (default: %(default)s)")
     parser.add_argument("--repeat", type=int, default=7, help="manifest opens timed per shape (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()

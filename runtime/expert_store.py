@@ -120,6 +120,17 @@ class CacheIndex:
             placed.append((key, self.slot_of.get(key), hit))
         return placed
 
+    def hit_slots(self, keys: list[Key]) -> list[int] | None:
+        """The slots of `keys` when every one is cached, counted and touched as `place` counts
+        and touches hits; None, with nothing counted, when one is not."""
+        slot_of = self.slot_of
+        if not all(key in slot_of for key in keys):
+            return None
+        for key in sorted(set(keys)):
+            self.hits += 1
+            self.policy.touch(key)
+        return [slot_of[key] for key in keys]
+
     def admit(self, key: Key, protected: set[Key]) -> int | None:
         """A slot for `key`, read ahead of its use: not a lookup, so neither hit nor miss.
         None when every slot holds a protected expert."""
@@ -214,7 +225,11 @@ class ExpertStore:
         in file order, experts being read ahead are waited for. A row stays valid until the
         next `fetch` or `prefetch`."""
         keys = [(layer, int(e)) for e in experts]
-        with self.lock:
+        with self.lock:  # all cached, none read ahead for this lookup: only the bookkeeping
+            if not self.pending and self.known_reads.isdisjoint(keys) and self.unused_prefetches.isdisjoint(keys):
+                cached = self.index.hit_slots(keys)
+                if cached is not None:
+                    return np.array(cached, dtype=np.int64)
             in_flight = [self.pending[k] for k in set(keys) if k in self.pending]
         self._wait(in_flight)
         scratch = iter(range(self.index.capacity, self.slab.shape[0]))

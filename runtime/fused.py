@@ -1,20 +1,23 @@
-"""A decoded token's attention and routing: a layer's small steps fused into two numba calls.
+"""A decoded token through a layer in a few numba calls, not a few dozen.
 
-A decoded token runs each layer's q, k, v, o, router and expert products on one activation
-vector. Called one at a time from Python, with the norms, bias, clip, rotary, attention,
-residual and top-k steps between them, every step of a layer is a numba or numpy call of its
-own. `DecodeLayer` does the same work, for a GQA attention layer followed by a routed MoE, in
-the three steps below (bench/RESULTS.md has what it saves per token):
+A decoded token runs each layer's projections, router and experts on one activation vector.
+Called one at a time from Python, with the norms, bias, clip, rotary, attention, residual and
+top-k steps between them, every step of a layer is a numba or numpy call of its own. The steps
+here do the same work for every layer the decoder builds (GQA `DecodeLayer`, MLA
+`LatentDecodeLayer`; a routed MoE or a dense FFN after either):
 
-1. `_qkv_kernel`: attention norm, the q/k/v products on all threads in one parallel region,
-   then their bias, q/k norms, clip and rotation;
+1. one call for the attention norm and the projections into what attention takes: q, k, v
+   with their bias, q/k norms, clip and rotation (`_qkv_kernel`); for MLA q_a / kv_a, their
+   norms, q_b, the rotation and the query absorbed into the latent space (`_latent_query_kernel`);
 2. the KV cache write and the attention (`kernels.attention`), as the general path;
-3. `_output_and_route`: the o product, the residual, the FFN norm, the router product and
-   the top-k choice;
+3. one call for the output projection (MLA: each head's slice of kv_b first), the residual,
+   the FFN norm and, before a routed MoE, the router and its top-k choice (`_output_kernel`);
+4. the FFN: the routed experts (`MoE.routed`), and a dense FFN or an ungated shared expert in
+   one call (`FFNStep`).
 
-all steps with the arithmetic of `model.Attention` / `model.Router`, which serve prompts and
-the other architectures, so both paths give the same bits (tests/test_fused.py). Their
-scratch arrays are allocated once per layer.
+All steps keep the arithmetic of `model.Attention`, `model.LatentAttention`, `model.Router` and
+`model.DenseFFN`, which serve prompts, so both paths give the same bits (tests/test_fused.py).
+Their scratch arrays are allocated once per layer.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ from numba import prange
 
 from colibri.runtime import kernels
 from colibri.runtime.kernels.activations import fill_activation
+from colibri.runtime.kernels.blocks import CACHE_LINE
+from colibri.runtime.kernels.emitter import prefetch_line
+from colibri.runtime.kernels.experts import silu_times_rows
 from colibri.runtime.kernels.numerics import rms_norm_into
 from colibri.runtime.kernels.routing import route_into
-from colibri.runtime.kernels.rows import rows_times
+from colibri.runtime.kernels.rows import rows_per_head, rows_times
 from colibri.runtime.kernels.threads import part_range
 from colibri.runtime.rope import rotate_into
 
@@ -45,6 +51,38 @@ def _add(values, bias):
 def _clip(values, limit):
     for i in range(values.size):
         values[i] = min(max(values[i], -limit), limit)
+
+
+@numba.njit(cache=True, nogil=True)
+def _prefetch_share(t, nthreads, matrix):
+    """Prefetch thread t's contiguous share of a matrix's bytes into the caches (the products
+    of a decoded token are short streams: their first lines would otherwise wait on memory)."""
+    w = matrix[1]
+    lo, hi = part_range(w.size, nthreads, t, CACHE_LINE)
+    for offset in range(lo, hi, CACHE_LINE):
+        prefetch_line(w, offset)
+
+
+@numba.njit(cache=True, nogil=True)
+def _share_of_one(t, nthreads, matrix, act, out, cols):
+    """Thread t's contiguous share of the rows of one product (matrix: (tag, weights, row bytes))."""
+    tag, w, nbytes = matrix
+    lo, hi = part_range(out.shape[1], nthreads, t, 1)
+    rows_times(tag, w, lo, hi, nbytes, cols, act, out)
+
+
+@numba.njit(cache=True, nogil=True)
+def _share_of_two(t, nthreads, cols, a, a_act, a_out, b, b_act, b_out):
+    """Thread t's share of two products of one input: the rows of a, then of b, cut into
+    `nthreads` contiguous ranges (one memory stream per thread)."""
+    a_tag, a_w, a_nbytes = a
+    b_tag, b_w, b_nbytes = b
+    a_rows = a_out.shape[1]
+    lo, hi = part_range(a_rows + b_out.shape[1], nthreads, t, 1)
+    if lo < a_rows:
+        rows_times(a_tag, a_w, lo, min(hi, a_rows), a_nbytes, cols, a_act, a_out)
+    if hi > a_rows:
+        rows_times(b_tag, b_w, max(lo - a_rows, 0), hi - a_rows, b_nbytes, cols, b_act, b_out)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -92,64 +130,195 @@ def _qkv_kernel(x, attn_norm, eps, h, tags, weights, row_nbytes, q_act, k_act, v
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _output_and_route(attended, o_tag, o_w, o_nbytes, o_act, o_out, x, ffn_norm, eps, h, router_tag, router_w,
-                      router_nbytes, router_act, logits, bias, sigmoid, groups, topk_groups, top2_sum, norm, route_scale,
-                      ids, weights, nthreads):
+def _latent_query_kernel(x, attn_norm, eps, h, first, first_act, first_out, kv_a, kv_act, kv_distinct, compressed,
+                         lora, q_a_norm, q_b, q_b_act, q_low, q, kv_a_norm, latent, cos, sin, positions, rope_dim,
+                         interleaved, absorb, q_nope, absorb_act, q_latent, q_pe, k_pe, queries, stored, nthreads):
+    """MLA's queries [1, heads, rank + rope] and the cache entry `stored` [1, rank + rope] of x.
+    `first` is q_a with a query LoRA (`lora`), else q itself (then `q` is `first_out` and the
+    q_b arguments are not read)."""
+    rms_norm_into(x, attn_norm, eps, h)
+    cols = h.shape[1]
+    fill_activation(first_act, h, 0, cols)
+    if kv_distinct:
+        fill_activation(kv_act, h, 0, cols)
+    for t in prange(nthreads):
+        if lora:
+            _prefetch_share(t, nthreads, q_b)
+        _prefetch_share(t, nthreads, absorb)
+        _share_of_two(t, nthreads, cols, first, first_act, first_out, kv_a, kv_act, compressed)
+    if lora:
+        rms_norm_into(first_out, q_a_norm, eps, q_low)
+        fill_activation(q_b_act, q_low, 0, q_low.shape[1])
+        for t in prange(nthreads):
+            _share_of_one(t, nthreads, q_b, q_b_act, q, q_low.shape[1])
+    heads, rank = q_latent.shape
+    nope = q_nope.shape[1]
+    rms_norm_into(np.ascontiguousarray(compressed[:, :rank]), kv_a_norm, eps, latent)
+    rotate_into(np.ascontiguousarray(compressed[:, rank:]).reshape(1, 1, -1), cos, sin, positions, rope_dim,
+                interleaved, k_pe)
+    q_heads = q.reshape(1, heads, -1)
+    rotate_into(q_heads[:, :, nope:], cos, sin, positions, rope_dim, interleaved, q_pe)
+    q_nope[:, :] = q_heads[0, :, :nope]
+    fill_activation(absorb_act, q_nope, 0, q_nope.size)
+    a_tag, a_w, a_nbytes = absorb
+    for t in prange(nthreads):
+        lo, hi = part_range(q_latent.size, nthreads, t, 1)
+        rows_per_head(a_tag, a_w, lo, hi, a_nbytes, nope, absorb_act, heads, rank, 0, q_latent)
+    queries[0, :, :rank] = q_latent
+    queries[0, :, rank:] = q_pe[0]
+    stored[0, :rank] = latent[0]
+    stored[0, rank:] = k_pe[0, 0]
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _output_kernel(per_head, contexts, heads_matrix, heads_act, stride, first, attended, o, o_act, o_out, x, ffn_norm,
+                   eps, h, route, router, router_act, logits, bias, sigmoid, groups, topk_groups, top2_sum, norm,
+                   route_scale, ids, weights, nthreads):
+    """x += o(attended [1, heads, v width]); h = the FFN norm of x; with `route`, the router's
+    choice (ids, weights) for h. With `per_head` (MLA), attended is first each head's context
+    (`contexts` [heads, rank]) times its slice of kv_b (rows first + head * stride onwards)."""
+    heads = attended.shape[1]
+    if per_head:
+        fill_activation(heads_act, contexts, 0, contexts.size)
+        p_tag, p_w, p_nbytes = heads_matrix
+        values = attended.reshape(heads, -1)
+        for t in prange(nthreads):
+            lo, hi = part_range(values.size, nthreads, t, 1)
+            rows_per_head(p_tag, p_w, lo, hi, p_nbytes, contexts.shape[1], heads_act, heads, stride, first, values)
     flat = attended.reshape(1, -1)
     cols = flat.shape[1]
     fill_activation(o_act, flat, 0, cols)
     for t in prange(nthreads):
-        lo, hi = part_range(o_out.shape[1], nthreads, t, 1)
-        rows_times(o_tag, o_w, lo, hi, o_nbytes, cols, o_act, o_out)
+        _share_of_one(t, nthreads, o, o_act, o_out, cols)
     for i in range(x.shape[1]):
         x[0, i] += o_out[0, i]
     rms_norm_into(x, ffn_norm, eps, h)
-    fill_activation(router_act, h, 0, h.shape[1])
-    rows_times(router_tag, router_w, 0, logits.shape[1], router_nbytes, h.shape[1], router_act, logits)
-    route_into(logits, bias, sigmoid, groups, topk_groups, top2_sum, norm, route_scale, ids, weights)
+    if route:
+        fill_activation(router_act, h, 0, h.shape[1])
+        for t in prange(nthreads):
+            _share_of_one(t, nthreads, router, router_act, logits, h.shape[1])
+        route_into(logits, bias, sigmoid, groups, topk_groups, top2_sum, norm, route_scale, ids, weights)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _ffn_kernel(h, gate, gate_act, up, up_act, up_distinct, gate_out, up_out, down, down_act, out, nthreads):
+    """out = down(silu(gate(h)) * up(h)) for h [1, hidden]."""
+    cols = h.shape[1]
+    fill_activation(gate_act, h, 0, cols)
+    if up_distinct:
+        fill_activation(up_act, h, 0, cols)
+    for t in prange(nthreads):
+        _share_of_two(t, nthreads, cols, gate, gate_act, gate_out, up, up_act, up_out)
+    silu_times_rows(gate_out, up_out, 0, 1)
+    ffn = gate_out.shape[1]
+    fill_activation(down_act, gate_out, 0, ffn)
+    for t in prange(nthreads):
+        _share_of_one(t, nthreads, down, down_act, out, ffn)
+
+
+def _parts(matrix: kernels.Matrix) -> tuple:
+    """What the kernels take of a matrix: (block tag, bytes, bytes per row)."""
+    return matrix.tag, matrix.data, matrix.row_nbytes
 
 
 def _activation_for(matrix: kernels.Matrix, values: np.ndarray):
-    """The activation buffer `matrix` multiplies `values` [1, cols] through: `values` itself on
+    """The activation buffer `matrix` multiplies `values` [n, cols] through: `values` itself on
     the float path, else an int8 activation the kernels fill from it."""
-    return values if matrix.dot_type is None else matrix.empty_activation(1)
+    return values if matrix.dot_type is None else matrix.empty_activation(values.shape[0])
 
 
-class DecodeLayer:
-    """One token through a GQA `model.Attention` layer and the router of the `model.MoE` after
-    it: x [1, hidden] gets the attention output added in place; returns the FFN input h and
-    the routing (ids [1, k], weights [1, k]) for `MoE.apply`."""
+class FFNStep:
+    """down(silu(gate(h)) * up(h)) of one row in one call, for a dense FFN or an ungated shared
+    expert (`model.DenseFFN`); reads its input from `h` [1, hidden] when called."""
 
-    def __init__(self, attention, attn_norm: np.ndarray, ffn_norm: np.ndarray, moe):
+    def __init__(self, ffn, h: np.ndarray):
+        self.h = h
+        self.gate, self.up, self.down = (_parts(m) for m in (ffn.gate, ffn.up, ffn.down))
+        self.gate_out, self.up_out = (np.empty((1, m.rows), F32) for m in (ffn.gate, ffn.up))
+        self.gate_act = _activation_for(ffn.gate, h)
+        same = ffn.up.dot_type == ffn.gate.dot_type
+        self.up_act, self.up_distinct = (self.gate_act if same else _activation_for(ffn.up, h)), not same
+        self.down_act = _activation_for(ffn.down, self.gate_out)
+        self.out = np.empty((1, ffn.down.rows), F32)
+
+    def __call__(self) -> np.ndarray:
+        """The FFN of the current `h` [1, hidden] (a buffer, overwritten by the next call)."""
+        _ffn_kernel(self.h, self.gate, self.gate_act, self.up, self.up_act, self.up_distinct, self.gate_out,
+                    self.up_out, self.down, self.down_act, self.out, numba.get_num_threads())
+        return self.out
+
+
+class _LayerStep:
+    """What the GQA and MLA steps share: the output kernel after attention, and the FFN.
+    `attended` [1, heads, v width] is what the attention (MLA: kv_b per head) writes."""
+
+    def __init__(self, attention, attn_norm: np.ndarray, ffn_norm: np.ndarray, ffn):
         c = self.c = attention.c
-        self.attention, self.attn_norm, self.ffn_norm, self.router = attention, attn_norm, ffn_norm, moe.router
-        self.h = np.empty((1, c.hidden_size), np.float32)
+        self.attention, self.attn_norm, self.ffn_norm, self.ffn = attention, attn_norm, ffn_norm, ffn
+        self.h = np.empty((1, c.hidden_size), F32)
+        self.positions = np.empty(1, np.int64)
+        self.attended = np.empty((1, c.n_heads, c.v_head_dim), F32)
+        self.o = _parts(attention.o)
+        self.o_act = _activation_for(attention.o, self.attended.reshape(1, -1))
+        self.o_out = np.empty((1, c.hidden_size), F32)
+        self.routed = hasattr(ffn, "router")  # a routed MoE (else a dense FFN)
+        if self.routed:
+            gate = ffn.router.gate
+            self.router, self.router_act = _parts(gate), _activation_for(gate, self.h)
+            self.logits = np.empty((1, gate.rows), F32)
+            self.bias = ffn.router.bias if ffn.router.bias is not None else np.zeros(gate.rows, F32)
+            shared = ffn.shared
+        else:  # not read: the kernel's router arguments typed by the o product's
+            self.router, self.router_act, self.logits, self.bias = self.o, self.o_act, self.o_out, np.zeros(1, F32)
+            shared = ffn
+        self.ffn_step = FFNStep(shared, self.h) if shared is not None and getattr(shared, "sigmoid_gate", None) is None \
+            else None
+
+    def finish(self, x: np.ndarray, per_head: bool, contexts: np.ndarray, heads_matrix: tuple, heads_act,
+               stride: int, first: int) -> np.ndarray:
+        """x with the attention output in `attended` and then the FFN added."""
+        c, ffn = self.c, self.ffn
+        k = c.n_experts_used if self.routed else 1
+        ids, weights = np.empty((1, k), np.int64), np.empty((1, k), F32)
+        _output_kernel(per_head, contexts, heads_matrix, heads_act, stride, first, self.attended, self.o, self.o_act,
+                       self.o_out, x, self.ffn_norm, F32(c.norm_eps), self.h, self.routed, self.router,
+                       self.router_act, self.logits, self.bias, c.router == "sigmoid", c.router_groups,
+                       c.router_topk_groups, c.router_group_score == "top2_sum", c.router_norm_topk,
+                       F32(c.routed_scaling_factor), ids, weights, numba.get_num_threads())
+        if not self.routed:
+            return x + self.ffn_step()
+        out = ffn.routed(self.h, ids, weights)
+        if ffn.shared is not None:
+            out = out + (self.ffn_step() if self.ffn_step is not None else ffn.shared(self.h))
+        return x + out
+
+
+class DecodeLayer(_LayerStep):
+    """One token through a GQA `model.Attention` layer and the FFN after it: x [1, hidden] ->
+    the layer's output (x itself gets the attention output added)."""
+
+    def __init__(self, attention, attn_norm: np.ndarray, ffn_norm: np.ndarray, ffn):
+        super().__init__(attention, attn_norm, ffn_norm, ffn)
+        c = self.c
         qkv = (attention.q, attention.k, attention.v)
         self.qkv = tuple(m.tag for m in qkv), tuple(m.data for m in qkv), tuple(m.row_nbytes for m in qkv)
-        self.outs = tuple(np.empty((1, m.rows), np.float32) for m in qkv)
-        self.positions = np.empty(1, np.int64)
+        self.outs = tuple(np.empty((1, m.rows), F32) for m in qkv)
         shared = {}  # one activation per dot type, as Attention.project
         for m in qkv:
             shared.setdefault(m.dot_type, _activation_for(m, self.h))
         self.qkv_acts = tuple(shared[m.dot_type] for m in qkv)
         self.distinct = tuple(all(act is not earlier for earlier in self.qkv_acts[:i])
                               for i, act in enumerate(self.qkv_acts))  # each quantized once
-        empty = np.empty(0, np.float32)
+        empty = np.empty(0, F32)
         self.biases = tuple(attention.bias) if attention.bias else (empty,) * 3
         self.norms = (attention.q_norm, attention.k_norm) if c.qk_norm != "none" else (empty, empty)
-        self.attended = np.empty((1, c.n_heads, c.v_head_dim), np.float32)
-        self.o_act = _activation_for(attention.o, self.attended.reshape(1, -1))
-        self.o_out = np.empty((1, c.hidden_size), np.float32)
-        gate = self.router.gate
-        self.router_act, self.logits = _activation_for(gate, self.h), np.empty((1, gate.rows), np.float32)
-        self.bias = self.router.bias if self.router.bias is not None else np.zeros(gate.rows, np.float32)
 
-    def __call__(self, x: np.ndarray, position: int, cache) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        c, a, threads = self.c, self.attention, numba.get_num_threads()
+    def __call__(self, x: np.ndarray, position: int, cache) -> np.ndarray:
+        c, a = self.c, self.attention
         self.positions[0] = position
         _qkv_kernel(x, self.attn_norm, F32(c.norm_eps), self.h, *self.qkv, *self.qkv_acts, self.distinct, self.outs,
                     self.biases, self.norms, QK_NORMS[c.qk_norm], F32(c.clip_qkv or 0), a.rope.cos, a.rope.sin,
-                    self.positions, a.rope.dim, a.rope.interleaved, c.n_heads, c.n_kv_heads, threads)
+                    self.positions, a.rope.dim, a.rope.interleaved, c.n_heads, c.n_kv_heads, numba.get_num_threads())
         q, k, v = self.outs
         cache.write(a.layer, "k", position, k)
         cache.write(a.layer, "v", position, v)
@@ -159,11 +328,53 @@ class DecodeLayer:
         # attention through the general path's own call: compiled inside another kernel, its
         # loops could be vectorized differently, and the two paths would part by a few ulps
         self.attended[:] = kernels.attention(q.reshape(1, c.n_heads, c.head_dim), keys, values, position, a.scale)
-        ids, weights = np.empty((1, c.n_experts_used), np.int64), np.empty((1, c.n_experts_used), np.float32)
-        o, gate = a.o, self.router.gate
-        _output_and_route(self.attended, o.tag, o.data, o.row_nbytes, self.o_act, self.o_out, x, self.ffn_norm,
-                          F32(c.norm_eps), self.h, gate.tag, gate.data, gate.row_nbytes, self.router_act, self.logits,
-                          self.bias, c.router == "sigmoid", c.router_groups, c.router_topk_groups,
-                          c.router_group_score == "top2_sum", c.router_norm_topk, F32(c.routed_scaling_factor), ids,
-                          weights, threads)
-        return self.h, ids, weights
+        return self.finish(x, False, self.attended[0], self.o, self.o_act, 0, 0)
+
+
+class LatentDecodeLayer(_LayerStep):
+    """One token through an MLA `model.LatentAttention` layer and the FFN after it: x [1, hidden]
+    -> the layer's output (x itself gets the attention output added)."""
+
+    def __init__(self, attention, attn_norm: np.ndarray, ffn_norm: np.ndarray, ffn):
+        super().__init__(attention, attn_norm, ffn_norm, ffn)
+        c, a = self.c, attention
+        heads, nope, rope, rank = c.n_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+        self.lora = bool(c.q_lora_rank)
+        first = a.q_a if self.lora else a.q
+        self.first, self.first_act = _parts(first), _activation_for(first, self.h)
+        self.first_out = np.empty((1, first.rows), F32)
+        self.kv_distinct = a.kv_a.dot_type != first.dot_type
+        self.kv_a = _parts(a.kv_a)
+        self.kv_act = _activation_for(a.kv_a, self.h) if self.kv_distinct else self.first_act
+        self.compressed = np.empty((1, rank + rope), F32)
+        if self.lora:
+            self.q_a_norm, self.q_b = a.q_a_norm, _parts(a.q_b)
+            self.q_low = np.empty((1, a.q_a.rows), F32)
+            self.q_b_act, self.q = _activation_for(a.q_b, self.q_low), np.empty((1, a.q_b.rows), F32)
+        else:  # not read: typed as the first product's
+            self.q_a_norm, self.q_b, self.q_b_act, self.q_low = self.attn_norm, self.first, self.first_act, self.first_out
+            self.q = self.first_out
+        self.latent, self.k_pe = np.empty((1, rank), F32), np.empty((1, 1, rope), F32)
+        self.q_pe, self.q_latent = np.empty((1, heads, rope), F32), np.empty((heads, rank), F32)
+        self.q_nope = np.empty((heads, nope), F32)
+        self.absorb, self.absorb_act = _parts(a.k_absorb), _activation_for(a.k_absorb, self.q_nope)
+        self.queries, self.stored = np.empty((1, heads, rank + rope), F32), np.empty((1, rank + rope), F32)
+        self.contexts = np.empty((heads, rank), F32)
+        self.kv_b, self.kv_b_act = _parts(a.kv_b), _activation_for(a.kv_b, self.contexts)
+
+    def __call__(self, x: np.ndarray, position: int, cache) -> np.ndarray:
+        c, a = self.c, self.attention
+        self.positions[0] = position
+        _latent_query_kernel(x, self.attn_norm, F32(c.norm_eps), self.h, self.first, self.first_act, self.first_out,
+                             self.kv_a, self.kv_act, self.kv_distinct, self.compressed, self.lora, self.q_a_norm,
+                             self.q_b, self.q_b_act, self.q_low, self.q, a.kv_a_norm, self.latent, a.rope.cos,
+                             a.rope.sin, self.positions, a.rope.dim, a.rope.interleaved, self.absorb, self.q_nope,
+                             self.absorb_act, self.q_latent, self.q_pe, self.k_pe, self.queries, self.stored,
+                             numba.get_num_threads())
+        cache.write(a.layer, "kv", position, self.stored)
+        keys = cache.stored(a.layer, "kv", position + 1)[:, None, :]
+        rank = c.kv_lora_rank
+        # attention through the general path's own call (see DecodeLayer)
+        self.contexts[:] = kernels.attention(self.queries, keys, keys[:, :, :rank], position, a.scale)[0]
+        nope = c.qk_nope_head_dim
+        return self.finish(x, True, self.contexts, self.kv_b, self.kv_b_act, nope + c.v_head_dim, nope)

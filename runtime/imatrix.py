@@ -22,7 +22,7 @@ import gguf
 import numpy as np
 
 from colibri.runtime import kernels
-from colibri.runtime.model import MoE, silu
+from colibri.runtime.model import MoE
 
 EXPERT_MATRICES = ("gate", "up", "down")
 
@@ -64,7 +64,7 @@ class ActivationSums:
             x = h[rows]
             record = store.slab[store.fetch(moe.layer, np.array([expert]))[0]]
             gate, up = (expert_matrix(record, table.matrices[m]) for m in ("gate", "up"))
-            for m, seen in (("gate", x), ("up", x), ("down", silu(gate(x)) * up(x))):
+            for m, seen in (("gate", x), ("up", x), ("down", kernels.silu_times(gate(x), up(x)))):
                 self.add(names[m], seen, int(expert), table.count)
 
     def write(self, path: Path, datasets: list[str], chunk_count: int, chunk_size: int) -> None:

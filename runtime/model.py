@@ -29,10 +29,6 @@ rms_norm = kernels.rms_norm
 CACHE_LINE = 64  # resident tensors start on a cache line
 
 
-def silu(x: np.ndarray) -> np.ndarray:
-    return x / (np.float32(1) + np.exp(-x))
-
-
 class Weights:
     """Resident tensors read from the layout into RAM (`pread`, not mmap: the RSS is ours),
     back to back in one buffer on huge pages."""
@@ -215,11 +211,13 @@ def absorbed_keys(kv_b: kernels.Matrix, c: ModelConfig) -> kernels.Matrix:
 
 
 class DenseFFN:
-    def __init__(self, w: Weights, prefix: str):
-        self.gate, self.up, self.down = (w.linear(f"{prefix}_{m}.weight") for m in ("gate", "up", "down"))
+    """down(silu(gate(h)) * up(h)) of layer `layer`'s blk.L.ffn_{gate,up,down}{suffix} matrices."""
+
+    def __init__(self, w: Weights, layer: int, suffix: str = ""):
+        self.gate, self.up, self.down = (w.linear(f"blk.{layer}.ffn_{m}{suffix}.weight") for m in ("gate", "up", "down"))
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
-        return self.down(silu(self.gate(h)) * self.up(h))
+        return self.down(kernels.silu_times(self.gate(h), self.up(h)))
 
 
 class Router:
@@ -257,9 +255,17 @@ class MoE:
         return self.apply(h, *self.router(h), batch_invariant)
 
     def apply(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, batch_invariant: bool = False) -> np.ndarray:
-        """The experts `ids` [n, k] chose for h [n, hidden], mixed with `weights` [n, k]. A single
-        row takes the one-token kernel unless `batch_invariant` asks for the many-row path
-        whatever the row count (their sums differ in the last bits)."""
+        """The routed experts `ids` [n, k] chose for h [n, hidden], mixed with `weights` [n, k],
+        plus the shared experts."""
+        out = self.routed(h, ids, weights, batch_invariant)
+        if self.shared is not None:
+            out = out + self.shared(h)
+        return out
+
+    def routed(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, batch_invariant: bool = False) -> np.ndarray:
+        """The routed experts' part of `apply`. A single row takes the one-token kernel unless
+        `batch_invariant` asks for the many-row path whatever the row count (their sums differ
+        in the last bits)."""
         self.last_route = ids, weights
         if self.observe is not None:
             self.observe(self, h, ids)
@@ -268,12 +274,8 @@ class MoE:
             self.last_distinct = ids.shape[1]  # a row's top-k are distinct experts
             slots = self.store.fetch(self.layer, ids[0])
             self.prefetch_next(h, ids[0])
-            out = self.experts(slab, slots, h[0], weights[0])[None, :]
-        else:
-            out = self.apply_rows(h, ids, weights)
-        if self.shared is not None:
-            out = out + self.shared(h)
-        return out
+            return self.experts(slab, slots, h[0], weights[0])[None, :]
+        return self.apply_rows(h, ids, weights)
 
     def apply_rows(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """The routed experts of many rows: the rows grouped by expert, each needed expert read
@@ -313,14 +315,15 @@ class MoE:
         self.store.prefetch(following.layer, predicted[0], in_use={(self.layer, int(e)) for e in in_use})
 
 
-class SharedExpert:
+class SharedExpert(DenseFFN):
+    """The shared experts' FFN (blk.L.ffn_*_shexp), scaled by a sigmoid of its own gate when `gated`."""
+
     def __init__(self, w: Weights, layer: int, gated: bool):
-        p = f"blk.{layer}."
-        self.gate, self.up, self.down = (w.linear(p + f"ffn_{m}_shexp.weight") for m in ("gate", "up", "down"))
-        self.sigmoid_gate = w.linear(p + "ffn_gate_inp_shexp.weight") if gated else None
+        super().__init__(w, layer, "_shexp")
+        self.sigmoid_gate = w.linear(f"blk.{layer}.ffn_gate_inp_shexp.weight") if gated else None
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
-        y = self.down(silu(self.gate(h)) * self.up(h))
+        y = super().__call__(h)
         if self.sigmoid_gate is not None:
             y = y / (np.float32(1) + np.exp(-self.sigmoid_gate(h)))
         return y
@@ -340,12 +343,11 @@ class Decoder:
         self.layers = []
         for i in range(c.n_layers):
             attention = (LatentAttention if c.attention == "mla" else Attention)(c, w, i, rope)
-            ffn = MoE(c, w, i, store) if c.is_moe_layer(i) else DenseFFN(w, f"blk.{i}.ffn")
+            ffn = MoE(c, w, i, store) if c.is_moe_layer(i) else DenseFFN(w, i)
             self.layers.append((w.vector(f"blk.{i}.attn_norm.weight"), attention, w.vector(f"blk.{i}.ffn_norm.weight"), ffn))
-        # a decoded token's attention + routing in two numba calls where the layer allows
-        self.decode_layers = [fused.DecodeLayer(attention, attn_norm, ffn_norm, ffn)
-                              if isinstance(attention, Attention) and isinstance(ffn, MoE) else None
-                              for attn_norm, attention, ffn_norm, ffn in self.layers]
+        # a decoded token through each layer in a few numba calls
+        self.decode_layers = [(fused.LatentDecodeLayer if isinstance(attention, LatentAttention) else fused.DecodeLayer)
+                              (attention, attn_norm, ffn_norm, ffn) for attn_norm, attention, ffn_norm, ffn in self.layers]
         moe = [(ffn, ffn_norm) for _, _, ffn_norm, ffn in self.layers if isinstance(ffn, MoE)]
         for (this, this_norm), (following, following_norm) in zip(moe, moe[1:]):
             ratio = np.divide(following_norm, this_norm, out=np.zeros_like(this_norm), where=this_norm != 0)
@@ -397,7 +399,7 @@ class Decoder:
         for layer, (attn_norm, attention, ffn_norm, ffn) in enumerate(self.layers):
             step = self.decode_layers[layer] if fused else None
             if step is not None:
-                x = x + ffn.apply(*step(x, segments[0].start, segments[0].cache))  # step adds the attention output to x
+                x = step(x, segments[0].start, segments[0].cache)
             else:
                 x = x + attention(rms_norm(x, attn_norm, c.norm_eps), positions, segments)
                 h = rms_norm(x, ffn_norm, c.norm_eps)

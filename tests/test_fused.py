@@ -1,10 +1,12 @@
-"""runtime/fused.py: a decoded token's fused attention + routing gives the general path's bits.
+"""runtime/fused.py: a token decoded through the fused layer steps gets the general path's bits.
 
-`DecodeLayer` and the general path (`model.Attention`, `model.Router`, which serve prompts)
-share their kernels and their order of arithmetic, so a decode must give identical logits
-with and without it, for every attention variant it takes: plain (Mixtral), q/k/v bias and
-a shared expert (Qwen2-MoE), per-head q/k norms (Qwen3-MoE), whole-projection q/k norms with
-clipping (OLMoE), partial rotary (GLM-4.5), and every KV cache kind.
+The steps and the general path (`model.Attention`, `model.LatentAttention`, `model.Router`,
+`model.DenseFFN`, which serve prompts) share their kernels and their order of arithmetic, so a
+decode must give identical logits with and without them, for every layer they take: plain
+(Mixtral), q/k/v bias and a gated shared expert (Qwen2-MoE), per-head q/k norms (Qwen3-MoE),
+whole-projection q/k norms with clipping (OLMoE), partial rotary and a dense first layer
+(GLM-4.5), MLA with the query projected directly (DeepSeek-V2) or through its LoRA with dense
+layers and an ungated shared expert (DeepSeek-V3, Kimi-K2), and every KV cache kind.
 """
 
 import numpy as np
@@ -14,10 +16,11 @@ from colibri.convert.hf_to_colibri import ConvertOptions, convert
 from colibri.convert.synthetic import write_checkpoint
 
 CASES = [("mixtral", "Q4_K_M", "f16"), ("qwen2_moe", "Q8_0", "q8_0"), ("qwen3_moe", "Q4_K_M", "f32"),
-         ("olmoe", "F32", "f16"), ("glm4_moe", "Q4_K_M", "f16")]
+         ("olmoe", "F32", "f16"), ("glm4_moe", "Q4_K_M", "f16"), ("deepseek_v2", "Q4_K_M", "f16"),
+         ("deepseek_v3", "Q4_K_M", "q8_0"), ("deepseek_v3", "F32", "f32"), ("kimi_k2", "Q8_0", "f16")]
 
 
-@pytest.mark.parametrize("arch, quant, kv_quant", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("arch, quant, kv_quant", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_decoding_with_fused_layers_gives_the_general_paths_logits(tmp_path, arch, quant, kv_quant):
     from colibri.runtime import open_model
 
@@ -26,7 +29,7 @@ def test_decoding_with_fused_layers_gives_the_general_paths_logits(tmp_path, arc
     if arch == "olmoe":
         model.config.clip_qkv = 0.05  # clips most of the values
     fused_layers = model.decoder.decode_layers
-    assert sum(step is not None for step in fused_layers) >= 1
+    assert all(step is not None for step in fused_layers)
 
     def decode(steps):
         model.decoder.decode_layers = steps
@@ -37,3 +40,23 @@ def test_decoding_with_fused_layers_gives_the_general_paths_logits(tmp_path, arc
         return np.array(logits)
 
     np.testing.assert_array_equal(decode(fused_layers), decode([None] * len(fused_layers)))
+
+
+@pytest.mark.parametrize("encodings", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_0", "Q5_K"), ("F32", "Q8_0", "F16")])
+def test_a_fused_ffn_step_gives_the_dense_ffns_bits(encodings):
+    from colibri.convert.quantize_q4k import quantize
+    from colibri.runtime import kernels
+    from colibri.runtime.fused import FFNStep
+    from colibri.runtime.model import DenseFFN
+
+    rng = np.random.default_rng(3)
+    hidden, ffn = 256, 512
+    ffn_layer = DenseFFN.__new__(DenseFFN)  # its matrices set here, not read from a model
+    for name, encoding, shape in zip(("gate", "up", "down"), encodings, ((ffn, hidden), (ffn, hidden), (hidden, ffn))):
+        stored = quantize(rng.standard_normal(shape).astype(np.float32), encoding).reshape(-1).view(np.uint8)
+        setattr(ffn_layer, name, kernels.Matrix(stored, encoding, *shape))
+    h = np.empty((1, hidden), np.float32)
+    step = FFNStep(ffn_layer, h)
+    for _ in range(3):
+        h[:] = rng.normal(size=(1, hidden))
+        np.testing.assert_array_equal(step(), ffn_layer(h.copy()))

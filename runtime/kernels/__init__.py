@@ -7,7 +7,7 @@ The package re-exports the public names of its modules, one job each:
 
 - `matrices`: `Matrix`, `matmul`, `matvec`, `dequantize_rows`, and the three paths of a
   product (fast int8, AMX tiles, exact);
-- `experts`: `ExpertKernel`, `moe_experts`, `moe_experts_batch`, `add_weighted_rows`;
+- `experts`: `ExpertKernel`, `moe_experts`, `moe_experts_batch`, `add_weighted_rows`, `silu_times`;
 - `attention`: causal softmax attention over the KV cache;
 - `routing`: `route`, the router's top-k choice;
 - `numerics`: softmax, silu and `rms_norm`;
@@ -41,7 +41,7 @@ from colibri.runtime.kernels.attention import (
     PARALLEL_ATTENTION_WORK, PROMPT_ATTENTION_BYTES, PROMPT_ATTENTION_QUERIES, QUERY_BLOCK, attention,
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS, CACHE_LINE, PREFETCH_BYTES
-from colibri.runtime.kernels.experts import ExpertKernel, add_weighted_rows, moe_experts, moe_experts_batch
+from colibri.runtime.kernels.experts import ExpertKernel, add_weighted_rows, moe_experts, moe_experts_batch, silu_times
 from colibri.runtime.kernels.matrices import Matrix, dequantize_rows, kernel_paths, matmul, matvec
 from colibri.runtime.kernels.numerics import rms_norm
 from colibri.runtime.kernels.routing import route
@@ -53,7 +53,7 @@ __all__ = [
     "Q8_0Activation", "Q8_KActivation", "without_tiles",
     "PARALLEL_ATTENTION_WORK", "PROMPT_ATTENTION_BYTES", "PROMPT_ATTENTION_QUERIES", "QUERY_BLOCK", "attention",
     "BLOCK_TAGS", "CACHE_LINE", "PREFETCH_BYTES",
-    "ExpertKernel", "add_weighted_rows", "moe_experts", "moe_experts_batch",
+    "ExpertKernel", "add_weighted_rows", "moe_experts", "moe_experts_batch", "silu_times",
     "Matrix", "dequantize_rows", "kernel_paths", "matmul", "matvec",
     "rms_norm",
     "route",

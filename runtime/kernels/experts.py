@@ -31,12 +31,17 @@ _parallel = njit(cache=True, nogil=True, parallel=True)
 
 @_parallel
 def _moe_kernel(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes, ffn, hidden,
-                gate_act, up_act, h, h_act, weights, out, nthreads):
+                x, gate_acts, up_acts, up_distinct, h, h_act, weights, out, nthreads):
     k = slots.shape[0]
+    # 0. x [1, hidden] quantized for the gate and (when its dot type differs) the up rows
+    fill_activation(gate_acts, x, 0, hidden)
+    if up_distinct:
+        fill_activation(up_acts, x, 0, hidden)
     # 1. h[j, i] = silu(gate_j[i] . x) * (up_j[i] . x), over all k * ffn rows at once; each
     #    thread then quantizes its own (256-aligned) part of h for the down projection.
     for t in prange(nthreads):
         first, stop = part_range(k * ffn, nthreads, t, WIDEST_ACT_BLOCK)
+        gate_act, up_act = activation_row(gate_acts, 0), activation_row(up_acts, 0)
         for index in range(first, stop):
             j, i = index // ffn, index % ffn
             record = records[slots[j]]
@@ -71,6 +76,12 @@ def _silu_times(gate, up, nthreads):
         first, stop = part_range(gate.shape[0], nthreads, t, 1)
         silu_times_rows(gate, up, first, stop)
     return gate
+
+
+def silu_times(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gate <- silu(gate) * up (float32 [n, ffn] each, C-contiguous), the SwiGLU of the dense
+    FFNs and shared experts with the arithmetic of the expert kernels; returns gate."""
+    return _silu_times(gate, up, numba.get_num_threads())
 
 
 @_parallel
@@ -116,6 +127,7 @@ class ExpertKernel:
         self.tags = tuple(BLOCK_TAGS[encoding] for encoding in encodings)
         self.offsets = tuple(int(o) for o in offsets)
         self.dot_types = tuple(dot_type_for(encoding, exact) for encoding in encodings)
+        self.decode_buffers: tuple | None = None  # a decoded token's activations and h, kept for the next
 
     def activations(self, x: np.ndarray) -> dict:
         """x float32 [n, hidden] as the gate and the up kernels take it (by dot type: quantized
@@ -131,13 +143,18 @@ class ExpertKernel:
         """records uint8 [m, >= record_bytes] (C-contiguous, e.g. a cache slab used in place),
         slots int64 [k] (the experts' rows), x float32 [hidden], weights float32 [k] -> float32 [hidden]."""
         k, ffn = slots.shape[0], self.ffn
-        acts = self.activations(x.reshape(1, self.hidden))
-        gate_act, up_act = (activation_rows(acts[dot_type], 0) for dot_type in self.dot_types[:2])
-        h = np.empty((k, ffn), np.float32)
-        h_act = h if self.dot_types[2] is None else empty_activation(k, ffn, self.dot_types[2])
+        row = x.reshape(1, self.hidden)
+        if self.decode_buffers is None or self.decode_buffers[2].shape[0] != k:
+            acts = {dot_type: None if dot_type is None else empty_activation(1, self.hidden, dot_type)
+                    for dot_type in self.dot_types[:2]}
+            h = np.empty((k, ffn), np.float32)
+            self.decode_buffers = acts, self.dot_types[0] != self.dot_types[1], h, \
+                h if self.dot_types[2] is None else empty_activation(k, ffn, self.dot_types[2])
+        acts, up_distinct, h, h_act = self.decode_buffers
+        gate_act, up_act = (row if acts[dot_type] is None else acts[dot_type] for dot_type in self.dot_types[:2])
         out = np.empty(self.hidden, np.float32)
-        _moe_kernel(*self.tags, records, slots, self.offsets, self.sizes, ffn, self.hidden, gate_act, up_act, h, h_act,
-                    weights, out, numba.get_num_threads())
+        _moe_kernel(*self.tags, records, slots, self.offsets, self.sizes, ffn, self.hidden, row, gate_act, up_act,
+                    up_distinct, h, h_act, weights, out, numba.get_num_threads())
         return out
 
     def batch(self, record: np.ndarray, acts: dict, n: int) -> np.ndarray:

@@ -27,11 +27,11 @@ from numba import njit, prange
 from colibri.formats.encodings import row_bytes
 from colibri.runtime import amx
 from colibri.runtime.kernels.activations import (
-    activation_row, dot_type_for, empty_activation, float_rows, make_activation,
+    dot_type_for, empty_activation, float_rows, make_activation,
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS
 from colibri.runtime.kernels.emitter import target_isa
-from colibri.runtime.kernels.rows import dequantize_into, row_dot, rows_times
+from colibri.runtime.kernels.rows import dequantize_into, rows_per_head, rows_times
 from colibri.runtime.kernels.threads import part_range
 
 _parallel = njit(cache=True, nogil=True, parallel=True)
@@ -72,13 +72,9 @@ def _tile_matmul_kernel(tag, w, rows, cols, row_nbytes, packed, out, nthreads):
 
 @_parallel
 def _per_head_kernel(tag, w, cols, row_nbytes, act, heads, stride, first, out, nthreads):
-    groups, rows = out.shape
     for t in prange(nthreads):
-        lo, hi = part_range(groups * rows, nthreads, t, 1)
-        for index in range(lo, hi):
-            g, r = index // rows, index % rows
-            row = first + (g % heads) * stride + r
-            out[g, r] = row_dot(tag, w, row * row_nbytes, cols, activation_row(act, g))
+        lo, hi = part_range(out.size, nthreads, t, 1)
+        rows_per_head(tag, w, lo, hi, row_nbytes, cols, act, heads, stride, first, out)
 
 
 @_parallel

@@ -18,7 +18,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from colibri.formats.encodings import block_size
-from colibri.runtime.kernels.activations import ACT_BLOCKS, DOT_TYPES, activation_dot_type
+from colibri.runtime.kernels.activations import ACT_BLOCKS, DOT_TYPES, activation_dot_type, activation_row
 from colibri.runtime.kernels.blocks import (
     CACHE_LINE, PREFETCH_BYTES, UNPACKERS, block_loop, dequantized_sub_block, encoding_of, int8_dot, k_int8_dot,
     quantized_encoding,
@@ -270,3 +270,14 @@ def _rows_times_overload(tag, w, first, stop, row_nbytes, cols, act, out):
             for i in range(out.shape[0]):
                 out[i, r] = row_dot(tag, w, r * row_nbytes, cols, act[i])
     return float_impl
+
+
+@_njit
+def rows_per_head(tag, w, lo, hi, row_nbytes, cols, act, heads, stride, first, out):
+    """out.flat[lo:hi] of out [groups, rows]: out[g, r] is activation g (of head g % heads)
+    times row first + (g % heads) * stride + r of `w`, a slice of the matrix per head."""
+    rows = out.shape[1]
+    for index in range(lo, hi):
+        g, r = index // rows, index % rows
+        row = first + (g % heads) * stride + r
+        out[g, r] = row_dot(tag, w, row * row_nbytes, cols, activation_row(act, g))
