@@ -28,8 +28,6 @@ from numba import prange
 
 from colibri.runtime import kernels
 from colibri.runtime.kernels.activations import fill_activation
-from colibri.runtime.kernels.blocks import CACHE_LINE
-from colibri.runtime.kernels.emitter import prefetch_line
 from colibri.runtime.kernels.experts import silu_times_rows
 from colibri.runtime.kernels.numerics import rms_norm_into
 from colibri.runtime.kernels.routing import route_into
@@ -51,16 +49,6 @@ def _add(values, bias):
 def _clip(values, limit):
     for i in range(values.size):
         values[i] = min(max(values[i], -limit), limit)
-
-
-@numba.njit(cache=True, nogil=True)
-def _prefetch_share(t, nthreads, matrix):
-    """Prefetch thread t's contiguous share of a matrix's bytes into the caches (the products
-    of a decoded token are short streams: their first lines would otherwise wait on memory)."""
-    w = matrix[1]
-    lo, hi = part_range(w.size, nthreads, t, CACHE_LINE)
-    for offset in range(lo, hi, CACHE_LINE):
-        prefetch_line(w, offset)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -142,9 +130,6 @@ def _latent_query_kernel(x, attn_norm, eps, h, first, first_act, first_out, kv_a
     if kv_distinct:
         fill_activation(kv_act, h, 0, cols)
     for t in prange(nthreads):
-        if lora:
-            _prefetch_share(t, nthreads, q_b)
-        _prefetch_share(t, nthreads, absorb)
         _share_of_two(t, nthreads, cols, first, first_act, first_out, kv_a, kv_act, compressed)
     if lora:
         rms_norm_into(first_out, q_a_norm, eps, q_low)
