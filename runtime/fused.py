@@ -146,9 +146,9 @@ def _latent_query_kernel(x, attn_norm, eps, h, first, first_act, first_out, kv_a
     q_nope[:, :] = q_heads[0, :, :nope]
     fill_activation(absorb_act, q_nope, 0, q_nope.size)
     a_tag, a_w, a_nbytes = absorb
+    by_head = q_latent.reshape(heads, 1, rank)
     for t in prange(nthreads):
-        lo, hi = part_range(q_latent.size, nthreads, t, 1)
-        rows_per_head(a_tag, a_w, lo, hi, a_nbytes, nope, absorb_act, heads, rank, 0, q_latent)
+        rows_per_head(t, nthreads, a_tag, a_w, a_nbytes, nope, absorb_act, heads, rank, 0, by_head)
     queries[0, :, :rank] = q_latent
     queries[0, :, rank:] = q_pe[0]
     stored[0, :rank] = latent[0]
@@ -166,10 +166,9 @@ def _output_kernel(per_head, contexts, heads_matrix, heads_act, stride, first, a
     if per_head:
         fill_activation(heads_act, contexts, 0, contexts.size)
         p_tag, p_w, p_nbytes = heads_matrix
-        values = attended.reshape(heads, -1)
+        values = attended.reshape(heads, 1, -1)
         for t in prange(nthreads):
-            lo, hi = part_range(values.size, nthreads, t, 1)
-            rows_per_head(p_tag, p_w, lo, hi, p_nbytes, contexts.shape[1], heads_act, heads, stride, first, values)
+            rows_per_head(t, nthreads, p_tag, p_w, p_nbytes, contexts.shape[1], heads_act, heads, stride, first, values)
     flat = attended.reshape(1, -1)
     cols = flat.shape[1]
     fill_activation(o_act, flat, 0, cols)

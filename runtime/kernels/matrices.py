@@ -73,8 +73,7 @@ def _tile_matmul_kernel(tag, w, rows, cols, row_nbytes, packed, out, nthreads):
 @_parallel
 def _per_head_kernel(tag, w, cols, row_nbytes, act, heads, stride, first, out, nthreads):
     for t in prange(nthreads):
-        lo, hi = part_range(out.size, nthreads, t, 1)
-        rows_per_head(tag, w, lo, hi, row_nbytes, cols, act, heads, stride, first, out)
+        rows_per_head(t, nthreads, tag, w, row_nbytes, cols, act, heads, stride, first, out)
 
 
 @_parallel
@@ -144,11 +143,13 @@ class Matrix:
         the matrix per head, as MLA's absorbed projections need."""
         if first + (heads - 1) * stride + rows > self.rows or x.shape[0] % heads:
             raise ValueError(f"{heads} heads of {rows} rows every {stride} from {first} do not fit {self.rows} rows")
-        out = np.empty((x.shape[0], rows), np.float32)
-        act = self.activation(x, tiles=False)
+        n = x.shape[0] // heads
+        by_head = np.ascontiguousarray(float_rows(x, self.cols).reshape(n, heads, self.cols).transpose(1, 0, 2))
+        out = np.empty((heads, n, rows), np.float32)
+        act = self.activation(by_head.reshape(heads * n, self.cols), tiles=False)
         _per_head_kernel(self.tag, self.data, self.cols, self.row_nbytes, act, heads, stride, first, out,
                          numba.get_num_threads())
-        return out
+        return out.transpose(1, 0, 2).reshape(n * heads, rows)
 
     def rows_f32(self, first: int, count: int) -> np.ndarray:
         return dequantize_rows(self.data, self.encoding, self.cols, first, count)

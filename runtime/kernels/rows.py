@@ -24,6 +24,7 @@ from colibri.runtime.kernels.blocks import (
     quantized_encoding,
 )
 from colibri.runtime.kernels.emitter import Emitter, FLOAT, I64, bf16_to_float, half_to_float, prefetch_line, vec
+from colibri.runtime.kernels.threads import part_range
 
 F32 = np.float32
 _njit = njit(cache=True, nogil=True)
@@ -272,12 +273,16 @@ def _rows_times_overload(tag, w, first, stop, row_nbytes, cols, act, out):
     return float_impl
 
 
+
 @_njit
-def rows_per_head(tag, w, lo, hi, row_nbytes, cols, act, heads, stride, first, out):
-    """out.flat[lo:hi] of out [groups, rows]: out[g, r] is activation g (of head g % heads)
-    times row first + (g % heads) * stride + r of `w`, a slice of the matrix per head."""
-    rows = out.shape[1]
-    for index in range(lo, hi):
-        g, r = index // rows, index % rows
-        row = first + (g % heads) * stride + r
-        out[g, r] = row_dot(tag, w, row * row_nbytes, cols, activation_row(act, g))
+def rows_per_head(t, nthreads, tag, w, row_nbytes, cols, act, heads, stride, first, out):
+    """Thread t's share of a product with a slice of the matrix per head, out [heads, n, rows]:
+    head h's n activations (rows h * n.. of `act`) times rows first + h * stride.. of `w`, each
+    head's rows unpacked once for GROUP of them (MLA's absorbed projections)."""
+    n, rows = out.shape[1], out.shape[2]
+    lo, hi = part_range(heads * rows, nthreads, t, 1)
+    for h in range(heads):
+        start, stop = max(lo, h * rows), min(hi, (h + 1) * rows)
+        if start < stop:
+            rows_times(tag, w[(first + h * stride) * row_nbytes:], start - h * rows, stop - h * rows, row_nbytes, cols,
+                       activation_row(act, slice(h * n, (h + 1) * n)), out[h])
