@@ -1,21 +1,29 @@
 #!/usr/bin/env python
 """Costs as the model widens: the manifest's open time at real shapes, and (given a converted
-wide model) decode and prompt speed with the Python time per layer.
+model) decode and prompt speed with the Python time per layer.
 
     python bench/scale.py                        # manifest open times at real shapes
     python bench/scale.py --model DIR            # and decode / prompt speed of a converted model
+    python bench/scale.py --replicate FROM OUT 48   # OUT: FROM's layers repeated to 48 layers
 
 Manifest shapes (written as manifests only: the reader opens and checks a manifest without
 reading the data files): DeepSeek-V3's layout (61 layers, 3 dense, 256 experts top-8, MLA),
 Qwen3-30B-A3B's (48 layers, 128 experts top-8, hidden 2048, expert FFN 768), and DeepSeek's
 with twice the layers, to show the cost stays linear. Encodings follow the Q4_K_M recipe.
 
-The model for `--model` is the wide DeepSeek layout at hidden 256, as the issue measured it:
-`tiny_config("deepseek_v3", num_hidden_layers=61, n_routed_experts=256, num_experts_per_tok=8,
-first_k_dense_replace=3, n_group=8, topk_group=4)` written by `convert.synthetic` and
-converted to Q4_K_M. Decode is timed in RAM (every expert cached) with 2 threads; the calls
-from Python into numba kernels are counted in a separate pass (each compiled function of the
-runtime wrapped by a counter).
+Models for `--model`:
+- the wide DeepSeek layout at hidden 256, as issue 22 measured it: `tiny_config("deepseek_v3",
+  num_hidden_layers=61, n_routed_experts=256, num_experts_per_tok=8, first_k_dense_replace=3,
+  n_group=8, topk_group=4)` written by `convert.synthetic` and converted to Q4_K_M;
+- the Qwen3-30B-A3B shape: a converted Qwen3-MoE of that hidden size, expert count and FFN
+  with a few layers, repeated to 48 by `--replicate` (hard links; the output means nothing,
+  the bytes and calls per token are the real shape's).
+
+Every expert is read into the cache first, then decode is timed in RAM with 2 threads (the
+median of 5 runs), against the ceiling of the bytes a token reads at this machine's read
+bandwidth. The calls from Python into numba kernels, and the time outside them (the Python
+per layer, a slight overcount: the counter's own cost is in it), come from a separate pass
+with each compiled function of the runtime wrapped by a counter.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import pathlib
 import statistics
 import tempfile
@@ -36,6 +45,8 @@ from colibri.formats.config_check import expected_expert_shapes, expected_tensor
 from colibri.formats.encodings import tensor_bytes
 from colibri.formats.layout import EXPERT_ALIGN, EXPERT_MATRICES, FORMAT_VERSION, ModelLayout, write_manifest
 from colibri.formats.recipe import Recipe
+from colibri.runtime import kernels
+from colibri.runtime.kernels.emitter import TARGET_CPUS, restart_for
 
 SHAPES = {
     "deepseek-v3 (61 x 256)": ("deepseek_v3", {"num_hidden_layers": 61, "n_routed_experts": 256, "num_experts_per_tok": 8,
@@ -107,18 +118,23 @@ def manifest_open_times(repeat: int) -> list[dict]:
 
 @contextlib.contextmanager
 def counted_numba_calls():
-    """Count the calls Python makes into numba-compiled functions while the block runs (the
-    dispatcher class's call is wrapped; calls between compiled functions are not calls)."""
+    """Count the calls Python makes into numba-compiled functions while the block runs, and
+    the seconds spent in them under "seconds in numba" (the dispatcher class's call is wrapped;
+    calls between compiled functions are not calls)."""
     from numba.core.registry import CPUDispatcher
 
-    calls: dict[str, int] = {}
+    calls: dict[str, float] = {"seconds in numba": 0.0}
     original = CPUDispatcher.__call__
     own = "__call__" in CPUDispatcher.__dict__
 
     def counting(self, *args, **kwargs):
         name = self.py_func.__qualname__
         calls[name] = calls.get(name, 0) + 1
-        return original(self, *args, **kwargs)
+        started = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            calls["seconds in numba"] += time.perf_counter() - started
 
     CPUDispatcher.__call__ = counting
     try:
@@ -130,11 +146,14 @@ def counted_numba_calls():
             del CPUDispatcher.__call__
 
 
-def model_speed(model: pathlib.Path, threads: int, tokens: int, prompts: tuple[int, ...]) -> dict:
+def model_speed(model: pathlib.Path, threads: int, tokens: int, prompts: tuple[int, ...], ram_budget: str) -> dict:
     from colibri.runtime import open_model
 
-    m = open_model(model, threads=threads, ctx=max(prompts) + 5 * tokens + 16, ram_budget="16G")
+    m = open_model(model, threads=threads, ctx=max(prompts) + 5 * tokens + 16, ram_budget=ram_budget)
     layers = m.config.n_layers
+    if m.store.index.capacity >= m.config.n_experts * len(m.config.moe_layers):  # every expert read in first
+        for layer in m.config.moe_layers:
+            m.store.fetch(layer, np.arange(m.config.n_experts))
     rng = np.random.default_rng(0)
     result = {"layers": layers, "moe_layers": len(m.config.moe_layers), "prompt_tok_per_s": {}}
     for n in prompts:
@@ -151,6 +170,7 @@ def model_speed(model: pathlib.Path, threads: int, tokens: int, prompts: tuple[i
     m.reset()
     with counted_numba_calls() as calls:
         m.prefill(ids, all_logits=False)
+    calls.pop("seconds in numba")
     result["numba_calls_per_layer_of_a_prompt"] = sum(calls.values()) / layers
     m.reset()
     token = int(np.argmax(m.prefill([1, 2, 3], all_logits=False)[-1]))
@@ -163,26 +183,83 @@ def model_speed(model: pathlib.Path, threads: int, tokens: int, prompts: tuple[i
             token = int(np.argmax(m.decode(token)))
         runs.append(time.perf_counter() - started)
     elapsed = statistics.median(runs)
+    started = time.perf_counter()
     with counted_numba_calls() as calls:
-        for _ in range(4):
+        for _ in range(tokens):
             token = int(np.argmax(m.decode(token)))
+    outside = time.perf_counter() - started - calls.pop("seconds in numba")
+    # the bytes a token reads: every resident tensor but the embedding table (one row of it),
+    # and k experts of each MoE layer; the ceiling is that at this machine's read bandwidth
+    c, layout = m.config, m.layout
+    resident = sum(t.nbytes for name, t in layout.tensors.items() if name != "token_embd.weight")
+    experts = sum(c.n_experts_used * layout.expert_layers[i].expert_bytes for i in c.moe_layers)
+    bandwidth = kernels.measure_read_bandwidth()
     result.update({"decode_tok_per_s": tokens / elapsed, "ms_per_token": 1e3 * elapsed / tokens,
-                   "numba_calls_per_token_per_layer": sum(calls.values()) / 4 / layers,
-                   "numba_calls_per_token": {name: n / 4 for name, n in sorted(calls.items(), key=lambda kv: -kv[1])}})
+                   "bytes_per_token": resident + experts, "read_bandwidth_gb_s": bandwidth / 1e9,
+                   "ceiling_tok_per_s": bandwidth / (resident + experts),
+                   "python_us_per_layer": 1e6 * outside / tokens / layers,
+                   "numba_calls_per_token_per_layer": sum(calls.values()) / tokens / layers,
+                   "numba_calls_per_token": {name: n / tokens for name, n in sorted(calls.items(), key=lambda kv: -kv[1])}})
     return result
+
+
+def replicate_layers(source: pathlib.Path, out: pathlib.Path, layers: int) -> None:
+    """A model of `layers` layers made of a converted model's own (layer i reads layer
+    i mod n's tensors and expert file, hard-linked, no copy): a real shape's per-token bytes
+    and calls without converting a checkpoint of that size. Speed only: its output means
+    nothing."""
+    manifest = json.loads((source / "colibri.json").read_text())
+    n = manifest["config"]["n_layers"]
+    tensors, files, expert_layers = {}, {}, []
+    for name, info in manifest["tensors"].items():
+        if not name.startswith("blk."):
+            tensors[name] = info
+            continue
+        layer, rest = name[4:].split(".", 1)
+        for target in range(int(layer), layers, n):
+            tensors[f"blk.{target}.{rest}"] = info
+    by_layer = {entry["layer"]: entry for entry in manifest["expert_layers"]}
+    for target in range(layers):
+        if target % n in by_layer:
+            entry = dict(by_layer[target % n], layer=target, file=f"experts/blk.{target:03d}.bin")
+            expert_layers.append(entry)
+            files[entry["file"]] = manifest["files"][by_layer[target % n]["file"]]
+            (out / "experts").mkdir(parents=True, exist_ok=True)
+            os.link(source / by_layer[target % n]["file"], out / entry["file"])
+    for name, info in manifest["files"].items():
+        if not name.startswith("experts/"):
+            files[name] = info
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            os.link(source / name, out / name)
+    manifest.update(tensors=tensors, files=files, expert_layers=expert_layers,
+                    config=dict(manifest["config"], n_layers=layers,
+                                moe_layers=[i for i in range(layers) if i % n in manifest["config"]["moe_layers"]]))
+    manifest.pop("self_sha256", None)
+    write_manifest(out, manifest)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=pathlib.Path, help="a converted wide model to time decode and prompts on")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--isa", choices=("native", *TARGET_CPUS), default="native",
+                        help="compile the kernels for this target (avx2: this CPU without AVX-512, AMX or AVX-VNNI)")
+    parser.add_argument("--ram-budget", default="16G", help="open_model's RAM budget (default: %(default)s; "
+                        "the decode is meant to run with every expert cached)")
     parser.add_argument("--tokens", type=int, default=32, help="decoded tokens per timed run, median of 5 runs (default: %(default)s)")
     parser.add_argument("--repeat", type=int, default=7, help="manifest opens timed per shape (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--replicate", nargs=3, metavar=("FROM", "OUT", "LAYERS"),
+                        help="write OUT, a model of LAYERS layers made of converted model FROM's (hard links), and stop")
     args = parser.parse_args()
+    restart_for(args.isa)
+    if args.replicate:
+        replicate_layers(pathlib.Path(args.replicate[0]), pathlib.Path(args.replicate[1]), int(args.replicate[2]))
+        return
     result = {"manifest": manifest_open_times(args.repeat)}
     if args.model:
-        result["model"] = model_speed(args.model, args.threads, args.tokens, (16, 64, 256))
+        result["model"] = model_speed(args.model, args.threads, args.tokens, (16, 64, 256), args.ram_budget)
+        result["model"]["kernels"] = kernels.kernel_paths()
     if args.json:
         print(json.dumps(result, indent=1))
         return
@@ -191,8 +268,11 @@ def main() -> None:
               f"open {1e3 * row['open_s_median']:.0f} ms (median of {args.repeat}, min {1e3 * row['open_s_min']:.0f})")
     if "model" in result:
         r = result["model"]
+        print(f"kernels: {r['kernels']}")
         print(f"decode {r['decode_tok_per_s']:.1f} tok/s ({r['ms_per_token']:.1f} ms a token), "
-              f"{r['numba_calls_per_token_per_layer']:.1f} numba calls per layer per token")
+              f"{r['numba_calls_per_token_per_layer']:.1f} numba calls and {r['python_us_per_layer']:.0f} us of Python "
+              f"per layer per token; ceiling {r['ceiling_tok_per_s']:.0f} tok/s ({r['bytes_per_token'] / 1e6:.0f} MB a "
+              f"token at {r['read_bandwidth_gb_s']:.1f} GB/s): {r['decode_tok_per_s'] / r['ceiling_tok_per_s']:.0%} of it")
         print("prompt " + ", ".join(f"{n} tokens {v:.1f} tok/s" for n, v in r["prompt_tok_per_s"].items())
               + f"; {r['numba_calls_per_layer_of_a_prompt']:.1f} numba calls per layer for the {max(r['prompt_tok_per_s'])}-token one")
 
