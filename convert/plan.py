@@ -70,12 +70,15 @@ def make_plan(checkpoint: Checkpoint, adapter: Adapter | None = None) -> Convers
     for name in skipped:
         present.pop(name)
     skipped += checkpoint.other_model_tensors  # a multimodal checkpoint's vision tower and projector
-    scales = {n for n in present if n.endswith(".weight_scale_inv")}
-    for name in scales:
+    for name in [n for n in present if n.endswith(".weight_scale_inv")]:
         weight = name.removesuffix("_scale_inv")
         if weight not in present or present[weight].dtype != "F8_E4M3":
             raise CheckpointError(f"{present[name].file.name}: {name} scales no FP8 weight {weight}")
         present.pop(name)
+    for name in [n for n in present if n.endswith(".weight_scale")]:  # compressed-tensors' FP8 scales
+        weight = name.removesuffix("_scale")
+        if present.get(weight) is not None and present[weight].dtype == "F8_E4M3":
+            present.pop(name)
 
     expected: dict[str, tuple] = dict(adapter.global_tensors(config))
     for layer in range(config.n_layers):

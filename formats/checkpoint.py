@@ -40,6 +40,7 @@ TEXT_MODEL_PREFIX = "language_model."  # a multimodal checkpoint's text model (C
 PACKED_DTYPE = "I4"  # compressed-tensors' packed INT4 weight with its group scales (formats.compressed_tensors)
 CONVERTIBLE_DTYPES = (*FLOAT_DTYPES, PACKED_DTYPE)
 FP8_BLOCK = 128
+FP8_SCALES = (".weight_scale_inv", ".weight_scale")  # DeepSeek's block scales; compressed-tensors' scales
 HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # what a Hugging Face repo id looks like: owner/name
 
 
@@ -306,16 +307,24 @@ class Checkpoint:
         return compressed_tensors.q4_0_blocks(self.read_raw(weight.packed.name), self.read(weight.scale.name), weight.cols)
 
     def _dequantize_fp8(self, name: str, values: np.ndarray, first: int) -> np.ndarray:
-        scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
-        if values.ndim != 2 or scale_name not in self.tensors:
-            raise CheckpointError(f"{self.tensors[name].file.name}: FP8 tensor {name} has no 2-D block scale {scale_name}")
-        if first % FP8_BLOCK:
-            raise ValueError(f"FP8 tensors are read in whole {FP8_BLOCK}-row blocks, not from row {first}")
+        """FP8 values times their scales: DeepSeek's `.weight_scale_inv`, one per FP8_BLOCK²
+        block, or compressed-tensors' `.weight_scale`, one per block, per row or per tensor."""
+        base, where = name.removesuffix(".weight"), self.tensors[name].file.name
+        scale_name = next((base + s for s in FP8_SCALES if base + s in self.tensors), None)
+        if values.ndim != 2 or scale_name is None:
+            raise CheckpointError(f"{where}: FP8 tensor {name} has no scale ({' or '.join(base + s for s in FP8_SCALES)})")
         rows, cols = values.shape
+        total = self.tensors[name].shape[0]
         scales = self.read(scale_name)
-        expected = (-(-self.tensors[name].shape[0] // FP8_BLOCK), -(-cols // FP8_BLOCK))
-        if scales.shape != expected:
-            raise CheckpointError(f"{self.tensors[scale_name].file.name}: {scale_name} has shape {list(scales.shape)}, expected {list(expected)}")
-        block_rows = scales[first // FP8_BLOCK : first // FP8_BLOCK + -(-rows // FP8_BLOCK)]
-        full = np.repeat(np.repeat(block_rows, FP8_BLOCK, axis=0)[:rows], FP8_BLOCK, axis=1)[:, :cols]
-        return values * full
+        blocks = (-(-total // FP8_BLOCK), -(-cols // FP8_BLOCK))
+        if scales.shape == blocks:
+            if first % FP8_BLOCK:
+                raise ValueError(f"FP8 tensors are read in whole {FP8_BLOCK}-row blocks, not from row {first}")
+            block_rows = scales[first // FP8_BLOCK : first // FP8_BLOCK + -(-rows // FP8_BLOCK)]
+            return values * np.repeat(np.repeat(block_rows, FP8_BLOCK, axis=0)[:rows], FP8_BLOCK, axis=1)[:, :cols]
+        if scales.shape == (total, 1):
+            return values * scales[first:first + rows]
+        if scales.size == 1 and scales.ndim <= 2:
+            return values * scales.reshape(())
+        raise CheckpointError(f"{self.tensors[scale_name].file.name}: {scale_name} has shape {list(scales.shape)}, "
+                              f"expected {list(blocks)} (blocks of {FP8_BLOCK}), [{total}, 1] (rows) or [1] (the tensor)")

@@ -11,6 +11,10 @@ column order, two a byte, the first in the low nibble.
 GGML's Q4_0 (`d · (nibble − 8)` per 32 weights, d an f16) holds these values exactly when the
 group is 32 and each scale is an f16 (a BF16 scale is one from 2⁻¹⁷ to 65504, its 8
 significant bits within f16's): `q4_0_blocks` rewrites the nibbles, no float in between.
+
+Its FP8 scheme (Kimi-K2.5/2.6's attention) stores plain F8_E4M3 weights beside a
+`P.weight_scale` (one per tensor, per row, or per 128 × 128 block), which the checkpoint reader
+multiplies in as it does DeepSeek's `weight_scale_inv`; `scheme_problem` checks both schemes.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 PACKED, SCALE, SHAPE = ".weight_packed", ".weight_scale", ".weight_shape"
 SCALE_DTYPES = ("BF16", "F16", "F32")
 Q4_0_GROUP = 32
+FP8_STRATEGIES = ("tensor", "channel", "block")
 
 
 class PackedWeightError(ValueError):
@@ -47,16 +52,23 @@ class PackedWeight:
 
 
 def scheme_problem(config: dict) -> str | None:
-    """Why config.json's quantization_config describes packed weights other than symmetric
-    INT4 in groups (the only ones read here), or None."""
+    """Why config.json's quantization_config describes weights other than symmetric INT4 in
+    groups or 8-bit floats per tensor, row or 128 x 128 block (the ones read here), or None."""
     quantization = config.get("quantization_config")
     if not isinstance(quantization, dict) or quantization.get("quant_method") != "compressed-tensors":
         return None
     groups = quantization.get("config_groups")
     for name, group in (groups.items() if isinstance(groups, dict) else ()):
         weights = group.get("weights") if isinstance(group, dict) else None
-        if not isinstance(weights, dict) or weights.get("type", "int") != "int":
-            continue  # float schemes (FP8) store plain tensors
+        if not isinstance(weights, dict):
+            continue
+        if weights.get("type", "int") == "float":  # FP8 weights are plain tensors with a `.weight_scale`
+            if weights.get("num_bits", 8) != 8 or weights.get("strategy", "tensor") not in FP8_STRATEGIES \
+                    or weights.get("strategy") == "block" and list(weights.get("block_structure") or []) != [128, 128]:
+                return (f"quantization_config group {name}: float weights of {weights.get('num_bits')} bits, strategy "
+                        f"{weights.get('strategy')!r}, blocks {weights.get('block_structure')} (supported: 8 bits "
+                        f"per tensor, per channel, or in 128 x 128 blocks)")
+            continue
         wanted = {"num_bits": 4, "symmetric": True, "strategy": "group"}
         wrong = [f"{k} {weights.get(k)!r}" for k, v in wanted.items() if weights.get(k, v) != v]
         if wrong:

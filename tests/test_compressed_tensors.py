@@ -165,3 +165,77 @@ def test_other_packed_schemes_are_refused_naming_the_setting(int4, capsys):
     (source / "config.json").write_text(json.dumps(config))
     assert convert_main([str(source), str(source.parent / "out"), "--no-progress"]) == 1
     assert "quantization_config group group_0: symmetric False (supported: 4-bit symmetric groups)" in capsys.readouterr().err
+
+
+
+FP8_GROUP = {"targets": ["re:.*self_attn.*"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                                          "symmetric": True, "dynamic": False}}
+SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "int32": "I32", "int64": "I64"}
+
+
+def save_with_fp8(path, tensors: dict, fp8: set):
+    """A safetensors file of numpy arrays; the uint8 arrays named in `fp8` stored as F8_E4M3
+    (numpy has no such dtype for safetensors' own writer)."""
+    header, payload = {}, bytearray()
+    for name, data in tensors.items():
+        dtype = "F8_E4M3" if name in fp8 else SAFETENSORS_DTYPES[data.dtype.name]
+        header[name] = {"dtype": dtype, "shape": list(data.shape), "data_offsets": [len(payload), len(payload) + data.nbytes]}
+        payload += np.ascontiguousarray(data).tobytes()
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + payload)
+
+
+def fp8_attention(source, strategy_of):
+    """`source`'s attention weights as compressed-tensors FP8: e4m3 codes and a `.weight_scale`
+    per row ("channel") or per tensor ("tensor"), as `strategy_of(name)` says; returns the
+    float32 values each weight then holds."""
+    from colibri.convert.synthetic.storage import encode_e4m3, fp8_e4m3_to_float32
+
+    held = {}
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    for shard in sorted(set(index["weight_map"].values())):
+        out = load_file(source / shard)
+        for name in [n for n, d in out.items() if ".self_attn." in n and n.endswith(".weight") and d.ndim == 2]:
+            w = out[name].astype(np.float32)
+            amax = np.abs(w).max(axis=1, keepdims=True) if strategy_of(name) == "channel" else np.abs(w).max().reshape(1)
+            scale = np.where(amax > 0, amax / 448, 1).astype(np.float32)
+            out[name], out[name + "_scale"] = encode_e4m3(w / scale), scale
+            held[name] = fp8_e4m3_to_float32(out[name]) * scale
+            index["weight_map"][name + "_scale"] = shard
+        save_with_fp8(source / shard, out, set(held))
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_1"] = FP8_GROUP
+    (source / "config.json").write_text(json.dumps(config))
+    return held
+
+
+def test_fp8_attention_converts_to_the_values_it_holds(int4, tmp_path):
+    """Kimi-K2.5/2.6's attention (compressed-tensors FP8, a scale per row or per tensor) beside
+    its INT4 experts converts to what the same values stored as floats convert to."""
+    from gguf_checks import model_bytes
+
+    _, source, _ = int4
+    plain = tmp_path / "plain"
+    shutil.copytree(source, plain)
+    held = fp8_attention(source, lambda name: "tensor" if "o_proj" in name else "channel")
+    assert held
+    index = json.loads((plain / "model.safetensors.index.json").read_text())
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(plain / shard)
+        save_file({n: held.get(n, d) for n, d in tensors.items()}, plain / shard)
+    convert(str(source), tmp_path / "a", ConvertOptions(progress=False, quant="F32"))
+    convert(str(plain), tmp_path / "b", ConvertOptions(progress=False, quant="F32"))
+    assert model_bytes(tmp_path / "a") == model_bytes(tmp_path / "b")
+
+
+def test_other_fp8_schemes_are_refused_naming_the_setting(int4, capsys):
+    _, source, _ = int4
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_1"] = {**FP8_GROUP, "weights": {
+        **FP8_GROUP["weights"], "strategy": "block", "block_structure": [64, 64]}}
+    (source / "config.json").write_text(json.dumps(config))
+    assert convert_main([str(source), str(source.parent / "out"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "group group_1: float weights of 8 bits, strategy 'block', blocks [64, 64]" in err
