@@ -150,7 +150,7 @@ def main() -> None:
         for b in batches:
             evict(layout)
             model = open_model(args.model, threads=args.threads, ctx=ctx, expert_cache=int(all_experts * args.cache_share),
-                               direct_io=True, parallel=b, ram_budget=args.ram_budget)
+                               io="direct", parallel=b, ram_budget=args.ram_budget)
             r = decode_batch(model, b, args.prompt_tokens, args.tokens)
             model.close()
             # sequences that met an end token leave their steps: the tokens a step made, not B

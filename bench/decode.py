@@ -1,20 +1,25 @@
-"""Benchmark: prompt and decode tok/s on the reference model, in RAM and streaming.
+"""Benchmark: prompt and decode tok/s on the reference model, in RAM and streaming, for each
+way of reading experts (`--io pread,direct,mmap`, side by side in one run).
 
+For each I/O mode:
 (a) in RAM, warm: every expert fits the expert cache; the ceiling is
-    memory_bw / bytes_touched_per_token.
-(b) streaming: expert files dropped from the page cache first (POSIX_FADV_DONTNEED, no
-    root needed), expert cache a share of the experts (--stream-share), prefetch off, on,
-    O_DIRECT without and with prefetch; the ceiling is disk_bw / (expert_bytes_per_token × (1 − hit_rate)),
-    with disk_bw measured cold. Buffered misses after the first touch may be served by the
-    page cache, as on a real machine (O_DIRECT always reads the disk); the effective read
-    bandwidth is reported next to the cold disk bandwidth, with prefetch accuracy and the
-    share of read time hidden behind compute. Every mode must produce the same tokens.
+    memory_bw / bytes_touched_per_token;
+(b) cache a share of the experts (--stream-share), page cache warm (one run first): what
+    pread's page cache adds beside its expert cache, and what mmap's budget keeps out;
+(c) the same cache, disk-bound: expert files dropped from the page cache first
+    (POSIX_FADV_DONTNEED, no root needed); the ceiling is
+    disk_bw / (expert_bytes_per_token × (1 − hit_rate)), with disk_bw measured cold.
+(a) and (c) also run batched (`--batch` sequences decoding together, aggregate tok/s).
+`--prefetch` turns the next layer's read-ahead on in every row. Buffered misses after the
+first touch may be served by the page cache, as on a real machine (O_DIRECT always reads the
+disk); the effective read bandwidth is reported next to the cold disk bandwidth, with prefetch
+accuracy and the share of read time hidden behind compute. Every row must produce the same tokens.
 Prints a table against the ceilings and llama.cpp: `--llama-bench BIN --gguf FILE` runs its
 tg128 and pp512 in the same run (else an earlier session's figures). `--isa avx2` compiles the
 kernels for an AVX2-only CPU, to compare with a llama.cpp built so. Writes bench/out/decode.json.
 
     python bench/decode.py [--model DIR] [--prompt-tokens 64] [--tokens 48] [--stream-share 0.25]
-        [--isa avx2] [--llama-bench BIN --gguf FILE]
+        [--io pread,direct,mmap] [--batch 8] [--prefetch] [--isa avx2] [--llama-bench BIN --gguf FILE]
 """
 
 from __future__ import annotations
@@ -112,6 +117,10 @@ def main() -> None:
     parser.add_argument("--llama-bench", type=Path, metavar="BIN",
                         help="llama.cpp's llama-bench (built for the same target) to run on --gguf in this run")
     parser.add_argument("--gguf", type=Path, help="the same model as a GGUF, for --llama-bench")
+    parser.add_argument("--io", default="pread,direct,mmap",
+                        help="expert I/O modes to run side by side, comma-separated (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences of the batched rows (0: none; default: %(default)s)")
+    parser.add_argument("--prefetch", action="store_true", help="read ahead the next layer's predicted experts in every row")
     args = parser.parse_args()
     restart_for(args.isa)
     llama = llama_bench(args.llama_bench, args.gguf, args.threads) if args.llama_bench else LLAMA_CPP
@@ -123,26 +132,35 @@ def main() -> None:
     expert_per_token = sum(t.expert_bytes * c.n_experts_used for t in layout.expert_layers.values())
     mem_bw = read_bandwidth(args.threads)
 
-    in_ram = open_model(layout.directory, threads=args.threads, ctx=1024, expert_cache=all_experts)
-    run(in_ram, args.prompt_tokens, args.tokens)  # warm: kernels compiled, the run's experts cached
-    results = {"in RAM": run(in_ram, args.prompt_tokens, args.tokens)}
-    results["in RAM"]["ceiling"] = mem_bw / (resident + expert_per_token)
-    in_ram.close()
-    del in_ram
+    sys.path.insert(0, str(BENCH))
+    from batch import decode_batch  # (bench/batch.py imports this module's helpers)
 
-    evict(layout)
     disk_bw = measure_disk_bandwidth(layout)
-    for name, prefetch, direct_io in (("stream, prefetch off", False, False), ("stream, prefetch on", True, False),
-                                      ("stream, O_DIRECT", False, True),
-                                      ("stream, on, O_DIRECT", True, True)):
-        evict(layout)
-        model = open_model(layout.directory, threads=args.threads, ctx=1024, expert_cache=int(all_experts * args.stream_share),
-                           prefetch=prefetch, direct_io=direct_io)
-        r = results[name] = run(model, args.prompt_tokens, args.tokens)
-        r["ceiling"] = disk_bw / max(expert_per_token * (1 - r["hit_rate"]), 1)
-        r["read_ceiling"] = disk_bw / max(r["read_bytes_per_token"], 1)  # counts wrong guesses too
-        model.close()
-    same = all(r["tokens"] == results["in RAM"]["tokens"] for r in results.values())
+    share = int(all_experts * args.stream_share)
+    results, batched = {}, {}
+    for io in args.io.split(","):
+        for regime, cache, cold in (("in RAM", all_experts, False), (f"cache {args.stream_share:.0%}", share, False),
+                                    (f"cache {args.stream_share:.0%}, disk", share, True)):
+            evict(layout)
+            model = open_model(layout.directory, threads=args.threads, ctx=1024, expert_cache=cache, io=io,
+                               prefetch=args.prefetch)
+            if not cold:
+                run(model, args.prompt_tokens, args.tokens)  # warm: kernels compiled, experts and page cache filled
+            r = results[f"{io}: {regime}"] = run(model, args.prompt_tokens, args.tokens)
+            r["ceiling"] = mem_bw / (resident + expert_per_token) if cache == all_experts \
+                else disk_bw / max(expert_per_token * (1 - r["hit_rate"]), 1)
+            r["read_ceiling"] = None if cache == all_experts else disk_bw / max(r["read_bytes_per_token"], 1)
+            model.close()
+            if args.batch and regime != f"cache {args.stream_share:.0%}":
+                evict(layout)
+                model = open_model(layout.directory, threads=args.threads, ctx=1024, expert_cache=cache, io=io,
+                                   prefetch=args.prefetch, parallel=args.batch)
+                if not cold:
+                    decode_batch(model, args.batch, args.prompt_tokens, 8)
+                batched[f"{io}: {regime}"] = decode_batch(model, args.batch, args.prompt_tokens, args.tokens)
+                model.close()
+    first = next(iter(results.values()))
+    same = all(r["tokens"] == first["tokens"] for r in results.values())
 
     print(f"\ndecode on {layout.directory.name}: resident {resident / 1e9:.2f} GB, experts {all_experts / 1e9:.2f} GB, "
           f"{expert_per_token / 1e6:.0f} MB of experts per token; read bw {mem_bw / 1e9:.1f} GB/s, cold disk {disk_bw / 1e9:.2f} GB/s; "
@@ -152,7 +170,7 @@ def main() -> None:
     print(f"{'mode':<24}{'prompt tok/s':>13}{'decode tok/s':>13}{'vs llama tg':>12}{'hit rate':>9}{'MB read/tok':>12}"
           f"{'ceiling':>9}{'of it':>7}{'read ceil.':>11}{'of it':>7}{'eff. read GB/s':>15}{'prefetch acc.':>14}{'read hidden':>12}")
     for name, r in results.items():
-        speed, read_ceiling = r["decode_tok_per_s"], r.get("read_ceiling")
+        speed, read_ceiling = r["decode_tok_per_s"], r["read_ceiling"]
         cells = [f"{r['prompt_tok_per_s']:>13.1f}", f"{speed:>13.2f}", f"{speed / llama['tg128']:>11.2f}x",
                  f"{r['hit_rate']:>9.1%}", f"{r['read_bytes_per_token'] / 1e6:>12.1f}", f"{r['ceiling']:>9.1f}",
                  f"{speed / r['ceiling']:>7.0%}", f"{optional(read_ceiling, '.1f'):>11}",
@@ -161,12 +179,17 @@ def main() -> None:
         print(f"{name:<24}" + "".join(cells))
     print(f"kernels compiled for: {args.isa}: {kernel_paths()}; llama.cpp "
           f"{llama.get('binary', 'from an earlier session')}: tg128 {llama['tg128']:.1f}, pp512 {llama['pp512']:.1f} tok/s")
+    if batched:
+        print(f"\nbatched, {args.batch} sequences decoding together: aggregate tok/s (ms a step, hit rate, MB read a step)")
+        for name, b in batched.items():
+            print(f"{name:<24}{b['tok_per_s']:>13.1f}{b['step_ms']:>10.1f} ms{b['hit_rate']:>9.1%}"
+                  f"{b['read_bytes_per_step'] / 1e6:>10.1f} MB")
     print(f"same tokens in every mode: {'yes' if same else 'NO'}; prompt tok/s vs llama.cpp pp512: "
-          f"{results['in RAM']['prompt_tok_per_s'] / llama['pp512']:.2f}x")
+          f"{first['prompt_tok_per_s'] / llama['pp512']:.2f}x")
     (BENCH / "out").mkdir(exist_ok=True)
     (BENCH / "out" / "decode.json").write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "threads": args.threads, "memory_read_bw": mem_bw, "disk_bw": disk_bw,
-        "stream_share": args.stream_share, "same_tokens": same, "modes": results, "llama_cpp": llama,
+        "stream_share": args.stream_share, "same_tokens": same, "modes": results, "batched": batched, "llama_cpp": llama,
         "isa": args.isa, "kernels": kernel_paths()}, indent=1))
 
 

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from colibri.runtime.expert_store import DEFAULT_IO, IO_MODES
 from colibri.runtime.memory import format_size, size_argument
 
 
@@ -51,9 +52,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-quant", default="f16", choices=("f16", "q8_0", "f32"), help="KV cache storage (default: %(default)s)")
     p.add_argument("--cache-policy", default="lru", choices=("lru", "lfru"),
                    help="expert cache eviction: least recently used, or frequency with ageing (default: %(default)s)")
-    p.add_argument("--direct-io", action="store_true",
-                   help="read experts with O_DIRECT, bypassing the page cache (leaves its RAM to other programs; "
-                        "fastest on NVMe when the expert cache is large)")
+    p.add_argument("--io", default=DEFAULT_IO, choices=tuple(IO_MODES),
+                   help="how experts are read: " + "; ".join(f"{mode} = {text}" for mode, text in IO_MODES.items())
+                        + " (default: %(default)s; `colibri plan` says which suits this machine)")
+    p.add_argument("--direct-io", action="store_const", const="direct", dest="io", help="the same as --io direct")
 
 
 def _sampling(args) -> dict:
@@ -113,7 +115,7 @@ def run_command(args: argparse.Namespace) -> int:
         parallel = args.parallel or _fitting_parallel(args, len(documents[1]))
     model = open_model(args.model, threads=args.threads, ctx=args.ctx, ram_budget=args.ram_budget,
                        expert_cache=args.expert_cache, kv_quant=args.kv_quant, cache_policy=args.cache_policy,
-                       prefetch=args.prefetch == "on", direct_io=args.direct_io, parallel=parallel)
+                       prefetch=args.prefetch == "on", io=args.io, parallel=parallel)
     trace = open(args.trace_routing, "w") if args.trace_routing else None
     if trace:
         model.trace_routing(trace)
@@ -221,9 +223,12 @@ def format_plan(p: dict, model) -> str:
     lines.append(f"  {disk}, memory {p['memory_bandwidth'] / 1e9:.1f} GB/s → decode ceiling "
                  f"{p['ceiling_tok_per_s']:.2f} tok/s ({p['bound_by']}-bound)")
     lines += format_batches(p)
+    lines.append("  experts read with --io:")
+    lines += [f"    {mode:<7} {text}" for mode, text in p["io"]["modes"].items()]
+    lines.append(f"    here: --io {p['io']['recommended']} ({p['io']['why']})")
     if not p["fits"]:
         lines.append("  does NOT fit: lower --ctx, use --kv-quant q8_0, or add RAM")
     else:
         lines.append(f"  recommended: colibri run --model {model} --ram-budget {format_size(p['ram'] - p['os_reserve_bytes'])} "
-                     f"--expert-cache {format_size(p['expert_cache_bytes'])} --ctx {p['ctx']}")
+                     f"--expert-cache {format_size(p['expert_cache_bytes'])} --ctx {p['ctx']} --io {p['io']['recommended']}")
     return "\n".join(lines)

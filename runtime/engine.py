@@ -19,7 +19,7 @@ import numpy as np
 
 from colibri.formats.layout import ModelLayout
 from colibri.runtime import kernels
-from colibri.runtime.expert_store import POLICIES, ExpertStore, cache_bytes_for_all
+from colibri.runtime.expert_store import DEFAULT_IO, POLICIES, ExpertStore, cache_bytes_for_all
 from colibri.runtime.kv_cache import ContextOverflow, KVCache, kv_bytes
 from colibri.runtime.memory import current_rss, format_size, parse_size, peak_rss, total_ram
 from colibri.runtime.model import Decoder
@@ -101,7 +101,7 @@ def fitting_parallel(layout: ModelLayout, ctx: int, kv_quant: str, ram_budget=No
 class Model:
     def __init__(self, path, threads: int | None = None, ctx: int = 4096, ram_budget=None, expert_cache=None,
                  kv_quant: str = "f16", cache_policy: str = "lru", prefetch: bool = False,
-                 direct_io: bool = False, parallel: int = 1):
+                 io: str = DEFAULT_IO, parallel: int = 1):
         if parallel < 1:
             raise ValueError(f"--parallel must be at least 1, got {parallel}")
         if cache_policy not in POLICIES:
@@ -113,7 +113,7 @@ class Model:
         widths = Decoder.cache_widths_for(c)
         self.budget = plan_budget(self.layout, ctx, kv_quant, widths, ram_budget, expert_cache, parallel)
         self.store = ExpertStore(self.layout, self.budget.expert_cache, max(c.n_experts_used, 1), cache_policy,
-                                 prefetch=prefetch, direct_io=direct_io)
+                                 prefetch=prefetch, io=io)
         self.decoder = Decoder(self.layout, self.store, ctx)
         # one KV slot per sequence that can run at once (`generate_many`, `scheduler`); the
         # single-sequence calls use the first
@@ -287,9 +287,10 @@ class Model:
 
 def open_model(path, threads: int | None = None, ctx: int = 4096, ram_budget=None, expert_cache=None,
                kv_quant: str = "f16", cache_policy: str = "lru", prefetch: bool = False,
-               direct_io: bool = False, parallel: int = 1) -> Model:
+               io: str = DEFAULT_IO, parallel: int = 1) -> Model:
     """Open a converted model; refuses a RAM budget that cannot hold it (see `plan_budget`).
-    `prefetch` reads the next layer's predicted experts in the background; `direct_io`
-    reads experts with O_DIRECT; `parallel` KV slots of `ctx` positions let that many
+    `prefetch` reads the next layer's predicted experts in the background; `io` is how
+    experts are read: "pread" (through the page cache), "direct" (O_DIRECT) or "mmap" (the
+    files mapped, read in place); `parallel` KV slots of `ctx` positions let that many
     sequences run at once (`generate_many`, `scheduler`)."""
-    return Model(path, threads, ctx, ram_budget, expert_cache, kv_quant, cache_policy, prefetch, direct_io, parallel)
+    return Model(path, threads, ctx, ram_budget, expert_cache, kv_quant, cache_policy, prefetch, io, parallel)

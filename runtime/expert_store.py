@@ -8,10 +8,14 @@ use while this one computes), and the statistics the user sees. Which expert to 
 object. Placement never changes the bytes: an expert read from the cache, the page cache,
 the disk or ahead of time is the same record.
 
-Reads tell the kernel how they are made: expert files are read at random between
-experts and sequentially within one (`POSIX_FADV_RANDOM`: no readahead past the record);
-`direct_io=True` opens them with `O_DIRECT`, bypassing the page cache (aligned slots and
-lengths). Nothing is ever dropped from the page cache: a page we evict may be needed again.
+How experts are read (`io`):
+- `pread` (buffered): each miss is a `pread` into its slot, through the page cache; expert
+  files are read at random between experts and sequentially within one (`POSIX_FADV_RANDOM`:
+  no readahead past the record); nothing is dropped from the page cache.
+- `direct`: the same reads with `O_DIRECT`, bypassing the page cache (aligned slots and lengths).
+- `mmap`: the files are mapped read-only and the kernels read a record in place
+  (`mapped_experts`): no slab, no copy; the cache index keeps the resident records inside the
+  budget, a miss makes its record resident, an evicted one is released.
 """
 
 from __future__ import annotations
@@ -25,9 +29,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from colibri.formats.layout import EXPERT_ALIGN, ModelLayout, align_up
+from colibri.runtime.mapped_experts import MappedExperts
 from colibri.runtime.memory import huge_page_buffer
 
 Key = tuple[int, int]  # (layer, expert)
+IO_MODES = {  # how experts are read (`--io`), in a line each
+    "pread": "copied into the expert cache through the page cache, whose spare RAM then serves misses too",
+    "direct": "copied with O_DIRECT, bypassing the page cache: RAM beyond the expert cache stays free for other programs",
+    "mmap": "the files mapped and read in place: no copy, pages shared by every process that maps the model and warm "
+            "after a restart; the expert cache bounds what is mapped",
+}
+DEFAULT_IO = "pread"  # the mode that won the common case in bench/decode.py (bench/RESULTS.md)
 READ_THREADS = 4  # a layer's misses in flight at once: an NVMe needs a queue to reach its bandwidth
 PREFETCH_THREADS = 2  # read-ahead has its own threads, so a miss never queues behind a guess
 
@@ -89,8 +101,10 @@ class CacheIndex:
     very same bookkeeping the runtime uses.
     """
 
-    def __init__(self, capacity: int, policy: str = "lru"):
+    def __init__(self, capacity: int, policy: str = "lru", on_evict=None):
+        """`on_evict(key)` is called for each expert evicted, when given."""
         self.capacity = capacity
+        self.on_evict = on_evict
         self.policy = POLICIES[policy]()
         self.slot_of: dict[Key, int] = {}
         self.free = list(range(capacity - 1, -1, -1))
@@ -153,6 +167,8 @@ class CacheIndex:
             return None
         self.policy.forget(victim)
         self.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(victim)
         return self.slot_of.pop(victim)
 
 
@@ -168,23 +184,30 @@ def cache_bytes_for_all(layout: ModelLayout) -> int:
 
 class ExpertStore:
     def __init__(self, layout: ModelLayout, cache_bytes: int, max_batch_experts: int, policy: str = "lru",
-                 prefetch: bool = False, direct_io: bool = False):
+                 prefetch: bool = False, io: str = DEFAULT_IO):
         """`prefetch`: read the next layer's predicted experts in the background (off by
         default: on the bench model its guesses cost more reads than they hide, see
-        bench/RESULTS.md)."""
-        self.layout = layout
+        bench/RESULTS.md). `io`: one of IO_MODES (see the module's docstring)."""
+        if io not in IO_MODES:
+            raise ValueError(f"--io must be one of {', '.join(IO_MODES)}, not {io!r}")
+        self.layout, self.io = layout, io
         self.tables = layout.expert_layers
         self.record_bytes = max((t.expert_bytes for t in self.tables.values()), default=0)
-        # O_DIRECT reads whole aligned blocks into aligned buffers: slots are page multiples
-        self.slot_bytes = slot_bytes(layout) if direct_io else self.record_bytes
+        # O_DIRECT reads whole aligned blocks into aligned buffers, a mapped record takes whole
+        # pages: their slots are page multiples
+        self.slot_bytes = self.record_bytes if io == "pread" else slot_bytes(layout)
         self.expert_count = sum(t.count for t in self.tables.values())
         capacity = min(cache_bytes // self.slot_bytes, self.expert_count) if self.slot_bytes else 0
-        self.index = CacheIndex(capacity, policy)
-        scratch = max_batch_experts if capacity < max_batch_experts else 0
-        # slots [0, capacity) cache experts; the rest are scratch for a request larger than the cache
-        self.slab = _page_aligned((capacity + scratch, self.slot_bytes))
-        self.direct_io = direct_io
-        self.fds = {t.file: _open_expert_file(layout, t.file, direct_io) for t in self.tables.values()}
+        self.mapped: dict[int, MappedExperts] = {}
+        if io == "mmap":
+            self.mapped = {layer: MappedExperts(layout.check_size(t.file), t) for layer, t in self.tables.items()}
+        self.index = CacheIndex(capacity, policy, on_evict=self._release if self.mapped else None)
+        scratch = max_batch_experts if capacity < max_batch_experts and not self.mapped else 0
+        # slots [0, capacity) cache experts; the rest are scratch for a request larger than the
+        # cache (mapped records need neither)
+        self.slab = _page_aligned((0 if self.mapped else capacity + scratch, self.slot_bytes))
+        self.fds = {} if self.mapped else {t.file: _open_expert_file(layout, t.file, io == "direct")
+                                            for t in self.tables.values()}
         self.lock = threading.Lock()  # guards the index, `pending` and the counters
         self.pending: dict[Key, Future] = {}  # experts being read ahead, not yet landed
         self.readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="colibri-read")
@@ -192,6 +215,10 @@ class ExpertStore:
         self.counters = dict(bytes_read=0, read_seconds=0.0, waited_seconds=0.0, prefetched=0, prefetch_used=0)
         self.unused_prefetches: set[Key] = set()
         self.known_reads: set[Key] = set()  # read ahead by `prefetch(speculative=False)`, not yet fetched
+
+    def records(self, layer: int) -> np.ndarray:
+        """The rows `fetch`'s slots for `layer` index: the cache slab, or the layer's mapped file."""
+        return self.mapped[layer].records if self.mapped else self.slab
 
     @property
     def cache_bytes(self) -> int:
@@ -212,6 +239,9 @@ class ExpertStore:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+        for mapping in self.mapped.values():
+            mapping.close()
+        self.mapped.clear()
 
     def most_per_fetch(self) -> int:
         """How many distinct experts one `fetch` can hold at once: the cache's slots not held by
@@ -229,7 +259,7 @@ class ExpertStore:
             if not self.pending and self.known_reads.isdisjoint(keys) and self.unused_prefetches.isdisjoint(keys):
                 cached = self.index.hit_slots(keys)
                 if cached is not None:
-                    return np.array(cached, dtype=np.int64)
+                    return np.array([e for _, e in keys] if self.mapped else cached, dtype=np.int64)
             in_flight = [self.pending[k] for k in set(keys) if k in self.pending]
         self._wait(in_flight)
         scratch = iter(range(self.index.capacity, self.slab.shape[0]))
@@ -244,7 +274,10 @@ class ExpertStore:
                     self.counters["prefetch_used"] += hit
         misses = []
         for key, slot, hit in placed:
-            slots[key] = next(scratch) if slot is None else slot
+            if self.mapped:
+                slots[key] = key[1]  # the record's row in its mapped file
+            else:
+                slots[key] = next(scratch) if slot is None else slot
             if not hit:
                 misses.append((key, slots[key]))
         if misses:  # read together (a deeper disk queue), waited for together
@@ -315,11 +348,25 @@ class ExpertStore:
 
     def _read(self, key: Key, slot: int) -> None:
         layer, expert = key
+        if self.mapped:
+            self.mapped[layer].populate(expert, lambda e: (layer, e) in self.index.slot_of)
+            return
         table = self.tables[layer]
-        length = align_up(table.expert_bytes, EXPERT_ALIGN) if self.direct_io else table.expert_bytes
+        length = align_up(table.expert_bytes, EXPERT_ALIGN) if self.io == "direct" else table.expert_bytes
         got = os.preadv(self.fds[table.file], [self.slab[slot, :length]], table.expert_offset(expert))
         if got < table.expert_bytes:
             raise OSError(f"{self.layout.path(table.file)}: short read of layer {layer} expert {expert}")
+
+    def _release(self, key: Key) -> None:
+        self.mapped[key[0]].release(key[1])
+
+    def resident_bytes(self) -> int | None:
+        """Bytes of the expert records mapped into this process (`mmap` only; None otherwise)."""
+        return sum(m.resident_bytes() for m in self.mapped.values()) if self.mapped else None
+
+    def cached_bytes(self) -> int | None:
+        """Bytes of the expert records in the page cache (`mmap` only; None otherwise)."""
+        return sum(m.cached_bytes() for m in self.mapped.values()) if self.mapped else None
 
     def _count_read(self, key: Key, seconds: float, waited: bool) -> None:
         with self.lock:
@@ -340,7 +387,9 @@ class ExpertStore:
             "expert_bytes_read": c["bytes_read"],
             "expert_evictions": index.evictions,
             "cache_policy": index.policy.name,
-            "direct_io": self.direct_io,
+            "io": self.io,
+            "expert_resident_bytes": self.resident_bytes(),
+            "expert_page_cache_bytes": self.cached_bytes(),
             "prefetch": self.prefetching,
             "prefetched_experts": c["prefetched"],
             "prefetch_accuracy": c["prefetch_used"] / c["prefetched"] if c["prefetched"] else None,
@@ -364,4 +413,4 @@ def _open_expert_file(layout: ModelLayout, file: str, direct_io: bool) -> int:
     try:
         return os.open(path, os.O_RDONLY | os.O_DIRECT)
     except OSError as e:
-        raise OSError(f"{path}: cannot open with O_DIRECT ({e.strerror}); run without --direct-io") from None
+        raise OSError(f"{path}: cannot open with O_DIRECT ({e.strerror}); use --io pread or mmap") from None

@@ -62,7 +62,7 @@ class ActivationSums:
         for expert in np.unique(ids):
             rows = np.flatnonzero((ids == expert).any(axis=1))
             x = h[rows]
-            record = store.slab[store.fetch(moe.layer, np.array([expert]))[0]]
+            record = store.records(moe.layer)[store.fetch(moe.layer, np.array([expert]))[0]]
             gate, up = (expert_matrix(record, table.matrices[m]) for m in ("gate", "up"))
             for m, seen in (("gate", x), ("up", x), ("down", kernels.silu_times(gate(x), up(x)))):
                 self.add(names[m], seen, int(expert), table.count)

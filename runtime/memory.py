@@ -60,3 +60,31 @@ def huge_page_buffer(nbytes: int) -> np.ndarray:
     if hasattr(mmap, "MADV_HUGEPAGE"):
         memory.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(memory, np.uint8, nbytes)
+
+
+def container_memory_limit(root: str = "/sys/fs/cgroup", cgroup_file: str = "/proc/self/cgroup") -> int | None:
+    """The memory limit of this process's cgroup (v2 `memory.max`, v1 `memory.limit_in_bytes`)
+    when one is set below the machine's RAM, else None. Page cache counts against it."""
+    candidates = []
+    try:
+        with open(cgroup_file) as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":  # v2
+                    candidates += [os.path.join(root, path.lstrip("/"), "memory.max"), os.path.join(root, "memory.max")]
+                elif "memory" in controllers.split(","):
+                    base = os.path.join(root, "memory")
+                    candidates += [os.path.join(base, path.lstrip("/"), "memory.limit_in_bytes"),
+                                   os.path.join(base, "memory.limit_in_bytes")]
+    except (OSError, ValueError):
+        return None
+    limits = []
+    for candidate in candidates:
+        try:
+            with open(candidate) as f:
+                value = f.read().strip()
+        except OSError:
+            continue
+        if value.isdigit() and int(value) < total_ram():
+            limits.append(int(value))
+    return min(limits, default=None)

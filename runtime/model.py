@@ -241,7 +241,7 @@ class MoE:
         self.layer, self.store = layer, store
         self.router = Router(c, w, layer)
         matrices = [store.tables[layer].matrices[m] for m in ("gate", "up", "down")]
-        self.experts = kernels.ExpertKernel(store.slab.shape[1], tuple(m.encoding for m in matrices),
+        self.experts = kernels.ExpertKernel(store.records(layer).shape[1], tuple(m.encoding for m in matrices),
                                             tuple(m.offset for m in matrices), c.expert_ffn, c.hidden_size)
         self.shared = SharedExpert(w, layer, c.shared_expert_gate) if c.n_shared_experts else None
         self.last_route: tuple[np.ndarray, np.ndarray] | None = None
@@ -269,12 +269,12 @@ class MoE:
         self.last_route = ids, weights
         if self.observe is not None:
             self.observe(self, h, ids)
-        slab = self.store.slab
+        records = self.store.records(self.layer)
         if h.shape[0] == 1 and not batch_invariant:
             self.last_distinct = ids.shape[1]  # a row's top-k are distinct experts
             slots = self.store.fetch(self.layer, ids[0])
             self.prefetch_next(h, ids[0])
-            return self.experts(slab, slots, h[0], weights[0])[None, :]
+            return self.experts(records, slots, h[0], weights[0])[None, :]
         return self.apply_rows(h, ids, weights)
 
     def apply_rows(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -300,9 +300,11 @@ class MoE:
                                     in_use={(self.layer, int(e)) for e in experts[first:stop]})
             mine, mixed = rows[starts[first]:starts[stop]], routed[starts[first]:starts[stop]]
             if grouped:
-                self.experts.grouped(self.store.slab, slots, starts[first:stop + 1] - starts[first], mine, mixed, acts, out)
+                self.experts.grouped(self.store.records(self.layer), slots, starts[first:stop + 1] - starts[first], mine,
+                                     mixed, acts, out)
             else:
-                y = self.experts.batch(self.store.slab[slots[0]], self.experts.rows_of(acts, mine), mine.size)
+                y = self.experts.batch(self.store.records(self.layer)[slots[0]], self.experts.rows_of(acts, mine),
+                                       mine.size)
                 kernels.add_weighted_rows(out, mine, y, mixed)
         return out
 

@@ -12,6 +12,10 @@ or from a routing trace of an earlier run (unions of B of its tokens). With `ste
 measured on this machine (`measure_step_costs`: a step costs a + b × distinct experts + c ×
 rows of compute), the expected aggregate tok/s is B / (compute + the step's expert misses /
 disk_bw); without them, only the ceilings are given.
+
+How to read experts (`--io`, `io_choice`): a container memory limit (cgroup) counts the page
+cache against the process, so `direct` (or `mmap` with an expert cache well inside the limit)
+is the safe choice there; otherwise the default, which bench/decode.py measured best.
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ import numpy as np
 from colibri.formats.layout import EXPERT_ALIGN, ModelLayout, align_up
 from colibri.formats.safe_json import loads
 from colibri.runtime.engine import scratch_bytes
-from colibri.runtime.expert_store import READ_THREADS, cache_bytes_for_all
+from colibri.runtime.expert_store import DEFAULT_IO, IO_MODES, READ_THREADS, cache_bytes_for_all
 from colibri.runtime.kernels import measure_read_bandwidth
 from colibri.runtime.kv_cache import kv_bytes
-from colibri.runtime.memory import huge_page_buffer
+from colibri.runtime.memory import container_memory_limit, format_size, huge_page_buffer
 from colibri.runtime.model import Decoder
 
 OS_RESERVE = 0.15  # share of RAM left to the OS and the page cache
@@ -145,6 +149,18 @@ def measure_disk_bandwidth(layout: ModelLayout, max_bytes: int = 1 << 30, second
     return total / max(time.perf_counter() - started, 1e-9)
 
 
+def io_choice(container_limit: int | None) -> dict:
+    """The `--io` mode to use on this machine and why, beside what each mode does."""
+    if container_limit is not None:
+        choice, why = "direct", (f"a container memory limit of {format_size(container_limit)} was found: the page cache "
+                                 f"counts against it, and O_DIRECT keeps expert reads out of it (mmap with an "
+                                 f"--expert-cache well inside the limit is the other safe choice)")
+    else:
+        choice, why = DEFAULT_IO, "no container memory limit found: the default, fastest where the experts outgrow RAM " \
+                                  "(bench/RESULTS.md)"
+    return {"recommended": choice, "why": why, "modes": dict(IO_MODES), "container_memory_limit": container_limit}
+
+
 def plan(layout: ModelLayout, ram: int, ctx: int | None = None, kv_quant: str = "f16", disk_bw: float | None = None,
          mem_bw: float | None = None, hit_rate: float | None = None, step_costs: dict | None = None,
          trace: dict | None = None) -> dict:
@@ -197,6 +213,7 @@ def plan(layout: ModelLayout, ram: int, ctx: int | None = None, kv_quant: str = 
         "step_costs": step_costs,
         "routing": "trace" if trace else "uniform",
         "batches": batches,
+        "io": io_choice(container_memory_limit()),
     }
 
 

@@ -43,12 +43,13 @@ def sampling(i):
     return {"temperature": 0.8, "top_k": 40, "seed": i} if i % 2 else {}
 
 
-def run(path, parallel, order, admit_late=(), kv_quant="f16"):
+def run(path, parallel, order, admit_late=(), kv_quant="f16", **options):
     """{prompt index: [(token, logits), ...]} of running the prompts in `order` with
-    `parallel` slots; those in `admit_late` are added only after three steps."""
+    `parallel` slots; those in `admit_late` are added only after three steps. `options` go
+    to open_model (io, expert_cache)."""
     from colibri.runtime import open_model
 
-    model = open_model(path, ctx=256, ram_budget="8G", parallel=parallel, kv_quant=kv_quant)
+    model = open_model(path, ctx=256, ram_budget="8G", parallel=parallel, kv_quant=kv_quant, **options)
     scheduler = model.scheduler(keep_logits=True)
     texts, index, out = prompts(), {}, {}
 
@@ -92,6 +93,20 @@ def test_a_sequence_gets_the_same_logits_alone_and_in_any_batch(models, arch):
     for i in range(len(LENGTHS)):  # every sequence ran to max_tokens or stopped on an end token
         assert len(alone[i]) == MAX_TOKENS[i] or alone[i][-1][2] == "stop"
         assert alone[i][-1][2] in ("stop", "length")
+
+
+def test_a_batch_gets_the_same_logits_whichever_way_experts_are_read(models):
+    """pread into the cache, O_DIRECT, or the files mapped and read in place, with a cache of a
+    quarter of the experts (evictions, misses in every step): the same bits."""
+    from colibri.formats.layout import ModelLayout
+
+    path = models("qwen3_moe")
+    quarter = sum(t.stride * t.count for t in ModelLayout(path).expert_layers.values()) // 4
+    runs = {io: run(path, 4, list(range(8)), io=io, expert_cache=quarter) for io in ("pread", "direct", "mmap")}
+    assert_same(runs["pread"][0], runs["direct"][0])
+    assert_same(runs["pread"][0], runs["mmap"][0])
+    for io, (_, stats) in runs.items():
+        assert stats["io"] == io and stats["expert_evictions"] > 0 and stats["expert_bytes_read"] > 0
 
 
 def test_float_weights_and_a_q8_0_cache_are_batch_invariant_too(models):

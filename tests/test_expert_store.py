@@ -69,7 +69,7 @@ def _logits(model, ids, **options):
         m.close()
 
 
-def test_placement_policy_prefetch_and_direct_io_never_change_logits(model):
+def test_placement_policy_prefetch_and_io_mode_never_change_logits(model):
     from colibri.formats.layout import ModelLayout
 
     all_experts = sum(t.stride * t.count for t in ModelLayout(model).expert_layers.values())
@@ -79,7 +79,9 @@ def test_placement_policy_prefetch_and_direct_io_never_change_logits(model):
         for cache in (0, all_experts // 3, all_experts):
             for prefetch in (False, True):
                 runs[policy, cache, prefetch] = _logits(model, ids, expert_cache=cache, cache_policy=policy, prefetch=prefetch)
-    runs["direct"] = _logits(model, ids, expert_cache=all_experts // 3, prefetch=True, direct_io=True)
+    runs["direct"] = _logits(model, ids, expert_cache=all_experts // 3, prefetch=True, io="direct")
+    for cache in (0, all_experts // 3, all_experts):
+        runs["mmap", cache] = _logits(model, ids, expert_cache=cache, prefetch=True, io="mmap")
     reference = runs["lru", 0, False][0]
     assert all(np.array_equal(reference, logits) for logits, _ in runs.values())
     for policy in POLICIES:
@@ -89,7 +91,10 @@ def test_placement_policy_prefetch_and_direct_io_never_change_logits(model):
     assert streaming["prefetch"] and streaming["prefetched_experts"] > 0
     assert 0 <= streaming["prefetch_accuracy"] <= 1 and 0 <= streaming["read_hidden_share"] <= 1
     assert not runs["lru", all_experts // 3, False][1]["prefetched_experts"]
-    assert runs["direct"][1]["direct_io"] and runs["direct"][1]["expert_bytes_read"] > 0
+    assert runs["direct"][1]["io"] == "direct" and runs["direct"][1]["expert_bytes_read"] > 0
+    mapped = runs["mmap", all_experts // 3][1]
+    assert mapped["io"] == "mmap" and mapped["expert_evictions"] > 0 and mapped["expert_resident_bytes"] is not None
+    assert runs["direct"][1]["expert_resident_bytes"] is None
 
 
 def test_a_failed_read_ahead_is_reported_by_the_fetch_that_needs_it(model):
@@ -130,10 +135,13 @@ def test_prefill_of_the_last_position_only_gives_its_row(model):
 
 
 def test_a_prompt_longer_than_a_chunk_gives_the_logits_of_one_pass(model, monkeypatch):
-    from colibri.runtime import amx, engine, open_model
+    from colibri.runtime import amx, engine, kernels, open_model
 
-    # int8 products only: a token's result then does not depend on the tokens beside it (the
-    # tile path serves a product of at least amx.MIN_TOKENS rows, which chunks change)
+    # int8 products only (the tile path serves a product of at least amx.MIN_TOKENS rows, which
+    # chunks change). Attention sums in another order for a chunk's few queries than for a
+    # whole prompt's (kernels.attention): most rows agree to float rounding; a row where such
+    # a difference tips an int8 activation's rounding, or a router's near-tie, moves further,
+    # but within the int8 path's error, not by the O(1) of a misplaced position or cache row.
     monkeypatch.setattr(amx, "available", lambda: False)
     m = open_model(model, ctx=64, ram_budget="8G")
     ids = list(range(3, 40))
@@ -144,7 +152,8 @@ def test_a_prompt_longer_than_a_chunk_gives_the_logits_of_one_pass(model, monkey
     m.reset()
     last = m.prefill(ids, all_logits=False)
     assert chunked.shape == whole.shape and m.cache.length == len(ids)
-    assert np.abs(chunked - whole).max() <= 1e-4 * whole.std()
+    rows = np.abs(chunked - whole).max(axis=1)
+    assert np.median(rows) <= 1e-4 * whole.std() and rows.max() <= kernels.FAST_PATH_TOLERANCE * np.abs(whole).max()
     assert np.array_equal(last[0], chunked[-1])
 
 

@@ -56,6 +56,10 @@ def test_streaming_flags_keep_the_text_and_report_prefetch(model_dir, capsys):
     code, streamed, err = run(argv + ["--expert-cache", "1M", "--prefetch", "on", "--direct-io"], capsys)
     assert code == 0, err
     assert streamed == in_ram and "prefetch accuracy" in err and "prefetch" not in in_ram_err
+    code, mapped, err = run(argv + ["--expert-cache", "1M", "--io", "mmap", "--json"], capsys)
+    assert code == 0, err
+    result = json.loads(mapped)
+    assert result["output"] == in_ram.rstrip("\n") and result["stats"]["io"] == "mmap" and result["stats"]["expert_resident_bytes"] > 0
 
 
 def test_trace_routing_writes_one_line_per_token_per_moe_layer(model_dir, tmp_path, capsys):
@@ -164,6 +168,28 @@ def test_plan_table_and_json(model_dir, capsys):
     code, out, err = run(["plan", "--model", str(model_dir), "--ram", "2G", "--ctx", "1024", "--disk-bw", "measure", "--json"], capsys)
     plan = json.loads(out)
     assert code == 0 and plan["ctx"] == 1024 and plan["disk_bandwidth"] > 0 and plan["ceiling_tok_per_s"] > 0
+    assert set(plan["io"]["modes"]) == {"pread", "direct", "mmap"} and plan["io"]["recommended"] in plan["io"]["modes"]
+
+
+def test_plan_explains_the_io_modes_and_picks_direct_under_a_container_limit(model_dir, tmp_path, capsys, monkeypatch):
+    from colibri.runtime import memory, plan
+    from colibri.runtime.memory import container_memory_limit
+
+    code, out, _ = run(["plan", "--model", str(model_dir), "--ram", "2G"], capsys)
+    assert code == 0 and "experts read with --io:" in out and "    mmap    the files mapped" in out and "here: --io " in out
+    # a cgroup v2 limit of 4 GiB, and a v1 hierarchy without one
+    (tmp_path / "v2" / "job").mkdir(parents=True)
+    (tmp_path / "v2" / "job" / "memory.max").write_text(f"{4 << 30}\n")
+    (tmp_path / "cgroup").write_text("0::/job\n")
+    (tmp_path / "v1" / "memory").mkdir(parents=True)
+    (tmp_path / "v1" / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (tmp_path / "cgroup1").write_text("4:memory:/\n")
+    monkeypatch.setattr(memory, "total_ram", lambda: 64 << 30)
+    assert container_memory_limit(str(tmp_path / "v2"), str(tmp_path / "cgroup")) == 4 << 30
+    assert container_memory_limit(str(tmp_path / "v1"), str(tmp_path / "cgroup1")) is None
+    monkeypatch.setattr(plan, "container_memory_limit", lambda: 4 << 30)
+    code, out, _ = run(["plan", "--model", str(model_dir), "--ram", "2G"], capsys)
+    assert "here: --io direct (a container memory limit of 4.00G was found" in out and "--io direct" in out.splitlines()[-1]
 
 
 def test_rss_stays_in_budget_while_streaming(tmp_path):

@@ -40,7 +40,7 @@ def serve_command(args: argparse.Namespace) -> int:
         raise SystemExit(f"colibri serve: error: --parallel must be at least 1, got {args.parallel}")
     model = open_model(args.model, threads=args.threads, ctx=args.ctx, ram_budget=args.ram_budget,
                        expert_cache=args.expert_cache, kv_quant=args.kv_quant, cache_policy=args.cache_policy,
-                       direct_io=args.direct_io, parallel=args.parallel)
+                       io=args.io, parallel=args.parallel)
     name = args.model_name or Path(args.model).resolve().name
     server = Server(model, name, args.api_key)
     store = BatchStore(args.state_dir)
