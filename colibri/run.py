@@ -24,6 +24,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="--prompt-dir: documents decoded together, each in a KV slot of --ctx positions; each "
                         "step reads an expert once for all of them (default: as many slots as a quarter of the "
                         "RAM left after the resident weights holds, at most 32 and the number of documents)")
+    p.add_argument("--ray", metavar="ADDRESS",
+                   help="--prompt-dir: spread the documents over a Ray cluster (auto = the running one, local = start "
+                        "one on this machine for the job, else a cluster address); every node needs the model folder "
+                        "at --model's path; the answers are written here (needs the ray extra)")
+    p.add_argument("--ray-actors", type=int, default=None, metavar="N",
+                   help="--ray: actors, each with the model open and --parallel slots (default: one per node)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: %(default)s)")
     add_engine_arguments(p)
     p.add_argument("--prefetch", default="off", choices=("on", "off"),
@@ -108,10 +114,20 @@ def run_command(args: argparse.Namespace) -> int:
     parallel, documents = 1, None
     if args.parallel is not None and args.parallel < 1:
         raise SystemExit(f"colibri run: error: --parallel must be at least 1, got {args.parallel}")
+    if args.ray and not args.prompt_dir:
+        raise SystemExit("colibri run: error: --ray needs --prompt-dir")
     if args.prompt_dir:
         from colibri.batch_job import pending_documents
 
         documents = pending_documents(args.prompt_dir, args.out_dir)
+        if args.ray:
+            from colibri.ray_batch import run_prompt_dir
+
+            sampling = {**_sampling(args), "seed": args.seed if args.seed is not None else 0}
+            options = dict(threads=args.threads, ctx=args.ctx, ram_budget=args.ram_budget, expert_cache=args.expert_cache,
+                           kv_quant=args.kv_quant, cache_policy=args.cache_policy, prefetch=args.prefetch == "on",
+                           io=args.io)
+            return run_prompt_dir(args, sampling, *documents, options)
         parallel = args.parallel or _fitting_parallel(args, len(documents[1]))
     model = open_model(args.model, threads=args.threads, ctx=args.ctx, ram_budget=args.ram_budget,
                        expert_cache=args.expert_cache, kv_quant=args.kv_quant, cache_policy=args.cache_policy,

@@ -311,3 +311,24 @@ def test_prompt_dir_json_gives_each_document_and_the_batch_numbers(model_dir, tm
     assert stats["rows_per_step"] > 1 and stats["distinct_experts_per_step"] > 0 and stats["tok_per_s"] > 0
     assert stats["generated_tokens"] == sum(d["generated_tokens"] for d in summary["documents"].values())
     assert not list(outputs.glob("*.partial"))
+
+
+def test_ray_without_the_extra_says_how_to_install_it(model_dir, tmp_path, capsys, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def without_ray(name, *args, **kwargs):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_ray)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("hello")
+    argv = ["run", "--model", str(model_dir), "--prompt-dir", str(tmp_path / "in"), "--out-dir", str(tmp_path / "out"),
+            "--ray", "local"]
+    with pytest.raises(SystemExit, match=r"--ray needs Ray: pip install 'colibri-moe\[ray\]'"):
+        main(argv)
+    with pytest.raises(SystemExit, match="--ray needs --prompt-dir"):
+        main(["run", "--model", str(model_dir), "--prompt", "hi", "--ray", "local"])

@@ -1,0 +1,75 @@
+"""`colibri run --prompt-dir --ray` and `ColibriGenerator` on a local Ray cluster (the optional
+`ray` extra): the answers of the single-machine job, each document once, even when an actor
+process is killed mid-run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from colibri.convert.hf_to_colibri import ConvertOptions, convert
+from colibri.convert.synthetic import write_checkpoint
+
+ray = pytest.importorskip("ray", reason="the optional ray extra is not installed (pip install 'colibri-moe[ray]')")
+
+DOCUMENTS = 16
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ray")
+    convert(str(write_checkpoint(root / "src", "qwen3_moe")), root / "model", ConvertOptions(quant="Q4_K_M", progress=False))
+    (root / "in").mkdir()
+    for i in range(DOCUMENTS):
+        (root / "in" / f"doc{i:02d}.txt").write_text(f"Document {i}: " + "the river " * (1 + i % 5))
+    (root / "in" / "chat.json").write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}))
+    return root
+
+
+def colibri(*argv, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "colibri.cli", "run", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def answers(out):
+    return {p.name: p.read_text() for p in sorted(out.glob("*.out"))}
+
+
+def test_a_ray_job_gives_the_single_machine_answers_once_each_even_when_an_actor_dies(job):
+    common = ["--model", str(job / "model"), "--prompt-dir", str(job / "in"), "--max-tokens", "64", "--threads", "1",
+              "--ram-budget", "2G", "--parallel", "2"]
+    alone = colibri(*common, "--out-dir", str(job / "alone"))
+    assert alone.wait(timeout=600) == 0, alone.stderr.read()
+    want = answers(job / "alone")
+    assert len(want) == DOCUMENTS + 1
+
+    spread = colibri(*common, "--out-dir", str(job / "ray"), "--ray", "local", "--ray-actors", "2", "--json")
+    deadline = time.monotonic() + 600
+    while not list((job / "ray").glob("*.out")) and time.monotonic() < deadline and spread.poll() is None:
+        time.sleep(0.05)
+    workers = subprocess.run(["pgrep", "-f", "ray::ColibriGenerator"], capture_output=True, text=True).stdout.split()
+    assert workers, "no actor process found"
+    os.kill(int(workers[0]), signal.SIGKILL)  # one node lost mid-job
+    out, err = spread.communicate(timeout=600)
+    assert spread.returncode == 0, err
+    assert "a Ray actor died" in err  # the kill hit a chunk in flight, which the other actor then answered
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["written"] == DOCUMENTS + 1 and summary["failed"] == [] and summary["actors"] == 2
+    assert answers(job / "ray") == want
+
+
+def test_the_generator_runs_ray_data_style_batches(job):
+    from colibri.ray_batch import ColibriGenerator
+
+    generator = ColibriGenerator(str(job / "model"), parallel=3, ram_budget="2G", ctx=256)
+    batch = {"id": ["a", "b", "c", "d"], "prompt": ["Document 1: the river ", "Document 2: ", "x" * 5000, "hi"],
+             "max_tokens": [6, 4, 4, 3]}
+    out = generator(batch)
+    assert out["id"] == ["a", "b", "c", "d"] and out["generated_tokens"][:2] == [6, 4] and out["generated_tokens"][3] == 3
+    assert out["error"][2] is not None and out["text"][2] is None  # too long for the context: that row alone fails
+    alone = ColibriGenerator(str(job / "model"), parallel=1, ram_budget="2G", ctx=256)({"prompt": ["Document 2: "], "max_tokens": [4]})
+    assert alone["text"][0] == out["text"][1]
