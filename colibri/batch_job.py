@@ -96,7 +96,7 @@ def run_documents(model, todo: list[Path], out_dir: Path, sampling: dict, progre
             del running[event.sequence]
             write_answer(output_path(out_dir, path), "".join(pieces))
             written += 1
-            numbers[path.name] = mine = event.numbers
+            numbers[path.name] = mine = {**event.numbers, "finished_s": time.perf_counter() - started}
             progress.write(f"{path.name}: {mine['prompt_tokens']} prompt tokens, "
                            f"{mine['generated_tokens']} generated", file=sys.stderr)
             progress.update(1)
@@ -104,6 +104,15 @@ def run_documents(model, todo: list[Path], out_dir: Path, sampling: dict, progre
         progress.set_postfix_str(f"{generated / (time.perf_counter() - started):.2f} tok/s", refresh=False)
         top_up()
     return written, failed, numbers, scheduler.stats()
+
+
+def plan_for(model) -> dict:
+    """The plan's batch row for this job's batch size (the largest planned one not above it)."""
+    from colibri.runtime.plan import plan
+
+    p = plan(model.layout, model.budget.ram, model.ctx, model.cache.kind)
+    rows = [row for row in p["batches"] if row["batch"] <= len(model.slots)]
+    return rows[-1] if rows else {}
 
 
 def run_batch(model, args, sampling: dict, inputs: list[Path], todo: list[Path]) -> int:
@@ -118,6 +127,8 @@ def run_batch(model, args, sampling: dict, inputs: list[Path], todo: list[Path])
     skipped = len(inputs) - len(todo)
     summary = {"inputs": len(inputs), "written": written, "skipped_done": skipped, "failed": failed,
                "parallel": len(model.slots), "documents": documents, "stats": stats}
+    if args.stats:
+        write_answer(args.stats, json.dumps({**summary, "plan": plan_for(model)}, indent=1))
     rate = stats["tok_per_s"]
     print(json.dumps(summary) if args.json else
           f"batch: {len(inputs)} prompts, {written} written, {skipped} already done, {len(failed)} failed"

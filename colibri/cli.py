@@ -145,6 +145,18 @@ def run_demo(args: argparse.Namespace) -> int:
                  "--ctx", "512", "--max-tokens", str(args.max_tokens)])
 
 
+def add_report_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", metavar="TRACE.jsonl", help="routing written by colibri run --trace-routing")
+    p.add_argument("--stats", metavar="RUN.json", help="the stats colibri run --prompt-dir --stats wrote for the same run")
+    p.add_argument("-o", "--output", required=True, metavar="report.html", help="the HTML file to write")
+
+
+def report_main(args: argparse.Namespace) -> int:
+    from colibri.report import report_command
+
+    return report_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="colibri", description=__doc__)
     parser.add_argument("--version", action="version", version=f"colibri {__version__}")
@@ -170,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("smoke", "fixed-prompt baseline: --record FILE, or --compare FILE (KL, top-1, agreement, speed)", add_smoke_arguments, smoke_command),
         ("imatrix", "an importance matrix from a text (llama-imatrix's GGUF, for colibri-convert --imatrix)",
          add_imatrix_arguments, imatrix_command),
+        ("report", "a self-contained HTML report of a run: routing heat map, cache hit rate, policy replay, the job",
+         add_report_arguments, report_main),
     ):
         sub = commands.add_parser(name, help=help_text, description=help_text)
         add_arguments(sub)

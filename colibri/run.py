@@ -43,6 +43,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None,
                    help="random seed for sampling (default: random; 0 for --prompt-dir, so that a rerun reproduces each answer)")
     p.add_argument("--json", action="store_true", help="print the output and the run's numbers as one JSON object")
+    p.add_argument("--stats", type=Path, metavar="FILE",
+                   help="--prompt-dir: write the job's numbers (its summary, each document's, the plan's ceiling) "
+                        "to FILE as JSON, for colibri report")
     p.add_argument("--trace-routing", type=Path, metavar="FILE", help="write the experts chosen per token per layer (JSON lines)")
 
 

@@ -279,3 +279,21 @@ def test_an_interactive_request_is_not_kept_waiting_by_a_long_batch(client):
 
 def metrics_open(client):
     return metrics(str(client.base_url).removesuffix("/v1/"))
+
+
+def test_the_live_page_and_its_numbers(client, server):
+    client.completions.create(model="tiny", prompt="The live page", max_tokens=5, temperature=0)
+    with urllib.request.urlopen(server + "/") as r:  # the page itself holds no data: no key needed
+        page = r.read().decode()
+    assert 'id="heat-map"' in page and "/live.json" in page and "/v1/batches" in page
+    for outside in ("http://", "https://", "<link", "src="):
+        assert outside not in page
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(server + "/live.json")
+    assert refused.value.code == 401
+    request = urllib.request.Request(server + "/live.json", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request) as r:
+        live = json.loads(r.read())
+    counts = live["heat"]["counts"]
+    assert live["slots"] == 3 and live["generated_tokens"] >= 5 and live["heat"]["layers"]
+    assert len(counts) == len(live["heat"]["layers"]) and sum(map(sum, counts)) > 0

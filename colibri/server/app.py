@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import html
 import json
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from colibri.formats.safe_json import loads
@@ -45,15 +46,20 @@ async def read_json(request: HTTPRequest, limit: int = MAX_BODY_BYTES):
     return loads(b"".join(chunks), "request body", ValueError)
 
 
+OPEN_PATHS = ("/health", "/")  # answered without the API key
+
+
 class Server:
     """The app's state: the model, its engine and the name it is served under."""
 
     def __init__(self, model, name: str, api_key: str | None = None):
+        from colibri.server.live import RecentRouting
         from colibri.server.metrics import registry_for
 
         self.model, self.name, self.api_key = model, name, api_key
         self.engine = Engine(model)
         self.registry = registry_for(self.engine)
+        self.routing = model.decoder.route_log = RecentRouting(model.config.moe_layers, model.config.n_experts)
 
     def authorized(self, request: HTTPRequest) -> bool:
         if self.api_key is None:
@@ -72,6 +78,16 @@ class Server:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def live_page(self, request: HTTPRequest) -> Response:
+        from colibri.server.live import PAGE
+
+        return HTMLResponse(PAGE.replace('<span id="model"></span>', f'<span id="model">{html.escape(self.name)}</span>'))
+
+    async def live_json(self, request: HTTPRequest) -> Response:
+        from colibri.server.live import live_numbers
+
+        return JSONResponse({"model": self.name, **live_numbers(self.engine, self.routing)})
 
     async def models(self, request: HTTPRequest) -> Response:
         return JSONResponse({"object": "list", "data": [self.model_card()]})
@@ -145,6 +161,8 @@ def build_app(server: Server, extra_routes=(), closers=()):
     """The ASGI app: the routes, OpenAI-style errors, the API key check; `closers` run at
     shutdown before the engine stops."""
     routes = [
+        Route("/", server.live_page),
+        Route("/live.json", server.live_json),
         Route("/health", server.health),
         Route("/metrics", server.metrics),
         Route("/v1/models", server.models),
@@ -171,8 +189,9 @@ def build_app(server: Server, extra_routes=(), closers=()):
                     lifespan=lifespan)
 
     async def require_key(scope, receive, send):
-        """With --api-key, every route but /health answers 401 to a missing or wrong Bearer token."""
-        if scope["type"] == "http" and scope["path"] != "/health" and not server.authorized(HTTPRequest(scope)):
+        """With --api-key, every route but /health and the live page (which holds no data: it asks
+        for the key to read /live.json) answers 401 to a missing or wrong Bearer token."""
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not server.authorized(HTTPRequest(scope)):
             response = error_response(APIError(401, "Incorrect API key provided", code="invalid_api_key"))
             return await response(scope, receive, send)
         return await app(scope, receive, send)

@@ -1,0 +1,217 @@
+"""`colibri report TRACE.jsonl [--stats RUN.json] -o report.html`: what a run did, in one file.
+
+The report is self-contained HTML (inline SVG drawn here, no script, no font or link to
+fetch): a layer × expert heat map of the trace's routing counts; the expert cache's hit rate
+and the bytes it read per token over the run, replayed through the runtime's own cache index
+at the run's cache size; the policy replay (`runtime.policy_replay`, as `bench/policy.py`
+prints it) at several cache sizes beside Belady's optimum, so a bigger cache or another policy
+can be judged before buying RAM; and, given the stats a `colibri run --prompt-dir --stats`
+job wrote, the tokens generated over the job against the plan's ceiling.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+import numpy as np
+
+from colibri.runtime.expert_store import POLICIES, CacheIndex
+from colibri.runtime.policy_replay import belady, replay
+
+SHARES = (0.05, 0.1, 0.25, 0.5)  # cache sizes of the policy replay, as shares of the trace's distinct experts
+WINDOW = 16  # tokens the hit rate over time is averaged over
+
+
+class ReportError(ValueError):
+    """A trace or stats file that cannot be reported; the message names it."""
+
+
+def read_records(path: Path) -> list[dict]:
+    """The trace's lines ({"position", "layer", "experts"}), checked."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+                layer, experts = int(record["layer"]), [int(e) for e in record["experts"]]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ReportError(f"{path}: line {number} is not a routing record ({type(e).__name__}: {e})") from None
+            if layer < 0 or any(e < 0 for e in experts):
+                raise ReportError(f"{path}: line {number} has a negative layer or expert")
+            records.append({"layer": layer, "experts": experts})
+    if not records:
+        raise ReportError(f"{path}: no routing records (write one with colibri run --trace-routing)")
+    return records
+
+
+def heat_counts(records: list[dict]) -> tuple[list[int], np.ndarray]:
+    """(the MoE layers in order, counts [layer, expert]: how often each expert was chosen)."""
+    layers = sorted({r["layer"] for r in records})
+    row = {layer: i for i, layer in enumerate(layers)}
+    counts = np.zeros((len(layers), max(e for r in records for e in r["experts"]) + 1), np.int64)
+    for r in records:
+        np.add.at(counts[row[r["layer"]]], r["experts"], 1)
+    return layers, counts
+
+
+def tokens_of(records: list[dict]) -> list[list[list[tuple[int, int]]]]:
+    """The trace cut into tokens (a token's requests run through the layers in order; the
+    layer index going down starts the next), each request a layer's (layer, expert) keys."""
+    tokens, previous = [], None
+    for r in records:
+        if previous is None or r["layer"] <= previous:
+            tokens.append([])
+        tokens[-1].append([(r["layer"], e) for e in r["experts"]])
+        previous = r["layer"]
+    return tokens
+
+
+def hit_rate_over_time(tokens, capacity: int, policy: str = "lru") -> tuple[list[float], list[int]]:
+    """Per token: the hit rate of its lookups and its misses, replayed at `capacity` experts."""
+    index, rates, misses = CacheIndex(capacity, policy), [], []
+    for token in tokens:
+        hits, missed = index.hits, index.misses
+        for request in token:
+            index.place(request)
+        lookups = index.hits - hits + index.misses - missed
+        rates.append((index.hits - hits) / max(lookups, 1))
+        misses.append(index.misses - missed)
+    return rates, misses
+
+
+def policy_table(requests, distinct: int) -> list[dict]:
+    """bench/policy.py's rows for this trace: each policy and Belady at each share of SHARES."""
+    rows = []
+    for share in SHARES:
+        capacity = max(1, int(distinct * share))
+        rows.append({"cache_share": share, "cache_experts": capacity,
+                     **{p: replay(requests, capacity, p) for p in POLICIES}, "belady": belady(requests, capacity)})
+    return rows
+
+
+def _heat_svg(layers: list[int], counts: np.ndarray) -> str:
+    cell_w, cell_h = max(2, 900 // max(counts.shape[1], 1)), max(3, 480 // max(len(layers), 1))
+    width, height = 40 + cell_w * counts.shape[1], 20 + cell_h * len(layers)
+    scale = np.log1p(counts) / max(np.log1p(counts.max()), 1e-9)
+    cells = []
+    for i, layer in enumerate(layers):
+        for e in np.flatnonzero(counts[i]):
+            shade = int(255 - 215 * scale[i, e])
+            cells.append(f'<rect x="{40 + e * cell_w}" y="{i * cell_h}" width="{cell_w}" height="{cell_h}" '
+                         f'fill="rgb({shade},{shade},255)"><title>layer {layer} expert {e}: {counts[i, e]}</title></rect>')
+    labels = "".join(f'<text x="36" y="{i * cell_h + cell_h}" font-size="{min(cell_h, 10)}" text-anchor="end">{layer}</text>'
+                     for i, layer in enumerate(layers) if len(layers) <= 64 or i % 4 == 0)
+    return (f'<svg id="heat-map" width="{width}" height="{height}" role="img" aria-label="routing heat map">'
+            f'<rect x="40" y="0" width="{width - 40}" height="{cell_h * len(layers)}" fill="white" stroke="#ccc"/>'
+            f'{"".join(cells)}{labels}<text x="40" y="{height - 4}" font-size="11">expert 0 .. {counts.shape[1] - 1} →'
+            f'</text></svg>')
+
+
+def _line_svg(ident: str, series: list[tuple[str, list[float]]], y_label: str, x_label: str,
+              level: float | None = None) -> str:
+    """A line chart of equal-length series (name, values) over their index; `level`, a
+    horizontal reference line."""
+    width, height, pad = 900, 220, 40
+    top = max([max(values, default=0) for _, values in series] + [level or 0, 1e-9])
+    count = max(len(values) for _, values in series)
+    colours = ("#1f5fbf", "#c0392b", "#27ae60")
+
+    def point(i, v):
+        return f"{pad + (width - 2 * pad) * i / max(count - 1, 1):.1f},{height - pad - (height - 2 * pad) * v / top:.1f}"
+
+    lines = [f'<polyline fill="none" stroke="{colours[k % 3]}" stroke-width="1.5" points="'
+             + " ".join(point(i, v) for i, v in enumerate(values)) + f'"><title>{html.escape(name)}</title></polyline>'
+             for k, (name, values) in enumerate(series)]
+    if level is not None:
+        lines.append(f'<line x1="{pad}" x2="{width - pad}" y1="{point(0, level).split(",")[1]}" '
+                     f'y2="{point(0, level).split(",")[1]}" stroke="#888" stroke-dasharray="4 3"/>')
+    legend = " · ".join(html.escape(name) for name, _ in series)
+    return (f'<svg id="{ident}" width="{width}" height="{height}" role="img" aria-label="{html.escape(y_label)}">'
+            f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="#000"/>'
+            f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="#000"/>{"".join(lines)}'
+            f'<text x="{pad}" y="{pad - 8}" font-size="11">{html.escape(y_label)} (top {top:.3g}) — {legend}</text>'
+            f'<text x="{width - pad}" y="{height - 10}" font-size="11" text-anchor="end">{html.escape(x_label)}</text></svg>')
+
+
+def build_report(trace: Path, stats: dict | None = None) -> tuple[str, dict]:
+    """(the HTML, the numbers drawn in it)."""
+    records = read_records(trace)
+    layers, counts = heat_counts(records)
+    tokens = tokens_of(records)
+    requests = [request for token in tokens for request in token]
+    distinct = int(np.count_nonzero(counts))
+    capacity = int(stats["stats"]["expert_cache_slots"]) if stats else max(1, distinct // 4)
+    rates, misses = hit_rate_over_time(tokens, capacity)
+    per_miss = stats["stats"]["expert_bytes_read"] / max(stats["stats"]["expert_misses"], 1) if stats else None
+    numbers = {"layers": layers, "counts": counts.tolist(), "tokens": len(tokens), "cache_experts": capacity,
+               "hit_rate_per_token": rates, "misses_per_token": misses,
+               "policies": policy_table(requests, distinct)}
+    window = [float(np.mean(rates[max(0, i - WINDOW + 1):i + 1])) for i in range(len(rates))]
+    parts = [f"<h1>colibri report: {html.escape(trace.name)}</h1>",
+             f"<p>{len(tokens)} tokens × {len(layers)} MoE layers, {distinct} distinct experts chosen.</p>",
+             "<h2>Routing: how often each expert was chosen</h2>", _heat_svg(layers, counts),
+             f"<h2>Expert cache over the run (LRU replay at {capacity} experts)</h2>",
+             _line_svg("hit-rate", [(f"hit rate, mean of {WINDOW} tokens", window)], "hit rate", "token"),
+             _line_svg("bytes-read", [("MB read per token" if per_miss else "misses per token",
+                                       [m * per_miss / 1e6 if per_miss else m for m in misses])],
+                       "MB read per token" if per_miss else "expert misses per token", "token"),
+             "<h2>What another cache size or policy would give (replay of this trace)</h2>",
+             _policy_html(numbers["policies"])]
+    if stats:
+        parts += _job_html(stats, numbers)
+    page = ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>colibri report</title><style>"
+            "body{font-family:sans-serif;margin:2em;max-width:1000px}table{border-collapse:collapse}"
+            "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}</style></head><body>"
+            + "".join(parts) + "</body></html>")
+    return page, numbers
+
+
+def _policy_html(rows: list[dict]) -> str:
+    head = "".join(f"<th>{p}</th>" for p in POLICIES)
+    body = "".join(f"<tr><td>{r['cache_share']:.0%} ({r['cache_experts']} experts)</td>"
+                   + "".join(f"<td>{r[p]:.1%}</td>" for p in POLICIES) + f"<td>{r['belady']:.1%}</td></tr>" for r in rows)
+    return f'<table id="policies"><tr><th>cache</th>{head}<th>Belady (best possible)</th></tr>{body}</table>'
+
+
+def _job_html(stats: dict, numbers: dict) -> list[str]:
+    """The job's tokens over time, its tok/s and the plan's ceiling for its batch size."""
+    documents = sorted(stats.get("documents", {}).values(), key=lambda d: d.get("finished_s") or 0)
+    done, total = [], 0
+    for d in documents:
+        total += d["generated_tokens"]
+        done.append(total)
+    seconds = max((d.get("finished_s") or 0 for d in documents), default=0)
+    rate = total / seconds if seconds else None
+    plan = stats.get("plan") or {}
+    numbers.update(job_tok_per_s=rate, plan=plan)
+    predicted = plan.get("memory_ceiling_tok_per_s")
+    line = (f"<p>{len(documents)} documents, {total} tokens generated in {seconds:.0f} s: "
+            f"<b>{rate:.2f} tok/s</b>" if rate else "<p>no documents finished") + (
+        f"; the plan's ceiling for {plan.get('batch')} sequences at once: {predicted:.2f} tok/s in RAM"
+        + (f", {plan['disk_ceiling_tok_per_s']:.2f} disk-bound" if plan.get("disk_ceiling_tok_per_s") else "")
+        if predicted else "") + ".</p>"
+    return ["<h2>The job</h2>", line,
+            _line_svg("job-tokens", [("tokens generated, cumulative, by document finished", [float(v) for v in done])],
+                      "tokens", "documents finished")]
+
+
+def report_command(args) -> int:
+    stats = None
+    if args.stats:
+        try:
+            stats = json.loads(Path(args.stats).read_text())
+            stats["stats"]["expert_cache_slots"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"colibri report: error: {args.stats}: not the stats of a colibri run --stats "
+                             f"({type(e).__name__}: {e})") from None
+    try:
+        page, _ = build_report(Path(args.trace), stats)
+    except (OSError, ReportError) as e:
+        raise SystemExit(f"colibri report: error: {e}") from None
+    partial = Path(str(args.output) + ".partial")
+    partial.write_text(page, encoding="utf-8")
+    partial.replace(args.output)
+    print(f"report written to {args.output}")
+    return 0
