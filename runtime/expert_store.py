@@ -199,6 +199,7 @@ class ExpertStore:
         self.expert_count = sum(t.count for t in self.tables.values())
         capacity = min(cache_bytes // self.slot_bytes, self.expert_count) if self.slot_bytes else 0
         self.mapped: dict[int, MappedExperts] = {}
+        self.uncached: list[Key] = []  # mapped records the last fetch used without a cache slot
         if io == "mmap":
             self.mapped = {layer: MappedExperts(layout.check_size(t.file), t) for layer, t in self.tables.items()}
         self.index = CacheIndex(capacity, policy, on_evict=self._release if self.mapped else None)
@@ -255,6 +256,8 @@ class ExpertStore:
         in file order, experts being read ahead are waited for. A row stays valid until the
         next `fetch` or `prefetch`."""
         keys = [(layer, int(e)) for e in experts]
+        if self.uncached:
+            self._release_uncached()
         with self.lock:  # all cached, none read ahead for this lookup: only the bookkeeping
             if not self.pending and self.known_reads.isdisjoint(keys) and self.unused_prefetches.isdisjoint(keys):
                 cached = self.index.hit_slots(keys)
@@ -276,6 +279,8 @@ class ExpertStore:
         for key, slot, hit in placed:
             if self.mapped:
                 slots[key] = key[1]  # the record's row in its mapped file
+                if slot is None:
+                    self.uncached.append(key)
             else:
                 slots[key] = next(scratch) if slot is None else slot
             if not hit:
@@ -359,6 +364,15 @@ class ExpertStore:
 
     def _release(self, key: Key) -> None:
         self.mapped[key[0]].release(key[1])
+
+    def _release_uncached(self) -> None:
+        """Unmap the records the last fetch mapped without a cache slot (its rows were valid
+        until this fetch), unless they have been cached since."""
+        with self.lock:
+            for key in self.uncached:
+                if key not in self.index.slot_of:
+                    self._release(key)
+            self.uncached.clear()
 
     def resident_bytes(self) -> int | None:
         """Bytes of the expert records mapped into this process (`mmap` only; None otherwise)."""

@@ -59,6 +59,20 @@ def test_mapped_experts_stay_inside_the_budget_over_a_long_run(model):
         m.close()
 
 
+def test_without_an_expert_cache_only_the_last_fetch_stays_mapped(model):
+    from colibri.runtime import open_model
+
+    m = open_model(model, ctx=256, ram_budget="8G", expert_cache=0, io="mmap")
+    try:
+        token = int(np.argmax(m.prefill([5, 9, 2, 7])[-1]))
+        for _ in range(100):
+            token = int(np.argmax(m.decode(token)))
+        assert m.store.index.capacity == 0 and m.stats()["expert_misses"] > 0
+        assert m.store.resident_bytes() <= m.config.n_experts_used * m.store.slot_bytes
+    finally:
+        m.close()
+
+
 def test_a_restarted_process_finds_the_mapped_experts_warm(model):
     """A process killed without closing leaves its experts in the page cache; the next one
     finds them in the page cache before it reads anything."""
