@@ -52,6 +52,15 @@ def _clip(values, limit):
 
 
 @numba.njit(cache=True, nogil=True)
+def _fill_pair(h, a_act, b_act, b_distinct):
+    """h [1, cols] quantized for two products of it: into a's activation, and into b's when
+    it is not the same one."""
+    fill_activation(a_act, h, 0, h.shape[1])
+    if b_distinct:
+        fill_activation(b_act, h, 0, h.shape[1])
+
+
+@numba.njit(cache=True, nogil=True)
 def _share_of_one(t, nthreads, matrix, act, out, cols):
     """Thread t's contiguous share of the rows of one product (matrix: (tag, weights, row bytes))."""
     tag, w, nbytes = matrix
@@ -126,9 +135,7 @@ def _latent_query_kernel(x, attn_norm, eps, h, first, first_act, first_out, kv_a
     q_b arguments are not read)."""
     rms_norm_into(x, attn_norm, eps, h)
     cols = h.shape[1]
-    fill_activation(first_act, h, 0, cols)
-    if kv_distinct:
-        fill_activation(kv_act, h, 0, cols)
+    _fill_pair(h, first_act, kv_act, kv_distinct)
     for t in prange(nthreads):
         _share_of_two(t, nthreads, cols, first, first_act, first_out, kv_a, kv_act, compressed)
     if lora:
@@ -188,9 +195,7 @@ def _output_kernel(per_head, contexts, heads_matrix, heads_act, stride, first, a
 def _ffn_kernel(h, gate, gate_act, up, up_act, up_distinct, gate_out, up_out, down, down_act, out, nthreads):
     """out = down(silu(gate(h)) * up(h)) for h [1, hidden]."""
     cols = h.shape[1]
-    fill_activation(gate_act, h, 0, cols)
-    if up_distinct:
-        fill_activation(up_act, h, 0, cols)
+    _fill_pair(h, gate_act, up_act, up_distinct)
     for t in prange(nthreads):
         _share_of_two(t, nthreads, cols, gate, gate_act, gate_out, up, up_act, up_out)
     silu_times_rows(gate_out, up_out, 0, 1)

@@ -60,6 +60,16 @@ def int4_checkpoint(src, dst, group=32, shape_of=None):
     return held
 
 
+def with_floats(src, dst, held: dict):
+    """A copy of checkpoint `src` whose tensors named in `held` store those float32 values."""
+    shutil.copytree(src, dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(dst / shard)
+        save_file({n: held.get(n, d) for n, d in tensors.items()}, dst / shard)
+    return dst
+
+
 @pytest.fixture
 def int4(checkpoint, tmp_path):
     src = checkpoint("kimi_k2", dtype="f32")
@@ -84,12 +94,7 @@ def test_int4_experts_become_q4_0_with_the_same_values(int4, tmp_path):
 
 def test_logits_are_those_of_the_same_values_in_float(int4, tmp_path):
     src, source, held = int4
-    plain = tmp_path / "plain"
-    shutil.copytree(src, plain)
-    index = json.loads((plain / "model.safetensors.index.json").read_text())
-    for shard in sorted(set(index["weight_map"].values())):
-        tensors = load_file(plain / shard)
-        save_file({n: held.get(n, d) for n, d in tensors.items()}, plain / shard)
+    plain = with_floats(src, tmp_path / "plain", held)
     convert(str(source), tmp_path / "q", ConvertOptions(progress=False, quant="F32"))
     convert(str(plain), tmp_path / "f", ConvertOptions(progress=False, quant="F32"))
     assert {m.encoding for t in ModelLayout(tmp_path / "q").expert_layers.values() for m in t.matrices.values()} == {"Q4_0"}
@@ -217,14 +222,10 @@ def test_fp8_attention_converts_to_the_values_it_holds(int4, tmp_path):
     from gguf_checks import model_bytes
 
     _, source, _ = int4
-    plain = tmp_path / "plain"
-    shutil.copytree(source, plain)
+    shutil.copytree(source, tmp_path / "before")
     held = fp8_attention(source, lambda name: "tensor" if "o_proj" in name else "channel")
     assert held
-    index = json.loads((plain / "model.safetensors.index.json").read_text())
-    for shard in sorted(set(index["weight_map"].values())):
-        tensors = load_file(plain / shard)
-        save_file({n: held.get(n, d) for n, d in tensors.items()}, plain / shard)
+    plain = with_floats(tmp_path / "before", tmp_path / "plain", held)
     convert(str(source), tmp_path / "a", ConvertOptions(progress=False, quant="F32"))
     convert(str(plain), tmp_path / "b", ConvertOptions(progress=False, quant="F32"))
     assert model_bytes(tmp_path / "a") == model_bytes(tmp_path / "b")
