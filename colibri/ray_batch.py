@@ -105,7 +105,8 @@ def run_prompt_dir(args, sampling: dict, inputs: list[Path], todo: list[Path], o
     ray.init(address=_address(args.ray), log_to_driver=False, include_dashboard=False)
     try:
         count = args.ray_actors or len([n for n in ray.nodes() if n.get("Alive")])
-        worker = ray.remote(num_cpus=0)(ColibriGenerator)
+        # no CPU reservation (the engine sets its own threads), spread: one actor per node
+        worker = ray.remote(num_cpus=0, scheduling_strategy="SPREAD")(ColibriGenerator)
         actors = [worker.remote(str(args.model), parallel=parallel, **open_options) for _ in range(count)]
         written, failed, started = _dispatch(ray, actors, todo, parallel, limit, sampling, args.out_dir)
     finally:

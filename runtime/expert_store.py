@@ -252,9 +252,9 @@ class ExpertStore:
         return max(self.index.capacity - pending, self.slab.shape[0] - self.index.capacity, 1)
 
     def fetch(self, layer: int, experts) -> np.ndarray:
-        """Slab rows holding `experts` of `layer`, in the order asked (int64); misses are read
-        in file order, experts being read ahead are waited for. A row stays valid until the
-        next `fetch` or `prefetch`."""
+        """Rows of `records(layer)` holding `experts` of `layer`, in the order asked (int64);
+        misses are read in file order, experts being read ahead are waited for. A row stays
+        valid until the next `fetch` or `prefetch`."""
         keys = [(layer, int(e)) for e in experts]
         if self.uncached:
             self._release_uncached()
