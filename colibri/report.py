@@ -202,10 +202,11 @@ def report_command(args) -> int:
     if args.stats:
         try:
             stats = json.loads(Path(args.stats).read_text())
-            stats["stats"]["expert_cache_slots"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise SystemExit(f"colibri report: error: {args.stats}: not the stats of a colibri run --stats "
-                             f"({type(e).__name__}: {e})") from None
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"colibri report: error: {args.stats}: {e}") from None
+        if not isinstance(stats, dict) or not isinstance(stats.get("stats"), dict) \
+                or not isinstance(stats["stats"].get("expert_cache_slots"), int):
+            raise SystemExit(f"colibri report: error: {args.stats}: not the stats a colibri run --prompt-dir --stats wrote")
     try:
         page, _ = build_report(Path(args.trace), stats)
     except (OSError, ReportError) as e:

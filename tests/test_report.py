@@ -80,3 +80,6 @@ def test_a_bad_trace_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit, match=r"t.jsonl: line 2 is not a routing record"):
         main(["report", str(tmp_path / "t.jsonl"), "-o", str(tmp_path / "r.html")])
     assert not (tmp_path / "r.html").exists()
+    (tmp_path / "s.json").write_text('{"stats": {}}')
+    with pytest.raises(SystemExit, match=r"s.json: not the stats a colibri run --prompt-dir --stats wrote"):
+        main(["report", str(tmp_path / "t.jsonl"), "--stats", str(tmp_path / "s.json"), "-o", str(tmp_path / "r.html")])
