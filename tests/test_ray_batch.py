@@ -65,13 +65,13 @@ def test_a_ray_job_gives_the_single_machine_answers_once_each_even_when_an_actor
 def test_the_generator_runs_ray_data_style_batches(job):
     from colibri.ray_batch import ColibriGenerator
 
-    generator = ColibriGenerator(str(job / "model"), parallel=3, ram_budget="2G", ctx=256)
+    generator = ColibriGenerator(str(job / "model"), parallel=3, ram_budget="8G", ctx=256)
     batch = {"id": ["a", "b", "c", "d"], "prompt": ["Document 1: the river ", "Document 2: ", "x" * 5000, "hi"],
              "max_tokens": [6, 4, 4, 3]}
     out = generator(batch)
     assert out["id"] == ["a", "b", "c", "d"] and out["generated_tokens"][:2] == [6, 4] and out["generated_tokens"][3] == 3
     assert out["error"][2] is not None and out["text"][2] is None  # too long for the context: that row alone fails
-    alone = ColibriGenerator(str(job / "model"), parallel=1, ram_budget="2G", ctx=256)({"prompt": ["Document 2: "], "max_tokens": [4]})
+    alone = ColibriGenerator(str(job / "model"), parallel=1, ram_budget="8G", ctx=256)({"prompt": ["Document 2: "], "max_tokens": [4]})
     assert alone["text"][0] == out["text"][1]
 
 
@@ -83,12 +83,12 @@ def test_ray_data_map_batches_runs_the_generator_on_an_actor_pool(job):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         rows = ray.data.from_items([{"id": i, "prompt": p, "max_tokens": 5} for i, p in enumerate(prompts)]).map_batches(
-            ColibriGenerator, fn_constructor_kwargs={"model": str(job / "model"), "parallel": 3, "ram_budget": "2G",
+            ColibriGenerator, fn_constructor_kwargs={"model": str(job / "model"), "parallel": 3, "ram_budget": "8G",
                                                      "ctx": 256, "threads": 1},
             concurrency=2, batch_size=3, num_cpus=0).take_all()
     finally:
         ray.shutdown()
-    alone = ColibriGenerator(str(job / "model"), parallel=1, ram_budget="2G", ctx=256)
+    alone = ColibriGenerator(str(job / "model"), parallel=1, ram_budget="8G", ctx=256)
     want = alone({"prompt": prompts, "max_tokens": [5] * len(prompts)})["text"]
     assert sorted((row["id"], row["text"], row["generated_tokens"]) for row in rows) == \
         [(i, text, 5) for i, text in enumerate(want)]

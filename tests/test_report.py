@@ -25,7 +25,7 @@ def job(tmp_path_factory):
     for i in range(6):
         (root / "in" / f"doc{i}.txt").write_text(f"Document {i}: " + "the mill " * (i + 1))
     assert main(["run", "--model", str(root / "model"), "--prompt-dir", str(root / "in"), "--out-dir", str(root / "out"),
-                 "--max-tokens", "12", "--parallel", "3", "--expert-cache", "300K", "--ram-budget", "2G",
+                 "--max-tokens", "12", "--parallel", "3", "--expert-cache", "300K", "--ram-budget", "8G",
                  "--trace-routing", str(root / "trace.jsonl"), "--stats", str(root / "stats.json")]) == 0
     assert main(["report", str(root / "trace.jsonl"), "--stats", str(root / "stats.json"), "-o", str(root / "r.html")]) == 0
     return root
