@@ -60,6 +60,10 @@ def test_a_ray_job_gives_the_single_machine_answers_once_each_even_when_an_actor
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["written"] == DOCUMENTS + 1 and summary["failed"] == [] and summary["actors"] == 2
     assert answers(job / "ray") == want
+    again = colibri(*common, "--out-dir", str(job / "ray"), "--ray", "local", "--ray-actors", "2", "--json")
+    out, err = again.communicate(timeout=600)
+    assert again.returncode == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["skipped_done"] == DOCUMENTS + 1 and answers(job / "ray") == want
 
 
 def test_the_generator_runs_ray_data_style_batches(job):

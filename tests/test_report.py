@@ -75,6 +75,14 @@ def test_the_report_is_self_contained(job):
         assert outside not in page
 
 
+def test_without_stats_the_cache_is_replayed_at_a_quarter_of_the_experts(job):
+    from colibri.report import build_report
+
+    page, numbers = build_report(job / "trace.jsonl")
+    distinct = int(np.count_nonzero(numbers["counts"]))
+    assert numbers["cache_experts"] == distinct // 4 and 'id="heat-map"' in page and 'id="job-tokens"' not in page
+
+
 def test_a_bad_trace_is_one_line(tmp_path, capsys):
     (tmp_path / "t.jsonl").write_text('{"layer": 0, "experts": [1, 2]}\n{"layer": "x"}\n')
     with pytest.raises(SystemExit, match=r"t.jsonl: line 2 is not a routing record"):
