@@ -156,8 +156,8 @@ def io_choice(container_limit: int | None) -> dict:
                                  f"counts against it, and O_DIRECT keeps expert reads out of it (mmap with an "
                                  f"--expert-cache well inside the limit is the other safe choice)")
     else:
-        choice, why = DEFAULT_IO, "no container memory limit found: the default, fastest where the experts outgrow RAM " \
-                                  "(bench/RESULTS.md)"
+        choice, why = DEFAULT_IO, "no container memory limit found: the default, fastest or tied in every regime " \
+                                  "bench/decode.py measured"
     return {"recommended": choice, "why": why, "modes": dict(IO_MODES), "container_memory_limit": container_limit}
 
 
