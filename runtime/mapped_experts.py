@@ -46,7 +46,7 @@ class MappedExperts:
             table.count, table.stride)
 
     def _range(self, expert: int) -> tuple[int, int]:
-        """(start, length) of expert's record, in whole pages (fadvise drops whole pages only)."""
+        """(start, length) of expert's record in the mapping, in whole pages (as madvise takes them)."""
         return self.table.offset + expert * self.table.stride, -(-self.table.expert_bytes // PAGE) * PAGE
 
     def populate(self, expert: int, kept) -> None:
