@@ -10,7 +10,6 @@ page asks for the key once and sends it as the API does.
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 
 import numpy as np
@@ -42,14 +41,10 @@ class RecentRouting:
 
 
 def live_numbers(engine, routing: RecentRouting) -> dict:
-    counters, store = engine.scheduler.counters, engine.model.store.stats()
-    busy = counters["seconds"]
-    return {"active": engine.active(), "queued": engine.waiting(), "slots": len(engine.model.slots),
-            "generated_tokens": counters["generated_tokens"], "prompt_tokens": counters["prompt_tokens"],
-            "tok_per_s": counters["generated_tokens"] / busy if busy else 0.0,
-            "uptime_s": time.monotonic() - engine.started, "expert_hit_rate": store["expert_hit_rate"],
-            "expert_bytes_read": store["expert_bytes_read"], "io": store["io"],
-            "heat": {"layers": routing.layers, "counts": routing.counts(), "steps": RECENT_STEPS}}
+    """`/live.json`: the engine's numbers (`/metrics`' own) and the recent routing."""
+    from colibri.server.metrics import engine_numbers
+
+    return {**engine_numbers(engine), "heat": {"layers": routing.layers, "counts": routing.counts(), "steps": RECENT_STEPS}}
 
 
 PAGE = """<!DOCTYPE html>
