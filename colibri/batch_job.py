@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import sys
 import time
 import traceback
@@ -19,9 +18,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from colibri.formats.layout import write_atomic
 from colibri.prompt_dir import check_folders, output_path, prompt_files, read_prompt
 
-PARTIAL_SUFFIX = ".partial"
+PARTIAL_SUFFIX = ".partial"  # what write_atomic writes beside its target
 LOCK_NAME = ".colibri-run.lock"
 
 
@@ -36,13 +36,8 @@ def pending_documents(prompt_dir: Path, out_dir: Path) -> tuple[list[Path], list
 
 
 def write_answer(target: Path, text: str) -> None:
-    """`text` in `target`, all or nothing: written beside it, synced, then renamed over it."""
-    partial = target.with_name(target.name + PARTIAL_SUFFIX)
-    with open(partial, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    partial.replace(target)
+    """`text` in `target`, all or nothing: written beside it (NAME.partial), synced, then renamed over it."""
+    write_atomic(target, text.encode("utf-8"))
 
 
 def lock_out_dir(out_dir: Path):

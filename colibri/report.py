@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri.formats.layout import write_atomic
 from colibri.runtime.expert_store import POLICIES, CacheIndex
 from colibri.runtime.policy_replay import belady, replay
 
@@ -211,8 +212,6 @@ def report_command(args) -> int:
         page, _ = build_report(Path(args.trace), stats)
     except (OSError, ReportError) as e:
         raise SystemExit(f"colibri report: error: {e}") from None
-    partial = Path(str(args.output) + ".partial")
-    partial.write_text(page, encoding="utf-8")
-    partial.replace(args.output)
+    write_atomic(Path(args.output), page.encode("utf-8"))
     print(f"report written to {args.output}")
     return 0
