@@ -269,12 +269,11 @@ class MoE:
         self.last_route = ids, weights
         if self.observe is not None:
             self.observe(self, h, ids)
-        records = self.store.records(self.layer)
         if h.shape[0] == 1 and not batch_invariant:
             self.last_distinct = ids.shape[1]  # a row's top-k are distinct experts
             slots = self.store.fetch(self.layer, ids[0])
             self.prefetch_next(h, ids[0])
-            return self.experts(records, slots, h[0], weights[0])[None, :]
+            return self.experts(self.store.records(self.layer), slots, h[0], weights[0])[None, :]
         return self.apply_rows(h, ids, weights)
 
     def apply_rows(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -290,7 +289,7 @@ class MoE:
         self.last_distinct = experts.size
         starts = np.append(starts, order.size).astype(np.int64)
         rows, routed = (order // ids.shape[1]).astype(np.int64), weights.reshape(-1)[order].astype(np.float32)
-        grouped = self.experts.groupable(acts)
+        grouped, records = self.experts.groupable(acts), self.store.records(self.layer)
         at_once = max(self.store.most_per_fetch() // 2, 1) if grouped else 1
         for first in range(0, experts.size, at_once):
             stop = min(first + at_once, experts.size)
@@ -300,11 +299,9 @@ class MoE:
                                     in_use={(self.layer, int(e)) for e in experts[first:stop]})
             mine, mixed = rows[starts[first]:starts[stop]], routed[starts[first]:starts[stop]]
             if grouped:
-                self.experts.grouped(self.store.records(self.layer), slots, starts[first:stop + 1] - starts[first], mine,
-                                     mixed, acts, out)
+                self.experts.grouped(records, slots, starts[first:stop + 1] - starts[first], mine, mixed, acts, out)
             else:
-                y = self.experts.batch(self.store.records(self.layer)[slots[0]], self.experts.rows_of(acts, mine),
-                                       mine.size)
+                y = self.experts.batch(records[slots[0]], self.experts.rows_of(acts, mine), mine.size)
                 kernels.add_weighted_rows(out, mine, y, mixed)
         return out
 

@@ -273,7 +273,6 @@ def _rows_times_overload(tag, w, first, stop, row_nbytes, cols, act, out):
     return float_impl
 
 
-
 @_njit
 def rows_per_head(t, nthreads, tag, w, row_nbytes, cols, act, heads, stride, first, out):
     """Thread t's share of a product with a slice of the matrix per head, out [heads, n, rows]:
