@@ -108,7 +108,8 @@ def run_prompt_dir(args, sampling: dict, inputs: list[Path], todo: list[Path], o
         # no CPU reservation (the engine sets its own threads), spread: one actor per node
         worker = ray.remote(num_cpus=0, scheduling_strategy="SPREAD")(ColibriGenerator)
         actors = [worker.remote(str(args.model), parallel=parallel, **open_options) for _ in range(count)]
-        written, failed, started = _dispatch(ray, actors, todo, parallel, limit, sampling, args.out_dir)
+        started = time.perf_counter()
+        written, failed = _dispatch(ray, actors, todo, parallel, limit, sampling, args.out_dir)
     finally:
         ray.shutdown()
         lock.close()
@@ -121,37 +122,45 @@ def run_prompt_dir(args, sampling: dict, inputs: list[Path], todo: list[Path], o
     return 1 if failed else 0
 
 
-def _dispatch(ray, actors: list, todo: list[Path], parallel: int, limit: int, sampling: dict, out_dir: Path):
-    """Give each idle actor the next `parallel` documents until all are answered; a chunk whose
-    actor died goes back to the queue for the others. Returns (written, failed names, start)."""
-    started, failed, chunk = time.perf_counter(), [], []
-    queue: deque[list[tuple[Path, object]]] = deque()
-    for path in todo:
-        try:
-            chunk.append((path, read_prompt(path, limit)))
-        except Exception as e:  # one bad prompt must not stop the night's job
-            failed.append(path.name)
-            print(f"{path.name}: failed: {type(e).__name__}: {e}", file=sys.stderr)
-        if len(chunk) == parallel:
-            queue.append(chunk)
-            chunk = []
-    if chunk:
-        queue.append(chunk)
+def _dispatch(ray, actors: list, todo: list[Path], parallel: int, limit: int, sampling: dict,
+              out_dir: Path) -> tuple[int, list[str]]:
+    """Give each idle actor the next `parallel` documents (read only then) until all are
+    answered; a chunk whose actor died goes back to the front for the others. Returns
+    (written, failed names)."""
+    documents, retry, failed = iter(todo), deque(), []
+
+    def next_chunk() -> list[tuple[Path, object]]:
+        if retry:
+            return retry.popleft()
+        chunk = []
+        for path in documents:
+            try:
+                chunk.append((path, read_prompt(path, limit)))
+            except Exception as e:  # one bad prompt must not stop the night's job
+                failed.append(path.name)
+                print(f"{path.name}: failed: {type(e).__name__}: {e}", file=sys.stderr)
+            if len(chunk) == parallel:
+                break
+        return chunk
+
     idle, running, written = list(actors), {}, 0
-    while queue or running:
-        while queue and idle:
-            actor, work = idle.pop(), queue.popleft()
+    while True:
+        while idle and (work := next_chunk()):
+            actor = idle.pop()
             rows = [{"prompt" if isinstance(p, str) else "messages": p, **sampling} for _, p in work]
             running[actor.generate.remote(rows)] = actor, work
         if not running:
-            raise SystemExit(f"colibri run: error: every Ray actor died; {sum(map(len, queue))} documents left")
+            if not idle and next_chunk():
+                raise SystemExit("colibri run: error: every Ray actor died with documents left; rerun the same "
+                                 "command to answer them")
+            return written, failed
         done, _ = ray.wait(list(running), num_returns=1)
         actor, work = running.pop(done[0])
         try:
             results = ray.get(done[0])
         except ray.exceptions.RayActorError as e:
             print(f"a Ray actor died ({type(e).__name__}); its {len(work)} documents go to the others", file=sys.stderr)
-            queue.appendleft(work)
+            retry.appendleft(work)
             continue
         idle.append(actor)
         for (path, _), result in zip(work, results):
@@ -164,4 +173,3 @@ def _dispatch(ray, actors: list, todo: list[Path], parallel: int, limit: int, sa
                 written += 1
                 print(f"{path.name}: {result['prompt_tokens']} prompt tokens, {result['generated_tokens']} generated",
                       file=sys.stderr)
-    return written, failed, started
