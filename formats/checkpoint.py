@@ -206,7 +206,7 @@ class Checkpoint:
                 "<i4" if entry.dtype == "I32" else "<i8"))
         except PackedWeightError as e:
             raise CheckpointError(str(e)) from None
-        problem = compressed_tensors.scheme_problem(self.config) if self.packed else None
+        problem = compressed_tensors.scheme_problem(self.config)  # INT4 and FP8 schemes alike
         if problem:
             raise CheckpointError(f"{config_path}: {problem}")
         self.parts: dict[str, TensorEntry] = {}  # the tensors a packed weight consists of

@@ -240,3 +240,19 @@ def test_other_fp8_schemes_are_refused_naming_the_setting(int4, capsys):
     assert convert_main([str(source), str(source.parent / "out"), "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert "group group_1: float weights of 8 bits, strategy 'block', blocks [64, 64]" in err
+
+
+def test_an_fp8_only_checkpoint_has_its_scheme_checked_too(checkpoint, tmp_path, capsys):
+    """No packed INT4 in it (a compressed-tensors FP8 checkpoint): the scheme is still checked."""
+    source = tmp_path / "fp8"
+    shutil.copytree(checkpoint("kimi_k2", dtype="f32"), source)
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {}}
+    (source / "config.json").write_text(json.dumps(config))
+    fp8_attention(source, lambda name: "channel")
+    convert(str(source), tmp_path / "ok", ConvertOptions(progress=False, quant="F32"))  # the supported scheme converts
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_1"]["weights"].update(strategy="block", block_structure=[64, 64])
+    (source / "config.json").write_text(json.dumps(config))
+    assert convert_main([str(source), str(tmp_path / "out"), "--no-progress"]) == 1
+    assert "group group_1: float weights of 8 bits, strategy 'block', blocks [64, 64]" in capsys.readouterr().err
