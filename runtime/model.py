@@ -273,7 +273,7 @@ class MoE:
             self.last_distinct = ids.shape[1]  # a row's top-k are distinct experts
             slots = self.store.fetch(self.layer, ids[0])
             self.prefetch_next(h, ids[0])
-            return self.experts(self.store.records(self.layer), slots, h[0], weights[0])[None, :]
+            return self.experts(self.store.records(self.layer), slots, h[0], weights[0], ids[0])[None, :]
         return self.apply_rows(h, ids, weights)
 
     def apply_rows(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -299,9 +299,10 @@ class MoE:
                                     in_use={(self.layer, int(e)) for e in experts[first:stop]})
             mine, mixed = rows[starts[first]:starts[stop]], routed[starts[first]:starts[stop]]
             if grouped:
-                self.experts.grouped(records, slots, starts[first:stop + 1] - starts[first], mine, mixed, acts, out)
+                self.experts.grouped(records, slots, starts[first:stop + 1] - starts[first], mine, mixed, acts, out,
+                                     experts[first:stop].astype(np.int64))
             else:
-                y = self.experts.batch(records[slots[0]], self.experts.rows_of(acts, mine), mine.size)
+                y = self.experts.batch(records[slots[0]], self.experts.rows_of(acts, mine), mine.size, int(experts[first]))
                 kernels.add_weighted_rows(out, mine, y, mixed)
         return out
 

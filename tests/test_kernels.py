@@ -252,6 +252,48 @@ def test_attention_matches_float64_with_grouped_heads_and_a_causal_mask(stored, 
     assert relative_error(got, reference_attention(q, keys, values, start)) < 1e-5
 
 
+def windowed_attention(q, keys, values, start, first_key, window, sinks):
+    """float64 attention where query i sees the `window` positions up to its own (0: all), a
+    sink logit per head in the denominator; keys and values hold positions first_key.."""
+    n, heads, width = q.shape
+    group = heads // keys.shape[1]
+    out = np.zeros((n, heads, values.shape[2]))
+    for i in range(n):
+        position = start + i
+        lo = max(0, position - window + 1) if window else 0
+        for h in range(heads):
+            k = keys[lo - first_key:position + 1 - first_key, h // group].astype(np.float64)
+            v = values[lo - first_key:position + 1 - first_key, h // group].astype(np.float64)
+            scores = k @ q[i, h] / np.sqrt(width)
+            top = max(scores.max(), sinks[h])
+            p = np.exp(scores - top)
+            out[i, h] = p @ v / (p.sum() + np.exp(sinks[h] - top))
+    return out
+
+
+# decode, threaded and prompt attention, each with the cache holding everything or only the window
+@pytest.mark.parametrize("start, n", [(0, 1), (9, 1), (5, 4), (300, 8), (0, 40), (7, 300)])
+@pytest.mark.parametrize("window", [0, 1, 6, 128])
+@pytest.mark.parametrize("only_the_window", [False, True])
+def test_attention_with_a_sliding_window_and_sinks_matches_float64(start, n, window, only_the_window):
+    rng = np.random.default_rng(start * 10 + n + window)
+    heads, kv_heads, width = 8, 2, 64
+    first_key = max(0, start - window + 1) if window and only_the_window else 0
+    q = rng.standard_normal((n, heads, width)).astype(np.float32)
+    keys = rng.standard_normal((start + n - first_key, kv_heads, width)).astype(np.float32)
+    values = rng.standard_normal((start + n - first_key, kv_heads, 48)).astype(np.float32)
+    sinks = rng.standard_normal(heads).astype(np.float32) * 2
+    got = kernels.attention(q, keys, values, start, width**-0.5, window=window, sinks=sinks, first_key=first_key)
+    assert relative_error(got, windowed_attention(q, keys, values, start, first_key, window, sinks)) < 1e-5
+
+
+def test_attention_refuses_a_cache_that_lacks_positions_the_window_sees():
+    q = np.zeros((1, 4, 16), np.float32)
+    with pytest.raises(ValueError, match="after the first one"):
+        kernels.attention(q, np.zeros((3, 2, 16), np.float32), np.zeros((3, 2, 16), np.float32), 9, 0.25,
+                          window=5, first_key=7)
+
+
 def test_attention_refuses_a_cache_that_does_not_fit_the_queries():
     q = np.zeros((2, 4, 16), np.float32)
     with pytest.raises(ValueError, match="do not fit"):
@@ -339,14 +381,51 @@ def test_grouped_experts_equal_the_per_expert_path(encodings, ffn, hidden, exact
     want = np.zeros_like(x)
     for expert in np.unique(ids):
         rows, choice = np.nonzero(ids == expert)
-        y = kernel.batch(records[expert], kernel.rows_of(acts, rows), rows.size)
+        y = kernel.batch(records[expert], kernel.rows_of(acts, rows), rows.size, expert)
         kernels.add_weighted_rows(want, rows, y, weights[rows, choice])
     order = np.argsort(ids.reshape(-1), kind="stable")
     used, starts = np.unique(ids.reshape(-1)[order], return_index=True)
     got = np.zeros_like(x)
     kernel.grouped(records, used.astype(np.int64), np.append(starts, order.size).astype(np.int64),
-                   (order // k).astype(np.int64), weights.reshape(-1)[order], acts, got)
+                   (order // k).astype(np.int64), weights.reshape(-1)[order], acts, got, used.astype(np.int64))
     assert kernel.groupable(acts) and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def clamped_expert_reference(matrices, biases, x, alpha, limit):
+    """gpt-oss's expert in float64: gate and up with their biases, the clamped SwiGLU, down
+    with its bias."""
+    gate, up, down = matrices
+    g, u = x @ gate.T + biases[0], x @ up.T + biases[1]
+    g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+    return ((u + 1) * g / (1 + np.exp(-alpha * g))) @ down.T + biases[2]
+
+
+@pytest.mark.parametrize("encodings", [("MXFP4", "MXFP4", "MXFP4"), ("Q8_0", "Q8_0", "Q8_0")])
+def test_clamped_swiglu_experts_with_biases_match_reference_on_every_path(encodings):
+    ffn, hidden, experts, alpha, limit = 64, 128, 5, 1.702, 0.5  # products of ~1: about half are clipped
+    records, offsets, matrices = expert_records(encodings, ffn, hidden, experts)
+    rng = np.random.default_rng(11)
+    biases = tuple(rng.standard_normal((experts, cols)).astype(np.float32) * 0.02 for cols in (ffn, ffn, hidden))
+    activation = dict(glu="clamped_swiglu", alpha=alpha, limit=limit, biases=biases)
+    slots, ids = np.array([0, 1, 2]), np.array([4, 0, 3])  # the records of experts 4, 0 and 3
+    x = rng.standard_normal(hidden).astype(np.float32) * 0.1
+    weights = rng.random(3).astype(np.float32)
+    chosen = [(matrices[s], [b[e] for b in biases]) for s, e in zip(slots, ids)]
+    want = sum(w * clamped_expert_reference(m, b, x.astype(np.float64), alpha, limit) for w, (m, b) in zip(weights, chosen))
+    got = kernels.moe_experts(records, encodings, offsets, ffn, hidden, x, weights, slots=slots, ids=ids, **activation)
+    assert relative_error(got, want) <= 2 * kernels.FAST_PATH_TOLERANCE
+    xs = rng.standard_normal((6, hidden)).astype(np.float32) * 0.1
+    y = kernels.moe_experts_batch(records[1], encodings, offsets, ffn, hidden, xs, expert=0, **activation)
+    assert relative_error(y, clamped_expert_reference(matrices[1], [b[0] for b in biases], xs.astype(np.float64),
+                                                      alpha, limit)) <= 2 * kernels.FAST_PATH_TOLERANCE
+    kernel = kernels.ExpertKernel(records.shape[1], encodings, offsets, ffn, hidden, **activation)
+    acts = kernel.activations(xs)
+    grouped = np.zeros_like(xs)  # rows 0-2 to expert 4 (slot 0), rows 3-5 to expert 0 (slot 1)
+    kernel.grouped(records, np.array([0, 1]), np.array([0, 3, 6]), np.arange(6), np.ones(6, np.float32), acts, grouped,
+                   np.array([4, 0]))
+    assert np.array_equal(grouped[3:], y[3:])
+    with pytest.raises(ValueError, match="out of range"):
+        kernels.moe_experts(records, encodings, offsets, ffn, hidden, x, weights, slots=slots, ids=[4, 0, 5], **activation)
 
 
 @pytest.mark.parametrize("encoding", [e for e in ENCODINGS if e in kernels.FAST_ENCODINGS])

@@ -29,20 +29,23 @@ def _as_f32_overload(v):
     return lambda v: F32(v)
 
 
-def _attention_loops(q, keys, values, start, scale, out, nthreads):
+def _attention_loops(q, keys, values, start, first_key, window, sinks, scale, out, nthreads):
     """Each thread takes (query, kv head) pairs and does the query heads that share the kv
-    head together: each cached key and value is converted to float32 once for all of them."""
+    head together: each cached key and value is converted to float32 once for all of them.
+    Cache row r holds position first_key + r; query i (position start + i) sees the `window`
+    positions up to its own."""
     n, heads, width = q.shape
     kv_heads, v_width = keys.shape[1], values.shape[2]
     group = heads // kv_heads
     for t in prange(nthreads):
         first, stop = part_range(n * kv_heads, nthreads, t, 1)
-        scores = np.empty((group, start + n), np.float32)
+        scores = np.empty((group, start + n - first_key), np.float32)
         key, value = np.empty(width, np.float32), np.empty(v_width, np.float32)
         for work in range(first, stop):
             i, kv = work // kv_heads, work % kv_heads
-            end, h0 = start + i + 1, kv * group  # causal: query i sees positions 0..start+i
-            for pos in range(end):
+            end, h0 = start + i + 1 - first_key, kv * group  # causal: query i sees rows ..end-1
+            lo = max(0, end - window)
+            for pos in range(lo, end):
                 for d in range(width):
                     key[d] = _as_f32(keys[pos, kv, d])
                 for g in range(group):
@@ -51,9 +54,9 @@ def _attention_loops(q, keys, values, start, scale, out, nthreads):
                         score += q[i, h0 + g, d] * key[d]
                     scores[g, pos] = score * scale
             for g in range(group):
-                softmax_in_place(scores, g, end)
+                softmax_in_place(scores, g, lo, end, sinks[h0 + g])
                 out[i, h0 + g, :] = 0.0
-            for pos in range(end):
+            for pos in range(lo, end):
                 for d in range(v_width):
                     value[d] = _as_f32(values[pos, kv, d])
                 for g in range(group):
@@ -70,16 +73,17 @@ PARALLEL_ATTENTION_WORK = 1 << 20  # multiply-adds from which attention runs on 
 PROMPT_ATTENTION_QUERIES = 32  # queries from which attention converts the cache once (a prompt) ...
 PROMPT_ATTENTION_BYTES = 32 << 20  # ... when the float32 copy of the cache takes at most this
 QUERY_BLOCK = 16  # queries of one head whose scores a thread computes together
+NO_SINK = np.finfo(np.float32).min  # below softmax_in_place's threshold: no sink (finite, for fastmath)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _prompt_attention(q, keys, values, start, scale, out, nthreads):
+def _prompt_attention(q, keys, values, start, first_key, window, sinks, scale, out, nthreads):
     """`attention` for many queries. The cache is converted to float32 once (keys transposed,
-    [kv head, width, position]); then each thread takes blocks of QUERY_BLOCK queries of one
+    [kv head, width, row]); then each thread takes blocks of QUERY_BLOCK queries of one
     head, accumulates their scores one key dimension at a time (a vector of positions per
     multiply, no horizontal sums) and their outputs one position at a time."""
     n, heads, width = q.shape
-    kv_heads, v_width, end = keys.shape[1], values.shape[2], start + n
+    kv_heads, v_width, end = keys.shape[1], values.shape[2], keys.shape[0]
     group = heads // kv_heads
     keys_t = np.empty((kv_heads, width, end), np.float32)
     values_f = np.empty((kv_heads, end, v_width), np.float32)
@@ -99,21 +103,21 @@ def _prompt_attention(q, keys, values, start, scale, out, nthreads):
         for work in range(lo, hi):
             first, h = work // heads * QUERY_BLOCK, work % heads
             kv, count = h // group, min(QUERY_BLOCK, n - first)
-            seen = start + first  # positions every query of the block sees; query i sees seen + i + 1
+            seen = start + first - first_key  # rows every query of the block sees; query i sees up to seen + i
             for i in range(count):
-                scores[i, :seen + i + 1] = 0.0
+                scores[i, max(0, seen + i + 1 - window):seen + i + 1] = 0.0
             for d in range(width):
                 column = keys_t[kv, d]
                 for i in range(count):
                     row, weight = scores[i], q[first + i, h, d] * scale
-                    for pos in range(seen + i + 1):
+                    for pos in range(max(0, seen + i + 1 - window), seen + i + 1):
                         row[pos] += weight * column[pos]
             for i in range(count):
-                softmax_in_place(scores, i, seen + i + 1)
+                softmax_in_place(scores, i, max(0, seen + i + 1 - window), seen + i + 1, sinks[h])
             outputs[:count] = 0.0
-            for pos in range(seen + count):
+            for pos in range(max(0, seen + 1 - window), seen + count):
                 value = values_f[kv, pos]
-                for i in range(max(0, pos - seen), count):
+                for i in range(max(0, pos - seen), min(count, pos - seen + window)):
                     weight, result = scores[i, pos], outputs[i]
                     for d in range(v_width):
                         result[d] += weight * value[d]
@@ -121,23 +125,37 @@ def _prompt_attention(q, keys, values, start, scale, out, nthreads):
                 out[first + i, h, :] = outputs[i]
 
 
-def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, scale: float) -> np.ndarray:
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, scale: float, window: int = 0,
+              sinks: np.ndarray | None = None, first_key: int = 0) -> np.ndarray:
     """Causal softmax attention of the n queries at positions start..start+n-1.
 
-    q float32 [n, heads, width]; keys [start + n, kv_heads, width] and values [start + n,
-    kv_heads, v_width] as float32 or as float16 bits (uint16, read in place from an f16 KV
-    cache); query head h reads kv head h // (heads / kv_heads) -> float32 [n, heads, v_width]."""
+    q float32 [n, heads, width]; keys [rows, kv_heads, width] and values [rows, kv_heads,
+    v_width], row r the position first_key + r up to start + n - 1, as float32 or as float16
+    bits (uint16, read in place from an f16 KV cache); query head h reads kv head h // (heads /
+    kv_heads). A `window` > 0 lets a query see only that many positions, its own the last;
+    `sinks` float32 [heads] are per-head logits added to the softmax's denominator (gpt-oss)
+    -> float32 [n, heads, v_width]."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     n, heads, width = q.shape
-    if keys.shape[0] != start + n or values.shape[0] != start + n or keys.shape[2] != width or heads % keys.shape[1]:
-        raise ValueError(f"keys {keys.shape} / values {values.shape} do not fit queries {q.shape} at position {start}")
+    rows = start + n - first_key
+    if not 0 <= first_key <= start or keys.shape[0] != rows or values.shape[0] != rows or keys.shape[2] != width \
+            or heads % keys.shape[1]:
+        raise ValueError(f"keys {keys.shape} / values {values.shape} from position {first_key} do not fit queries "
+                         f"{q.shape} at position {start}")
+    if first_key > (max(0, start - window + 1) if window > 0 else 0):
+        raise ValueError(f"the cache starts at position {first_key}, after the first one position {start} sees")
+    sinks = np.full(heads, NO_SINK, np.float32) if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
+    if sinks.shape != (heads,):
+        raise ValueError(f"sinks {sinks.shape} do not fit {heads} heads")
+    window = window if window > 0 else rows + 1
     out = np.empty((n, heads, values.shape[2]), np.float32)
-    work = n * heads * (start + n) * (width + values.shape[2])
-    copy_bytes = 4 * (start + n) * (keys.shape[1] * width + values.shape[1] * values.shape[2])
+    work = n * heads * min(rows, window) * (width + values.shape[2])
+    copy_bytes = 4 * rows * (keys.shape[1] * width + values.shape[1] * values.shape[2])
+    args = (q, keys, values, start, first_key, window, sinks, F32(scale), out)
     if n >= PROMPT_ATTENTION_QUERIES and copy_bytes <= PROMPT_ATTENTION_BYTES:
-        _prompt_attention(q, keys, values, start, F32(scale), out, numba.get_num_threads())
+        _prompt_attention(*args, numba.get_num_threads())
     elif work >= PARALLEL_ATTENTION_WORK:
-        _attention_parallel(q, keys, values, start, F32(scale), out, numba.get_num_threads())
+        _attention_parallel(*args, numba.get_num_threads())
     else:
-        _attention_serial(q, keys, values, start, F32(scale), out, 1)
+        _attention_serial(*args, 1)
     return out

@@ -21,23 +21,25 @@ from colibri.runtime.kernels.activations import (
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS
 from colibri.runtime.kernels.matrices import matrix_times
-from colibri.runtime.kernels.numerics import silu
+from colibri.runtime.kernels.numerics import GLU_CLAMPED, GLU_SILU, glu
 from colibri.runtime.kernels.rows import row_dot, rows_times
 from colibri.runtime.kernels.threads import part_range
 
+F32 = np.float32
 _njit = njit(cache=True, nogil=True)
 _parallel = njit(cache=True, nogil=True, parallel=True)
 
 
 @_parallel
 def _moe_kernel(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes, ffn, hidden,
-                x, gate_acts, up_acts, up_distinct, h, h_act, weights, out, nthreads):
-    k = slots.shape[0]
+                x, gate_acts, up_acts, up_distinct, h, h_act, weights, out, ids, gate_bias, up_bias, down_bias, glu_kind,
+                alpha, limit, nthreads):
+    k, biased = slots.shape[0], gate_bias.shape[0] > 0
     # 0. x [1, hidden] quantized for the gate and (when its dot type differs) the up rows
     fill_activation(gate_acts, x, 0, hidden)
     if up_distinct:
         fill_activation(up_acts, x, 0, hidden)
-    # 1. h[j, i] = silu(gate_j[i] . x) * (up_j[i] . x), over all k * ffn rows at once; each
+    # 1. h[j, i] = glu(gate_j[i] . x, up_j[i] . x), over all k * ffn rows at once; each
     #    thread then quantizes its own (256-aligned) part of h for the down projection.
     for t in prange(nthreads):
         first, stop = part_range(k * ffn, nthreads, t, WIDEST_ACT_BLOCK)
@@ -47,9 +49,11 @@ def _moe_kernel(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes,
             record = records[slots[j]]
             gate = row_dot(gate_tag, record, offsets[0] + i * row_nbytes[0], hidden, gate_act)
             up = row_dot(up_tag, record, offsets[1] + i * row_nbytes[1], hidden, up_act)
-            h[j, i] = silu(gate) * up
+            if biased:
+                gate, up = gate + gate_bias[ids[j], i], up + up_bias[ids[j], i]
+            h[j, i] = glu(gate, up, glu_kind, alpha, limit)
         fill_activation(h_act, h, first, stop)
-    # 2. out[r] = sum_j weights[j] * (down_j[r] . h[j]), one expert's rows at a time.
+    # 2. out[r] = sum_j weights[j] * (down_j[r] . h[j] (+ its bias)), one expert's rows at a time.
     for t in prange(nthreads):
         first, stop = part_range(hidden, nthreads, t, 1)
         out[first:stop] = 0.0
@@ -57,38 +61,45 @@ def _moe_kernel(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes,
             act = activation_row(h_act, j)
             record = records[slots[j]]
             for r in range(first, stop):
-                out[r] += weights[j] * row_dot(down_tag, record, offsets[2] + r * row_nbytes[2], ffn, act)
+                y = row_dot(down_tag, record, offsets[2] + r * row_nbytes[2], ffn, act)
+                out[r] += weights[j] * (y + down_bias[ids[j], r] if biased else y)
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def glu_rows(gate, up, first, stop, kind, alpha, limit):
+    """gate[i] <- glu(gate[i], up[i]) for rows first..stop-1 ([n, ffn] each)."""
+    for i in range(first, stop):
+        g, u = gate[i], up[i]
+        for j in range(g.size):
+            g[j] = glu(g[j], u[j], kind, alpha, limit)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
 def silu_times_rows(gate, up, first, stop):
     """gate[i] <- silu(gate[i]) * up[i] for rows first..stop-1 ([n, ffn] each)."""
-    for i in range(first, stop):
-        g, u = gate[i], up[i]
-        for j in range(g.size):
-            g[j] = silu(g[j]) * u[j]
+    glu_rows(gate, up, first, stop, GLU_SILU, F32(1.0), F32(0.0))
 
 
 @_parallel
-def _silu_times(gate, up, nthreads):
-    """gate <- silu(gate) * up, elementwise ([n, ffn] each)."""
+def _glu(gate, up, kind, alpha, limit, nthreads):
+    """gate <- glu(gate, up), elementwise ([n, ffn] each)."""
     for t in prange(nthreads):
         first, stop = part_range(gate.shape[0], nthreads, t, 1)
-        silu_times_rows(gate, up, first, stop)
+        glu_rows(gate, up, first, stop, kind, alpha, limit)
     return gate
 
 
 def silu_times(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """gate <- silu(gate) * up (float32 [n, ffn] each, C-contiguous), the SwiGLU of the dense
     FFNs and shared experts with the arithmetic of the expert kernels; returns gate."""
-    return _silu_times(gate, up, numba.get_num_threads())
+    return _glu(gate, up, GLU_SILU, F32(1.0), F32(0.0), numba.get_num_threads())
 
 
 @_parallel
 def _grouped_kernel(gate_tag, up_tag, down_tag, records, slots, starts, rows, weights, offsets, row_nbytes, ffn, hidden,
-                    gate_act, up_act, h_act, out):
-    """For each group g (expert record slots[g], rows rows[starts[g]:starts[g+1]] of the batch):
-    out[rows] += weights * down(silu(gate @ x) * (up @ x)). Groups run in parallel, each on one
+                    gate_act, up_act, h_act, out, ids, gate_bias, up_bias, down_bias, glu_kind, alpha, limit):
+    """For each group g (expert ids[g] in record slots[g], rows rows[starts[g]:starts[g+1]] of
+    the batch): out[rows] += weights * down(glu(gate @ x, up @ x)). Groups run in parallel, each on one
     thread with the kernels `batch` uses (a product's values do not depend on how its rows are
     split between threads); their outputs are then added in group order."""
     ys = np.empty((starts[-1], hidden), np.float32)
@@ -99,24 +110,36 @@ def _grouped_kernel(gate_tag, up_tag, down_tag, records, slots, starts, rows, we
         up = np.empty((n, ffn), np.float32)
         rows_times(gate_tag, record[offsets[0]:], 0, ffn, row_nbytes[0], hidden, activation_row(gate_act, mine), gate)
         rows_times(up_tag, record[offsets[1]:], 0, ffn, row_nbytes[1], hidden, activation_row(up_act, mine), up)
-        silu_times_rows(gate, up, 0, n)
+        if gate_bias.shape[0]:
+            gate += gate_bias[ids[g]]
+            up += up_bias[ids[g]]
+        glu_rows(gate, up, 0, n, glu_kind, alpha, limit)
         mine_h = activation_row(h_act, slice(starts[g], starts[g + 1]))
         fill_activation(mine_h, gate, 0, gate.size)
-        rows_times(down_tag, record[offsets[2]:], 0, hidden, row_nbytes[2], ffn, mine_h, ys[starts[g]:starts[g + 1]])
+        y = ys[starts[g]:starts[g + 1]]
+        rows_times(down_tag, record[offsets[2]:], 0, hidden, row_nbytes[2], ffn, mine_h, y)
+        if gate_bias.shape[0]:
+            y += down_bias[ids[g]]
     add_weighted_rows(out, rows, ys, weights)
 
 
+GLU_KINDS = {"silu": GLU_SILU, "clamped_swiglu": GLU_CLAMPED}
+
+
 class ExpertKernel:
-    """sum_j weights[j] * down_j(silu(gate_j @ x) * (up_j @ x)) for the k routed experts of one
+    """sum_j weights[j] * down_j(glu(gate_j @ x, up_j @ x)) for the k routed experts of one
     layer in one call (decode); encodings, offsets and sizes are checked once, here.
 
     An expert is a row of `records` (uint8 [m, record_bytes]) with gate [ffn, hidden], up
     [ffn, hidden] and down [hidden, ffn] at byte `offsets` in `encodings`. With int8
     activations (exact=False), x is quantized once for every gate and up, and each expert's
-    hidden state once for its down."""
+    hidden state once for its down. `glu` is a key of GLU_KINDS (its alpha and limit for
+    "clamped_swiglu"); `biases` (gate [experts, ffn], up [experts, ffn], down [experts,
+    hidden], float32) are added to each expert's products, found by expert id."""
 
     def __init__(self, record_bytes: int, encodings: tuple[str, str, str], offsets: tuple[int, int, int], ffn: int,
-                 hidden: int, exact: bool = False):
+                 hidden: int, exact: bool = False, glu: str = "silu", alpha: float = 1.0, limit: float = 0.0,
+                 biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None):
         shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
         self.sizes = tuple(row_bytes(encoding, cols) for encoding, (_, cols) in zip(encodings, shapes))
         for name, offset, (rows, _), size in zip(("gate", "up", "down"), offsets, shapes, self.sizes):
@@ -128,6 +151,13 @@ class ExpertKernel:
         self.offsets = tuple(int(o) for o in offsets)
         self.dot_types = tuple(dot_type_for(encoding, exact) for encoding in encodings)
         self.decode_buffers: tuple | None = None  # a decoded token's activations and h, kept for the next
+        self.glu = GLU_KINDS[glu], F32(alpha), F32(limit)
+        if biases is None:
+            biases = tuple(np.zeros((0, cols), F32) for cols in (ffn, ffn, hidden))
+        for name, bias, cols in zip(("gate", "up", "down"), biases, (ffn, ffn, hidden)):
+            if bias.dtype != F32 or bias.ndim != 2 or bias.shape[1] != cols or not bias.flags.c_contiguous:
+                raise ValueError(f"{name} bias must be C-contiguous float32 [experts, {cols}], got {bias.dtype} {bias.shape}")
+        self.biases = tuple(biases)
 
     def activations(self, x: np.ndarray) -> dict:
         """x float32 [n, hidden] as the gate and the up kernels take it (by dot type: quantized
@@ -139,9 +169,11 @@ class ExpertKernel:
         """The activations of tokens `rows` (an index array) of `activations`' result."""
         return {dot_type: activation_rows(act, rows) for dot_type, act in acts.items()}
 
-    def __call__(self, records: np.ndarray, slots: np.ndarray, x: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    def __call__(self, records: np.ndarray, slots: np.ndarray, x: np.ndarray, weights: np.ndarray,
+                 ids: np.ndarray) -> np.ndarray:
         """records uint8 [m, >= record_bytes] (C-contiguous, e.g. a cache slab used in place),
-        slots int64 [k] (the experts' rows), x float32 [hidden], weights float32 [k] -> float32 [hidden]."""
+        slots int64 [k] (the rows of experts `ids`), x float32 [hidden], weights float32 [k] ->
+        float32 [hidden]."""
         k, ffn = slots.shape[0], self.ffn
         row = x.reshape(1, self.hidden)
         if self.decode_buffers is None or self.decode_buffers[2].shape[0] != k:
@@ -154,17 +186,31 @@ class ExpertKernel:
         gate_act, up_act = (row if acts[dot_type] is None else acts[dot_type] for dot_type in self.dot_types[:2])
         out = np.empty(self.hidden, np.float32)
         _moe_kernel(*self.tags, records, slots, self.offsets, self.sizes, ffn, self.hidden, row, gate_act, up_act,
-                    up_distinct, h, h_act, weights, out, numba.get_num_threads())
+                    up_distinct, h, h_act, weights, out, self._bias_ids(ids), *self.biases, *self.glu,
+                    numba.get_num_threads())
         return out
 
-    def batch(self, record: np.ndarray, acts: dict, n: int) -> np.ndarray:
-        """One expert (its record, contiguous uint8 [>= record_bytes]) applied to each of n
+    def _bias_ids(self, ids: np.ndarray) -> np.ndarray:
+        """ids as the kernels index the biases, each checked against their rows."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+        if self.biases[0].shape[0] and ids.size and not 0 <= ids.min() <= ids.max() < self.biases[0].shape[0]:
+            raise ValueError(f"expert ids {ids.tolist()} out of range for {self.biases[0].shape[0]} experts' biases")
+        return ids
+
+    def batch(self, record: np.ndarray, acts: dict, n: int, expert: int) -> np.ndarray:
+        """Expert `expert` (its record, contiguous uint8 [>= record_bytes]) applied to each of n
         tokens, given as `activations` of them -> float32 [n, hidden], without a routing
         weight (prefill)."""
         gate, up = (self._project(record, m, self.ffn, self.hidden, acts[dot_type], n)
                     for m, dot_type in enumerate(self.dot_types[:2]))
-        h = _silu_times(gate, up, numba.get_num_threads())
-        return self._project(record, 2, self.hidden, self.ffn, make_activation(h, self.dot_types[2]), n)
+        biased = self.biases[0].shape[0] > 0
+        if biased:
+            expert = int(self._bias_ids(np.array([expert]))[0])
+            gate += self.biases[0][expert]
+            up += self.biases[1][expert]
+        h = _glu(gate, up, *self.glu, numba.get_num_threads())
+        y = self._project(record, 2, self.hidden, self.ffn, make_activation(h, self.dot_types[2]), n)
+        return y + self.biases[2][expert] if biased else y
 
     def groupable(self, acts: dict) -> bool:
         """Whether `activations` are int8 ones, which `grouped` takes (AMX tiles and the exact
@@ -172,15 +218,15 @@ class ExpertKernel:
         return None not in self.dot_types and not any(isinstance(a, amx.TileActivation) for a in acts.values())
 
     def grouped(self, records: np.ndarray, slots: np.ndarray, starts: np.ndarray, rows: np.ndarray,
-                weights: np.ndarray, acts: dict, out: np.ndarray) -> None:
-        """Every group g (expert `records[slots[g]]`, batch rows `rows[starts[g]:starts[g+1]]`
+                weights: np.ndarray, acts: dict, out: np.ndarray, ids: np.ndarray) -> None:
+        """Every group g (expert ids[g] in `records[slots[g]]`, batch rows `rows[starts[g]:starts[g+1]]`
         with their routing weights) in one call, each added to `out` [n, hidden] in order: what
         `batch` and `add_weighted_rows` give group by group. `acts` from `activations` of the
         whole batch, `groupable`."""
         gate_act, up_act = (acts[dot_type] for dot_type in self.dot_types[:2])
         h_act = empty_activation(rows.size, self.ffn, self.dot_types[2])  # each group quantizes its own rows
         _grouped_kernel(*self.tags, records, slots, starts, rows, weights, self.offsets, self.sizes, self.ffn, self.hidden,
-                        gate_act, up_act, h_act, out)
+                        gate_act, up_act, h_act, out, self._bias_ids(ids), *self.biases, *self.glu)
 
     def _project(self, record: np.ndarray, m: int, rows: int, cols: int, act, n: int) -> np.ndarray:
         return matrix_times(self.tags[m], record[self.offsets[m]:], rows, cols, self.sizes[m], act, n)
@@ -188,9 +234,10 @@ class ExpertKernel:
 
 def moe_experts(records: np.ndarray, encodings: tuple[str, str, str], offsets: tuple[int, int, int], ffn: int,
                 hidden: int, x: np.ndarray, weights: np.ndarray, exact: bool = False,
-                slots: np.ndarray | None = None) -> np.ndarray:
-    """`ExpertKernel` on experts `slots` of `records` (default: all of its rows), with checks of
-    every argument: x float32 [hidden], weights float32 [k] -> float32 [hidden]."""
+                slots: np.ndarray | None = None, ids: np.ndarray | None = None, **activation) -> np.ndarray:
+    """`ExpertKernel` on experts `slots` of `records` (default: all of its rows), which are
+    experts `ids` (default: `slots`), with checks of every argument: x float32 [hidden],
+    weights float32 [k] -> float32 [hidden]. `activation`: ExpertKernel's glu, alpha, limit, biases."""
     if records.dtype != np.uint8 or records.ndim != 2 or not records.flags.c_contiguous:
         raise ValueError(f"records must be C-contiguous uint8 [m, record_bytes], got {records.dtype} {records.shape}")
     slots = np.arange(records.shape[0]) if slots is None else np.asarray(slots, dtype=np.int64).reshape(-1)
@@ -200,18 +247,23 @@ def moe_experts(records: np.ndarray, encodings: tuple[str, str, str], offsets: t
     if weights.shape != slots.shape:
         raise ValueError(f"weights must have shape ({slots.shape[0]},), got {weights.shape}")
     x = float_rows(np.asarray(x).reshape(1, -1), hidden)[0]
-    return ExpertKernel(records.shape[1], encodings, offsets, ffn, hidden, exact)(records, slots, x, weights)
+    ids = slots if ids is None else np.asarray(ids, dtype=np.int64).reshape(-1)
+    if ids.shape != slots.shape:
+        raise ValueError(f"ids must have shape ({slots.shape[0]},), got {ids.shape}")
+    return ExpertKernel(records.shape[1], encodings, offsets, ffn, hidden, exact, **activation)(records, slots, x,
+                                                                                                weights, ids)
 
 
 def moe_experts_batch(record: np.ndarray, encodings: tuple[str, str, str], offsets: tuple[int, int, int],
-                      ffn: int, hidden: int, x: np.ndarray, exact: bool = False) -> np.ndarray:
+                      ffn: int, hidden: int, x: np.ndarray, exact: bool = False, expert: int = 0,
+                      **activation) -> np.ndarray:
     """`ExpertKernel.batch` with checks of every argument: one expert (`record`, its bytes as a
     row of moe_experts') applied to each row of x float32 [n, hidden] -> float32 [n, hidden]."""
     record = np.ascontiguousarray(record).reshape(-1)
     if record.dtype != np.uint8:
         raise ValueError(f"record must be uint8 bytes, got {record.dtype}")
-    kernel = ExpertKernel(record.size, encodings, offsets, ffn, hidden, exact)
-    return kernel.batch(record, kernel.activations(float_rows(x, hidden)), x.shape[0])
+    kernel = ExpertKernel(record.size, encodings, offsets, ffn, hidden, exact, **activation)
+    return kernel.batch(record, kernel.activations(float_rows(x, hidden)), x.shape[0], expert)
 
 
 @_njit

@@ -27,18 +27,23 @@ def _exp_nonpositive(x):
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def softmax_in_place(scores, i, end):
-    """scores[i, :end] (float32) <- their softmax, with `_exp_nonpositive`. Not inlined: inlined
-    into the decode attention's parallel loop, it took away the second thread's gain."""
+def softmax_in_place(scores, i, lo, end, sink):
+    """scores[i, lo:end] (float32) <- their softmax, with `_exp_nonpositive`; a finite `sink`
+    is one more logit in the denominator (an attention sink, whose share is dropped). Not
+    inlined: inlined into the decode attention's parallel loop, it took away the second
+    thread's gain."""
     best = F32(-3.0e38)
-    for pos in range(end):
+    for pos in range(lo, end):
         best = max(best, scores[i, pos])
     total = F32(0.0)
-    for pos in range(end):
+    if sink > F32(-3.0e38):
+        best = max(best, sink)
+        total = _exp_nonpositive(sink - best)
+    for pos in range(lo, end):
         scores[i, pos] = _exp_nonpositive(scores[i, pos] - best)
         total += scores[i, pos]
     inverse = F32(1.0) / total
-    for pos in range(end):
+    for pos in range(lo, end):
         scores[i, pos] *= inverse
 
 
@@ -47,6 +52,20 @@ def silu(v):
     """v * sigmoid(v), from exp(-|v|): no overflow, and a loop of them vectorizes."""
     e = _exp_nonpositive(-abs(v))
     return v * (F32(1.0) if v >= 0 else e) / (F32(1.0) + e)
+
+
+GLU_SILU, GLU_CLAMPED = 0, 1  # the gated activations of `glu`
+
+
+@njit(cache=True, nogil=True, fastmath=True, inline="always")
+def glu(gate, up, kind, alpha, limit):
+    """silu(gate) * up (GLU_SILU), or gpt-oss's clamped SwiGLU (GLU_CLAMPED): gate clipped
+    above at `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    if kind == GLU_SILU:
+        return silu(gate) * up
+    g, u = min(gate, limit), min(max(up, -limit), limit)
+    e = _exp_nonpositive(-abs(alpha * g))
+    return (u + F32(1.0)) * g * (F32(1.0) if g >= 0 else e) / (F32(1.0) + e)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
