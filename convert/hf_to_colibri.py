@@ -107,7 +107,7 @@ def write_resident(checkpoint: Checkpoint, out_dir: Path, unit: ResidentUnit, ad
         copy = checkpoint.q4_0_copy(tensor.source) if encoding == "Q4_0" else None
         if copy is not None:
             return iter([copy])
-        return (quantize(chunk, encoding, weights) for weights in [importance(tensor)]
+        return (quantize(tensor.select(chunk), encoding, weights) for weights in [importance(tensor)]
                 for chunk in read_row_chunks(checkpoint, tensor.source, tensor.shape))
 
     tensors = (
@@ -119,7 +119,6 @@ def write_resident(checkpoint: Checkpoint, out_dir: Path, unit: ResidentUnit, ad
 
 def write_experts(checkpoint: Checkpoint, out_dir: Path, unit: ExpertUnit, advance, imatrix: Imatrix | None) -> dict:
     src, encodings = unit.source, dict(unit.encodings)
-    rows = src.shapes["gate"][0]
 
     def quantized(matrix: str, values: np.ndarray, e: int) -> np.ndarray:
         weights = imatrix.importance(src.canonical[matrix], values.shape[-1], e) if imatrix else None
@@ -128,8 +127,7 @@ def write_experts(checkpoint: Checkpoint, out_dir: Path, unit: ExpertUnit, advan
     def encode(e: int):
         if src.fused:
             gate_up_name, down_name = src.names.fused_names
-            gate_up = checkpoint.read(gate_up_name, e, 1)[0]
-            values = gate_up[:rows], gate_up[rows:], checkpoint.read(down_name, e, 1)[0]
+            values = src.names.split_fused(checkpoint.read(gate_up_name, e, 1)[0], checkpoint.read(down_name, e, 1)[0])
             return [quantized(m, v, e) for m, v in zip(EXPERT_MATRICES, values)]
         encoded = []
         for matrix, name in zip(EXPERT_MATRICES, src.names.per_expert_names(e)):

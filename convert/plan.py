@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 from colibri.convert.arch import Adapter, adapter_for
 from colibri.convert.arch.base import ExpertNames, normalized_config
 from colibri.formats.checkpoint import CONVERTIBLE_DTYPES, Checkpoint, CheckpointError
@@ -25,6 +27,11 @@ class ResidentTensor:
     name: str  # canonical (gguf) name
     source: str  # Hugging Face name
     shape: tuple[int, ...]
+    columns: tuple[int, int] | None = None  # (first, step): the source's columns this is, when not all
+
+    def select(self, values: np.ndarray) -> np.ndarray:
+        """This tensor's part of rows of its source."""
+        return values if self.columns is None else np.ascontiguousarray(values[..., self.columns[0]::self.columns[1]])
 
 
 @dataclass(frozen=True)
@@ -33,7 +40,7 @@ class ExpertLayerSource:
     count: int
     shapes: dict[str, tuple[int, int]]  # gate/up/down → (rows, row length)
     names: ExpertNames
-    fused: bool  # gate_up_proj [E, 2I, D] + down_proj [E, D, I] instead of per-expert tensors
+    fused: bool  # gate_up_proj + down_proj (in names.fused_layout) instead of per-expert tensors
 
     @property
     def canonical(self) -> dict[str, str]:
@@ -51,8 +58,7 @@ class ConversionPlan:
 def expected_expert_tensors(src: ExpertLayerSource) -> dict[str, tuple]:
     shapes, count = src.shapes, src.count
     if src.fused:
-        gate_up, down = src.names.fused_names
-        return {gate_up: (count, 2 * shapes["gate"][0], shapes["gate"][1]), down: (count, *shapes["down"])}
+        return dict(zip(src.names.fused_names, src.names.fused_shapes(count, *shapes["gate"])))
     tensors = {}
     for e in range(count):
         for matrix, name in zip(EXPERT_MATRICES, src.names.per_expert_names(e)):
@@ -96,10 +102,10 @@ def make_plan(checkpoint: Checkpoint, adapter: Adapter | None = None) -> Convers
     for name, shape in expected.items():
         if name in expert_tensor_names:
             continue
-        canonical = adapter.canonical_name(name, config.n_layers)
-        if canonical is None:
+        views = adapter.resident_views(name, shape, config.n_layers)
+        if not views:
             raise CheckpointError(f"{name}: no canonical gguf name for this {config.architecture} tensor")
-        resident.append(ResidentTensor(canonical, name, shape))
+        resident += [ResidentTensor(canonical, name, tuple(part), columns) for canonical, columns, part in views]
     return ConversionPlan(config, resident, expert_layers, skipped)
 
 

@@ -29,6 +29,7 @@ IMPLEMENTED = {  # what the runtime computes; anything else is refused naming th
     "hidden_act": ("silu",),
     "router": ("softmax", "sigmoid"),
     "router_group_score": ("top2_sum", "max"),
+    "expert_glu": ("silu", "clamped_swiglu"),
     "rope_scaling": ("default", "yarn"),
 }
 _YARN_NUMBERS = ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
@@ -64,7 +65,8 @@ def config_problems(c: ModelConfig) -> list[str]:
     need(_is_finite(c.norm_eps) and 0 < c.norm_eps < 1, f"norm_eps is {c.norm_eps!r}, not a number in (0, 1)")
     need(_is_finite(c.rope_theta) and c.rope_theta > 0, f"rope_theta is {c.rope_theta!r}, not a positive number")
     need(c.clip_qkv is None or (_is_finite(c.clip_qkv) and c.clip_qkv > 0), f"clip_qkv is {c.clip_qkv!r}, not a positive number")
-    for name in ("tie_word_embeddings", "attn_bias", "rope_interleaved", "router_norm_topk", "router_bias", "shared_expert_gate"):
+    for name in ("tie_word_embeddings", "attn_bias", "attn_output_bias", "attn_sinks", "rope_interleaved", "router_norm_topk",
+                 "router_bias", "router_logit_bias", "expert_bias", "shared_expert_gate"):
         need(isinstance(getattr(c, name), bool), f"{name} is {getattr(c, name)!r}, not true or false")
     if problems:  # the checks below combine the fields above
         return problems
@@ -81,6 +83,11 @@ def config_problems(c: ModelConfig) -> list[str]:
             need(c.head_dim == c.qk_nope_head_dim + c.qk_rope_head_dim,
                  f"head_dim {c.head_dim} is not qk_nope_head_dim + qk_rope_head_dim")
             need(c.n_kv_heads == c.n_heads, f"n_kv_heads {c.n_kv_heads} differs from n_heads {c.n_heads} in MLA")
+    dim("sliding_window", 0, MAX_POSITIONS)
+    layers = c.sliding_layers
+    need(isinstance(layers, list) and all(is_int(i) for i in layers) and layers == sorted(set(layers))
+         and all(0 <= i < c.n_layers for i in layers) and (not layers or c.sliding_window),
+         f"sliding_layers {layers!r} are not distinct increasing layers of the {c.n_layers} (with a sliding_window)")
     problems += _rope_scaling_problems(c.rope_scaling)
     _check_moe(c, dim, need)
     for name, ids in (("bos_token_id", [] if c.bos_token_id is None else [c.bos_token_id]), ("eos_token_ids", c.eos_token_ids)):
@@ -128,6 +135,9 @@ def _check_moe(c: ModelConfig, dim, need) -> None:
     dim("n_shared_experts", 0)
     if is_int(c.n_shared_experts) and c.n_shared_experts:
         dim("shared_expert_ffn")
+    if c.expert_glu == "clamped_swiglu":
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            need(_is_finite(getattr(c, name)) and getattr(c, name) > 0, f"{name} is {getattr(c, name)!r}, not a positive number")
     need(_is_finite(c.routed_scaling_factor) and c.routed_scaling_factor > 0,
          f"routed_scaling_factor is {c.routed_scaling_factor!r}, not a positive number")
     if all(is_int(v) and v > 0 for v in (c.n_experts, c.router_groups, c.n_experts_used)) and c.router_groups <= c.n_experts:
@@ -148,6 +158,10 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"blk.{layer}."
         tensors.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,),
                         p + "attn_output.weight": (d, h * c.v_head_dim)})
+        if c.attn_output_bias:
+            tensors[p + "attn_output.bias"] = (d,)
+        if c.attn_sinks:
+            tensors[p + "attn_sinks.weight"] = (h,)
         if c.attention == "mla":
             tensors.update({p + "attn_kv_a_mqa.weight": (c.kv_lora_rank + c.qk_rope_head_dim, d),
                             p + "attn_kv_a_norm.weight": (c.kv_lora_rank,),
@@ -169,6 +183,11 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             tensors[p + "ffn_gate_inp.weight"] = (c.n_experts, d)
             if c.router_bias:
                 tensors[p + "exp_probs_b.bias"] = (c.n_experts,)
+            if c.router_logit_bias:
+                tensors[p + "ffn_gate_inp.bias"] = (c.n_experts,)
+            if c.expert_bias:  # resident beside the router: a few KB an expert
+                tensors.update({p + f"ffn_{m}_exps.bias": (c.n_experts, width)
+                                for m, width in (("gate", c.expert_ffn), ("up", c.expert_ffn), ("down", d))})
             if c.n_shared_experts:
                 tensors.update(_mlp(p + "ffn_{}_shexp.weight", c.shared_expert_ffn, d))
             if c.shared_expert_gate:

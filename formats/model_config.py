@@ -27,6 +27,10 @@ class ModelConfig:
     # attention
     attention: str = "gqa"  # "gqa" (MHA is n_kv_heads == n_heads) or "mla"
     attn_bias: bool = False  # q/k/v projections carry a bias
+    attn_output_bias: bool = False  # the output projection carries a bias (gpt-oss)
+    attn_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
+    sliding_window: int = 0  # positions a query of a `sliding_layers` layer sees, its own the last
+    sliding_layers: list[int] = field(default_factory=list)
     qk_norm: str = "none"  # "none", "head" (RMSNorm per head), "full" (over the whole projection)
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
     q_lora_rank: int | None = None  # MLA; None when q is projected directly
@@ -45,9 +49,14 @@ class ModelConfig:
     n_experts: int = 0
     n_experts_used: int = 0  # top-k
     expert_ffn: int = 0  # intermediate size of one routed expert
+    expert_glu: str = "silu"  # "silu": silu(gate) * up; "clamped_swiglu": gpt-oss's, with alpha and limit
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float = 0.0
+    expert_bias: bool = False  # each routed expert's gate, up and down products carry a bias
     router: str = "softmax"  # "softmax" or "sigmoid" scores
     router_norm_topk: bool = False  # renormalise the chosen k weights to sum to 1
     router_bias: bool = False  # a score-correction bias used for the choice only (DeepSeek-V3)
+    router_logit_bias: bool = False  # the router's own bias, added to its logits (gpt-oss)
     router_groups: int = 1  # group-limited routing: number of expert groups
     router_topk_groups: int = 1  # groups kept before the final top-k
     router_group_score: str = "top2_sum"  # how a group is scored: "top2_sum" (V3) or "max" (V2)
@@ -73,3 +82,7 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    def window_of(self, layer: int) -> int:
+        """The positions a query of `layer` sees (0: all of them)."""
+        return self.sliding_window if layer in self.sliding_layers else 0

@@ -163,12 +163,13 @@ def _latent_query_kernel(x, attn_norm, eps, h, first, first_act, first_out, kv_a
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _output_kernel(per_head, contexts, heads_matrix, heads_act, stride, first, attended, o, o_act, o_out, x, ffn_norm,
-                   eps, h, route, router, router_act, logits, bias, sigmoid, groups, topk_groups, top2_sum, norm,
-                   route_scale, ids, weights, nthreads):
-    """x += o(attended [1, heads, v width]); h = the FFN norm of x; with `route`, the router's
-    choice (ids, weights) for h. With `per_head` (MLA), attended is first each head's context
-    (`contexts` [heads, rank]) times its slice of kv_b (rows first + head * stride onwards)."""
+def _output_kernel(per_head, contexts, heads_matrix, heads_act, stride, first, attended, o, o_act, o_out, o_bias, x,
+                   ffn_norm, eps, h, route, router, router_act, logits, logit_bias, bias, sigmoid, groups, topk_groups,
+                   top2_sum, norm, route_scale, ids, weights, nthreads):
+    """x += o(attended [1, heads, v width]) (+ o_bias, unless empty); h = the FFN norm of x;
+    with `route`, the router's choice (ids, weights) for h (its logits + logit_bias, unless
+    empty). With `per_head` (MLA), attended is first each head's context (`contexts` [heads,
+    rank]) times its slice of kv_b (rows first + head * stride onwards)."""
     heads = attended.shape[1]
     if per_head:
         fill_activation(heads_act, contexts, 0, contexts.size)
@@ -181,6 +182,8 @@ def _output_kernel(per_head, contexts, heads_matrix, heads_act, stride, first, a
     fill_activation(o_act, flat, 0, cols)
     for t in prange(nthreads):
         _share_of_one(t, nthreads, o, o_act, o_out, cols)
+    if o_bias.size:
+        _add(o_out[0], o_bias)
     for i in range(x.shape[1]):
         x[0, i] += o_out[0, i]
     rms_norm_into(x, ffn_norm, eps, h)
@@ -188,6 +191,8 @@ def _output_kernel(per_head, contexts, heads_matrix, heads_act, stride, first, a
         fill_activation(router_act, h, 0, h.shape[1])
         for t in prange(nthreads):
             _share_of_one(t, nthreads, router, router_act, logits, h.shape[1])
+        if logit_bias.size:
+            _add(logits[0], logit_bias)
         route_into(logits, bias, sigmoid, groups, topk_groups, top2_sum, norm, route_scale, ids, weights)
 
 
@@ -250,7 +255,11 @@ class _LayerStep:
         self.o = _parts(attention.o)
         self.o_act = _activation_for(attention.o, self.attended.reshape(1, -1))
         self.o_out = np.empty((1, c.hidden_size), F32)
+        empty = np.empty(0, F32)
+        self.o_bias = getattr(attention, "o_bias", None)
+        self.o_bias = empty if self.o_bias is None else self.o_bias
         self.routed = hasattr(ffn, "router")  # a routed MoE (else a dense FFN)
+        self.logit_bias = ffn.router.logit_bias if self.routed and ffn.router.logit_bias is not None else empty
         if self.routed:
             gate = ffn.router.gate
             self.router, self.router_act = _parts(gate), _activation_for(gate, self.h)
@@ -270,8 +279,8 @@ class _LayerStep:
         k = c.n_experts_used if self.routed else 1
         ids, weights = np.empty((1, k), np.int64), np.empty((1, k), F32)
         _output_kernel(per_head, contexts, heads_matrix, heads_act, stride, first, self.attended, self.o, self.o_act,
-                       self.o_out, x, self.ffn_norm, F32(c.norm_eps), self.h, self.routed, self.router,
-                       self.router_act, self.logits, self.bias, c.router == "sigmoid", c.router_groups,
+                       self.o_out, self.o_bias, x, self.ffn_norm, F32(c.norm_eps), self.h, self.routed, self.router,
+                       self.router_act, self.logits, self.logit_bias, self.bias, c.router == "sigmoid", c.router_groups,
                        c.router_topk_groups, c.router_group_score == "top2_sum", c.router_norm_topk,
                        F32(c.routed_scaling_factor), ids, weights, numba.get_num_threads())
         if not self.routed:
@@ -316,7 +325,8 @@ class DecodeLayer(_LayerStep):
         values = cache.stored(a.layer, "v", end).reshape(end, c.n_kv_heads, c.v_head_dim)
         # attention through the general path's own call: compiled inside another kernel, its
         # loops could be vectorized differently, and the two paths would part by a few ulps
-        self.attended[:] = kernels.attention(q.reshape(1, c.n_heads, c.head_dim), keys, values, position, a.scale)
+        self.attended[:] = kernels.attention(q.reshape(1, c.n_heads, c.head_dim), keys, values, position, a.scale,
+                                             a.window, a.sinks)
         return self.finish(x, False, self.attended[0], self.o, self.o_act, 0, 0)
 
 

@@ -67,12 +67,16 @@ class Weights:
         return self.matrices[name]
 
     def vector(self, name: str) -> np.ndarray:
-        """A 1-D (norm, bias) tensor as float32."""
+        """A float (norm, bias) tensor as float32, flat."""
         info = self.layout.tensors[name]
         data = self.raw[name].view(FLOAT_DTYPES[info.encoding])
         if info.encoding == "BF16":
             return (data.astype(np.uint32) << 16).view(np.float32)
         return data.astype(np.float32)
+
+    def array(self, name: str) -> np.ndarray:
+        """A float tensor as float32 in its shape (the experts' biases [experts, width])."""
+        return self.vector(name).reshape(self.layout.tensors[name].shape)
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,9 @@ class Attention:
         self.c, self.layer, self.rope = c, layer, rope
         self.q, self.k, self.v = (w.linear(p + f"attn_{x}.weight") for x in "qkv")
         self.o = w.linear(p + "attn_output.weight")
+        self.o_bias = w.vector(p + "attn_output.bias") if c.attn_output_bias else None
+        self.sinks = w.vector(p + "attn_sinks.weight") if c.attn_sinks else None
+        self.window = c.window_of(layer)
         self.bias = [w.vector(p + f"attn_{x}.bias") for x in "qkv"] if c.attn_bias else None
         self.q_norm = w.vector(p + "attn_q_norm.weight") if c.qk_norm != "none" else None
         self.k_norm = w.vector(p + "attn_k_norm.weight") if c.qk_norm != "none" else None
@@ -118,8 +125,9 @@ class Attention:
             s.cache.write(self.layer, "v", s.start, v[s.rows])
             keys = s.cache.stored(self.layer, "k", s.end).reshape(s.end, c.n_kv_heads, c.head_dim)
             values = s.cache.stored(self.layer, "v", s.end).reshape(s.end, c.n_kv_heads, c.v_head_dim)
-            out[s.rows] = kernels.attention(q[s.rows], keys, values, s.start, self.scale)
-        return self.o(out.reshape(n, c.n_heads * c.v_head_dim))
+            out[s.rows] = kernels.attention(q[s.rows], keys, values, s.start, self.scale, self.window, self.sinks)
+        out = self.o(out.reshape(n, c.n_heads * c.v_head_dim))
+        return out if self.o_bias is None else out + self.o_bias
 
     def rotated_qkv(self, h: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """q [n, heads, width], k [n, kv heads, width] and v [n, kv heads * v width] of h with
@@ -227,11 +235,13 @@ class Router:
         self.c = c
         self.gate = w.linear(f"blk.{layer}.ffn_gate_inp.weight")
         self.bias = w.vector(f"blk.{layer}.exp_probs_b.bias") if c.router_bias else None
+        self.logit_bias = w.vector(f"blk.{layer}.ffn_gate_inp.bias") if c.router_logit_bias else None
 
     def __call__(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(expert ids [n, k], weights [n, k])."""
         c = self.c
-        return kernels.route(self.gate(h), self.bias, c.n_experts_used, c.router == "sigmoid", c.router_groups,
+        logits = self.gate(h) if self.logit_bias is None else self.gate(h) + self.logit_bias
+        return kernels.route(logits, self.bias, c.n_experts_used, c.router == "sigmoid", c.router_groups,
                              c.router_topk_groups, c.router_group_score == "top2_sum", c.router_norm_topk,
                              c.routed_scaling_factor)
 
@@ -241,8 +251,10 @@ class MoE:
         self.layer, self.store = layer, store
         self.router = Router(c, w, layer)
         matrices = [store.tables[layer].matrices[m] for m in ("gate", "up", "down")]
+        biases = tuple(w.array(f"blk.{layer}.ffn_{m}_exps.bias") for m in ("gate", "up", "down")) if c.expert_bias else None
         self.experts = kernels.ExpertKernel(store.records(layer).shape[1], tuple(m.encoding for m in matrices),
-                                            tuple(m.offset for m in matrices), c.expert_ffn, c.hidden_size)
+                                            tuple(m.offset for m in matrices), c.expert_ffn, c.hidden_size,
+                                            glu=c.expert_glu, alpha=c.swiglu_alpha, limit=c.swiglu_limit, biases=biases)
         self.shared = SharedExpert(w, layer, c.shared_expert_gate) if c.n_shared_experts else None
         self.last_route: tuple[np.ndarray, np.ndarray] | None = None
         self.last_distinct = 0  # distinct experts the last call used

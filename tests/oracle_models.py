@@ -89,8 +89,10 @@ def _reinit(model, seed: int, hidden: int) -> None:
                 continue  # rotary buffers are not persistent, keep them
             if name.endswith("e_score_correction_bias"):
                 std, mean = 0.05, 0.0
-            elif re.search(r"\.gate\.weight$", name):
+            elif re.search(r"\.(gate|router)\.weight$", name):
                 std, mean = router_std, 0.0
+            elif name.endswith(".sinks"):  # gpt-oss's attention sinks: logits the scores compete with
+                std, mean = 1.0, 0.0
             elif t.ndim == 1 and "norm" in name:
                 std, mean = 0.1, 1.0
             else:  # projections, experts (2-D / 3-D), embeddings, biases

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import gguf
+import numpy as np
 
 from colibri.formats.config_check import MAX_EXPERTS, MAX_LAYERS, config_problems
 from colibri.formats.model_config import ModelConfig
@@ -150,6 +151,10 @@ class ExpertNames:
 
     prefix: str  # e.g. "model.layers.3.block_sparse_moe.experts"
     per_expert: tuple[str, str, str]  # gate, up, down leaf names, e.g. ("w1", "w3", "w2")
+    # the fused tensors' layout: "halves" (gate_up_proj [E, 2I, D], gate rows then up rows;
+    # down_proj [E, D, I]) or "gpt_oss" (gate_up_proj [E, D, 2I], gate and up columns
+    # interleaved; down_proj [E, I, D]: both transposed)
+    fused_layout: str = "halves"
 
     def per_expert_names(self, expert: int) -> tuple[str, str, str]:
         return tuple(f"{self.prefix}.{expert}.{leaf}.weight" for leaf in self.per_expert)
@@ -157,6 +162,19 @@ class ExpertNames:
     @property
     def fused_names(self) -> tuple[str, str]:
         return f"{self.prefix}.gate_up_proj", f"{self.prefix}.down_proj"
+
+    def fused_shapes(self, count: int, ffn: int, hidden: int) -> tuple[tuple, tuple]:
+        if self.fused_layout == "gpt_oss":
+            return (count, hidden, 2 * ffn), (count, ffn, hidden)
+        return (count, 2 * ffn, hidden), (count, hidden, ffn)
+
+    def split_fused(self, gate_up: np.ndarray, down: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One expert's (gate [I, D], up [I, D], down [D, I]) from its slices of the fused tensors."""
+        if self.fused_layout == "gpt_oss":
+            return (np.ascontiguousarray(gate_up[:, 0::2].T), np.ascontiguousarray(gate_up[:, 1::2].T),
+                    np.ascontiguousarray(down.T))
+        rows = gate_up.shape[0] // 2
+        return gate_up[:rows], gate_up[rows:], down
 
 
 @dataclass(frozen=True)
@@ -177,6 +195,7 @@ class Adapter:
     moe_block = "mlp"  # module holding router and experts
     expert_leaves = ("gate_proj", "up_proj", "down_proj")
     shared_block = "shared_experts"
+    fused_expert_layout = "halves"  # ExpertNames.fused_layout
     router_bias_leaf = "gate.e_score_correction_bias"  # the selection bias, within moe_block
     o_proj_bias = False  # the hub's o_proj has a bias too when attention_bias is set
     # llama.cpp's `gguf_arch`, as its converter writes it and its loader reads it
@@ -265,7 +284,7 @@ class Adapter:
         return t
 
     def experts(self, layer: int) -> ExpertNames:
-        return ExpertNames(f"model.layers.{layer}.{self.moe_block}.experts", self.expert_leaves)
+        return ExpertNames(f"model.layers.{layer}.{self.moe_block}.experts", self.expert_leaves, self.fused_expert_layout)
 
     def expert_shapes(self, c: ModelConfig) -> dict[str, tuple[int, int]]:
         return {"gate": (c.expert_ffn, c.hidden_size), "up": (c.expert_ffn, c.hidden_size), "down": (c.hidden_size, c.expert_ffn)}
@@ -280,6 +299,12 @@ class Adapter:
                 if base is not None:
                     return self.colibri_name(base + canonical_suffix)
         return None
+
+    def resident_views(self, name: str, shape: tuple, n_layers: int) -> list[tuple[str, tuple[int, int] | None, tuple]]:
+        """The resident tensors Hugging Face tensor `name` becomes: (canonical name, the columns
+        taken (first, step) or None for all, shape); [] when it has no canonical name."""
+        canonical = self.canonical_name(name, n_layers)
+        return [] if canonical is None else [(canonical, None, shape)]
 
     def gguf_name(self, name: str) -> str:
         """llama.cpp's name for the colibri tensor `name`."""

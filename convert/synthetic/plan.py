@@ -22,6 +22,8 @@ ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1}
 NORM_NOISE_STD = 0.1
 #: std of DeepSeek-V3/GLM ``e_score_correction_bias``
 SCORE_BIAS_STD = 0.05
+#: std of gpt-oss's attention sinks (logits the scores compete with)
+SINK_STD = 1.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,8 @@ class _Planner:
         self.linear(a + "k_proj", kv, D, bias=c.attn_bias)
         self.linear(a + "v_proj", kv, D, bias=c.attn_bias)
         self.linear(a + "o_proj", D, q, bias=c.attn_bias and self.adapter.o_proj_bias)
+        if c.attn_sinks:
+            self.plain(a + "sinks", (H,), "sink", SINK_STD)
         if c.qk_norm != "none":
             head = c.qk_norm == "head"
             self.norm(a + "q_norm", c.head_dim if head else q)
@@ -131,6 +135,13 @@ class _Planner:
 
     def experts(self, prefix, n_exp, inter):
         D = self.c.hidden_size
+        if self.adapter.fused_expert_layout == "gpt_oss":  # only ever fused, biases beside
+            names = self.adapter.experts(0)
+            for name, shape in zip(("gate_up_proj", "down_proj"), names.fused_shapes(n_exp, inter, D)):
+                self.plain(f"{prefix}experts.{name}", shape, "experts", self.std)
+            self.plain(f"{prefix}experts.gate_up_proj_bias", (n_exp, 2 * inter), "bias", self.std)
+            self.plain(f"{prefix}experts.down_proj_bias", (n_exp, D), "bias", self.std)
+            return
         g, u, d = self.adapter.expert_leaves
         if not self.fused:
             for e in range(n_exp):
@@ -157,7 +168,11 @@ class _Planner:
             self.dense_mlp(p + "mlp.", c.dense_ffn)
             return
         m = f"{p}{self.adapter.moe_block}."
-        self.plain(m + "gate.weight", (c.n_experts, D), "router", self.router_std)
+        if c.router_logit_bias:  # gpt-oss: the router is a linear layer of its own, with a bias
+            self.plain(m + "router.weight", (c.n_experts, D), "router", self.router_std)
+            self.plain(m + "router.bias", (c.n_experts,), "bias", self.std)
+        else:
+            self.plain(m + "gate.weight", (c.n_experts, D), "router", self.router_std)
         if c.router_bias:
             self.plain(m + self.adapter.router_bias_leaf, (c.n_experts,), "score_bias", SCORE_BIAS_STD, dtype="F32")
         self.experts(m, c.n_experts, c.expert_ffn)

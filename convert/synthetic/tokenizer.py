@@ -74,6 +74,12 @@ _GLM_TEMPLATE = (
     "{{ '<|' + message['role'] + '|>\n' + message['content'] }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
+_HARMONY_TEMPLATE = (  # gpt-oss's harmony format, its final channel only
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{{ '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' }}"
+    "{% else %}{{ '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}"
+)
 
 # specials: listed in id order; front=True puts them at ids 0.., else after the BPE vocab.
 # cfg_*: which token the config's bos/eos/pad ids name (eos may be a list).
@@ -117,6 +123,14 @@ FAMILIES = {
         template=_GLM_TEMPLATE,
         cfg_bos=None, cfg_eos=["<|endoftext|>", "<|user|>", "<|observation|>"], cfg_pad="<|endoftext|>",
         gen_eos=["<|endoftext|>", "<|user|>", "<|observation|>"],
+    ),
+    "harmony": dict(
+        specials=["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+                  "<|end|>", "<|message|>", "<|call|>"],
+        front=False, bos="<|startoftext|>", eos="<|return|>", pad="<|endoftext|>", unk=None, add_bos=False,
+        template=_HARMONY_TEMPLATE,
+        cfg_bos="<|startoftext|>", cfg_eos="<|return|>", cfg_pad="<|endoftext|>",
+        gen_eos=["<|return|>", "<|endoftext|>", "<|call|>"],
     ),
 }
 FAMILIES["deepseek_back"] = {**FAMILIES["deepseek"], "front": False}
