@@ -266,7 +266,8 @@ def resident_shapes(c: ModelConfig) -> dict[str, tuple]:
     source = dict(adapter.global_tensors(c))
     for layer in range(c.n_layers):
         source.update(adapter.layer_tensors(c, layer))
-    return {adapter.canonical_name(name, c.n_layers): tuple(shape) for name, shape in source.items()}
+    return {canonical: tuple(part) for name, shape in source.items()
+            for canonical, _, part in adapter.resident_views(name, tuple(shape), c.n_layers)}
 
 
 def expert_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:

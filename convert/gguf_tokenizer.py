@@ -543,7 +543,13 @@ def _stop_ids(reader: gguf.GGUFReader, tokens: list[str], eos: int | None) -> li
     """What llama.cpp stops on: eos, eot, eom, and the tokens it knows as end-of-generation by their text."""
     found = [eos, _token_id(reader, _KEY.EOT_ID, tokens), _token_id(reader, _KEY.EOM_ID, tokens),
              *(i for i, t in enumerate(tokens) if t in _LLAMA_CPP_EOG_TEXTS)]
-    return list(dict.fromkeys(i for i in found if i is not None))
+    stops = list(dict.fromkeys(i for i in found if i is not None))
+    texts = {tokens[i] for i in stops if 0 <= i < len(tokens)}
+    # llama.cpp's o200k_harmony workaround: with <|return|> and <|call|> (or <|call|>/<|calls|>
+    # and <|flush|>), <|end|> ends a message, not the generation
+    if "<|end|>" in texts and texts & {"<|call|>", "<|calls|>"} and texts & {"<|return|>", "<|flush|>"}:
+        stops = [i for i in stops if tokens[i] != "<|end|>"]
+    return stops
 
 
 def _chat_template(reader: gguf.GGUFReader):

@@ -20,12 +20,12 @@ import numpy as np
 from colibri.formats.layout import ModelLayout
 from colibri.runtime import kernels
 from colibri.runtime.expert_store import DEFAULT_IO, POLICIES, ExpertStore, cache_bytes_for_all
-from colibri.runtime.kv_cache import ContextOverflow, KVCache, kv_bytes
+from colibri.runtime.kv_cache import WRITE_ROOM, ContextOverflow, KVCache, kv_bytes
 from colibri.runtime.memory import current_rss, format_size, parse_size, peak_rss, total_ram
 from colibri.runtime.model import Decoder
 
 SCRATCH_BYTES = 64 << 20  # activations and attention scores of one step, generously
-PREFILL_CHUNK = 512  # prompt tokens per forward pass (llama.cpp's ubatch): bounds a prompt's activations
+PREFILL_CHUNK = WRITE_ROOM  # prompt tokens per forward pass (llama.cpp's ubatch): bounds a prompt's activations
 NORMALIZER_SLACK = 4  # how much a tokenizer's normalizer may be assumed to shorten a text
 
 
@@ -66,7 +66,7 @@ def plan_budget(layout: ModelLayout, ctx: int, kv_quant: str, widths: dict, ram_
     c = layout.config
     ram = parse_size(ram_budget) if ram_budget is not None else default_ram_budget()
     resident = Decoder.resident_bytes(layout)
-    kv = parallel * kv_bytes(c.n_layers, ctx, widths, kv_quant)
+    kv = parallel * kv_bytes(c.n_layers, ctx, widths, kv_quant, Decoder.cache_windows_for(c))
     scratch = scratch_bytes(layout)
     budget = Budget(ram, current_rss(), resident, kv, scratch, 0)
     if budget.fixed > ram:
@@ -94,7 +94,7 @@ def fitting_parallel(layout: ModelLayout, ctx: int, kv_quant: str, ram_budget=No
     c = layout.config
     ram = parse_size(ram_budget) if ram_budget is not None else default_ram_budget()
     room = ram - current_rss() - Decoder.resident_bytes(layout) - scratch_bytes(layout)
-    per_slot = kv_bytes(c.n_layers, ctx, Decoder.cache_widths_for(c), kv_quant)
+    per_slot = kv_bytes(c.n_layers, ctx, Decoder.cache_widths_for(c), kv_quant, Decoder.cache_windows_for(c))
     return max(1, min(most, room // 4 // max(per_slot, 1)))
 
 
@@ -117,7 +117,7 @@ class Model:
         self.decoder = Decoder(self.layout, self.store, ctx)
         # one KV slot per sequence that can run at once (`generate_many`, `scheduler`); the
         # single-sequence calls use the first
-        self.slots = [KVCache(c.n_layers, ctx, widths, kv_quant) for _ in range(parallel)]
+        self.slots = [KVCache(c.n_layers, ctx, widths, kv_quant, Decoder.cache_windows_for(c)) for _ in range(parallel)]
         self.cache = self.slots[0]
         self.ctx = ctx
         self._tokenizer = None

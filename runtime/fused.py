@@ -320,13 +320,13 @@ class DecodeLayer(_LayerStep):
         q, k, v = self.outs
         cache.write(a.layer, "k", position, k)
         cache.write(a.layer, "v", position, v)
-        end = position + 1
-        keys = cache.stored(a.layer, "k", end).reshape(end, c.n_kv_heads, c.head_dim)
-        values = cache.stored(a.layer, "v", end).reshape(end, c.n_kv_heads, c.v_head_dim)
+        first = cache.first(a.layer, "k")
+        keys = cache.stored(a.layer, "k", position + 1).reshape(position + 1 - first, c.n_kv_heads, c.head_dim)
+        values = cache.stored(a.layer, "v", position + 1).reshape(position + 1 - first, c.n_kv_heads, c.v_head_dim)
         # attention through the general path's own call: compiled inside another kernel, its
         # loops could be vectorized differently, and the two paths would part by a few ulps
         self.attended[:] = kernels.attention(q.reshape(1, c.n_heads, c.head_dim), keys, values, position, a.scale,
-                                             a.window, a.sinks)
+                                             a.window, a.sinks, first)
         return self.finish(x, False, self.attended[0], self.o, self.o_act, 0, 0)
 
 

@@ -4,6 +4,10 @@ A layer's cache holds named streams of fixed width per position: `k` and `v` (fl
 over KV heads) for ordinary attention, or MLA's `kv`: the compressed latent followed by the
 shared rotary key. q8_0 stores blocks of 32 values as int8 with one f16 scale, as
 GGML's Q8_0 does: about half the bytes of f16, nearly lossless. f32 is for exactness checks against a float32 reference.
+
+A layer whose queries see only a window of positions (gpt-oss's sliding layers) keeps only
+that window, plus room for one forward pass's writes: when its rows are full, the window is
+moved to their front (`first` says which position row 0 holds).
 """
 
 from __future__ import annotations
@@ -13,32 +17,43 @@ import numpy as np
 KV_KINDS = ("f32", "f16", "q8_0")
 FLOAT_KINDS = {"f32": np.float32, "f16": np.float16}
 Q8_BLOCK = 32
+WRITE_ROOM = 512  # positions a windowed layer has room for beyond its window (a prompt chunk); more grow it
 
 
 class ContextOverflow(Exception):
     """More positions than the cache was allocated for."""
 
 
-def kv_bytes(n_layers: int, ctx: int, widths: dict[str, int], kind: str) -> int:
-    """Bytes the cache will take: f32 4, f16 2 bytes a value, q8_0 34 bytes per 32 values."""
+def layer_rows(n_layers: int, ctx: int, windows: list[int] | None = None) -> list[int]:
+    """The positions each layer's cache holds: `ctx`, or a windowed layer's window and WRITE_ROOM."""
+    windows = windows or [0] * n_layers
+    return [ctx if not w else min(ctx, w - 1 + WRITE_ROOM) for w in windows]
+
+
+def kv_bytes(n_layers: int, ctx: int, widths: dict[str, int], kind: str, windows: list[int] | None = None) -> int:
+    """Bytes the cache will take: f32 4, f16 2 bytes a value, q8_0 34 bytes per 32 values;
+    `windows` [n_layers]: the positions each layer's queries see (0: all)."""
     per_position = sum(widths.values())
     per_value = {"f32": 4.0, "f16": 2.0, "q8_0": (Q8_BLOCK + 2) / Q8_BLOCK}[kind]
-    return int(n_layers * ctx * per_position * per_value)
+    return int(sum(layer_rows(n_layers, ctx, windows)) * per_position * per_value)
 
 
 class KVCache:
-    def __init__(self, n_layers: int, ctx: int, widths: dict[str, int], kind: str = "f16"):
+    def __init__(self, n_layers: int, ctx: int, widths: dict[str, int], kind: str = "f16",
+                 windows: list[int] | None = None):
         if kind not in KV_KINDS:
             raise ValueError(f"--kv-quant must be one of {', '.join(KV_KINDS)}, not {kind!r}")
         if kind == "q8_0" and any(w % Q8_BLOCK for w in widths.values()):
             raise ValueError(f"q8_0 KV cache needs widths that are multiples of {Q8_BLOCK}: {widths}")
         self.ctx, self.kind, self.widths = ctx, kind, dict(widths)
         self.length = 0  # positions filled (the same in every layer once a forward pass ends)
-        if kind in FLOAT_KINDS:
-            self.values = [{n: np.zeros((ctx, w), FLOAT_KINDS[kind]) for n, w in widths.items()} for _ in range(n_layers)]
-        else:
-            self.values = [{n: np.zeros((ctx, w), np.int8) for n, w in widths.items()} for _ in range(n_layers)]
-            self.scales = [{n: np.zeros((ctx, w // Q8_BLOCK), np.float16) for n, w in widths.items()} for _ in range(n_layers)]
+        self.windows = list(windows or [0] * n_layers)
+        rows = layer_rows(n_layers, ctx, self.windows)
+        dtype = FLOAT_KINDS.get(kind, np.int8)
+        self.values = [{n: np.zeros((r, w), dtype) for n, w in widths.items()} for r in rows]
+        if kind == "q8_0":
+            self.scales = [{n: np.zeros((r, w // Q8_BLOCK), np.float16) for n, w in widths.items()} for r in rows]
+        self.firsts = [dict.fromkeys(widths, 0) for _ in rows]  # the position row 0 of each stream holds
 
     @property
     def nbytes(self) -> int:
@@ -51,10 +66,15 @@ class KVCache:
         if start + count > self.ctx:
             raise ContextOverflow(f"context full: {start} + {count} tokens exceed --ctx {self.ctx}")
 
+    def first(self, layer: int, name: str) -> int:
+        """The position row 0 of the stream holds (0 unless the layer is windowed)."""
+        return self.firsts[layer][name]
+
     def write(self, layer: int, name: str, start: int, values: np.ndarray) -> None:
         """Store values [n, width] at positions start..start+n-1."""
         n = values.shape[0]
         self.check_room(start, n)
+        start = self._row_for(layer, name, start, n)
         if self.kind in FLOAT_KINDS:
             self.values[layer][name][start : start + n] = values
             return
@@ -64,15 +84,37 @@ class KVCache:
         self.values[layer][name][start : start + n] = np.round(blocks * inverse[:, :, None]).reshape(n, -1).astype(np.int8)
         self.scales[layer][name][start : start + n] = scale
 
+    def _row_for(self, layer: int, name: str, start: int, n: int) -> int:
+        """The row position `start` is written to; a windowed layer whose rows cannot take n
+        more first moves the positions the next queries still see to its front."""
+        window, first = self.windows[layer], self.firsts[layer][name]
+        if start == 0:
+            self.firsts[layer][name] = first = 0
+        if not window or start + n - first <= self.values[layer][name].shape[0]:
+            if start < first:
+                raise ValueError(f"position {start} is before the window the cache of layer {layer} still holds")
+            return start - first
+        keep = max(0, start - window + 1)  # the first position query `start` sees
+        arrays = [self.values[layer]] + ([self.scales[layer]] if self.kind == "q8_0" else [])
+        for streams in arrays:
+            old = streams[name]
+            rows = max(old.shape[0], start - keep + n)
+            moved = np.zeros((rows, *old.shape[1:]), old.dtype) if rows > old.shape[0] else old
+            moved[:start - keep] = old[keep - first:start - first].copy()
+            streams[name] = moved
+        self.firsts[layer][name] = keep
+        return start - keep
+
     def stored(self, layer: int, name: str, end: int) -> np.ndarray:
-        """Positions 0..end-1 as `kernels.attention` takes them, without a copy when it can:
-        f32 as float32, f16 as its bits (uint16); q8_0 is dequantized to float32."""
+        """Positions first(layer, name)..end-1 as `kernels.attention` takes them, without a copy
+        when it can: f32 as float32, f16 as its bits (uint16); q8_0 is dequantized to float32."""
         if self.kind == "f16":
-            return self.values[layer][name][:end].view(np.uint16)
+            return self.values[layer][name][:end - self.firsts[layer][name]].view(np.uint16)
         return self.read(layer, name, end)
 
     def read(self, layer: int, name: str, end: int) -> np.ndarray:
-        """Positions 0..end-1 as float32 [end, width]."""
+        """Positions first(layer, name)..end-1 as float32 [rows, width]."""
+        end -= self.firsts[layer][name]
         if self.kind in FLOAT_KINDS:
             return self.values[layer][name][:end].astype(np.float32, copy=False)
         q = self.values[layer][name][:end].reshape(end, -1, Q8_BLOCK).astype(np.float32)

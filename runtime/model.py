@@ -123,9 +123,10 @@ class Attention:
         for s in segments:
             s.cache.write(self.layer, "k", s.start, k[s.rows])
             s.cache.write(self.layer, "v", s.start, v[s.rows])
-            keys = s.cache.stored(self.layer, "k", s.end).reshape(s.end, c.n_kv_heads, c.head_dim)
-            values = s.cache.stored(self.layer, "v", s.end).reshape(s.end, c.n_kv_heads, c.v_head_dim)
-            out[s.rows] = kernels.attention(q[s.rows], keys, values, s.start, self.scale, self.window, self.sinks)
+            first = s.cache.first(self.layer, "k")
+            keys = s.cache.stored(self.layer, "k", s.end).reshape(s.end - first, c.n_kv_heads, c.head_dim)
+            values = s.cache.stored(self.layer, "v", s.end).reshape(s.end - first, c.n_kv_heads, c.v_head_dim)
+            out[s.rows] = kernels.attention(q[s.rows], keys, values, s.start, self.scale, self.window, self.sinks, first)
         out = self.o(out.reshape(n, c.n_heads * c.v_head_dim))
         return out if self.o_bias is None else out + self.o_bias
 
@@ -372,6 +373,11 @@ class Decoder:
         c = layout.config
         derived = 4 * c.n_layers * c.n_heads * c.kv_lora_rank * c.qk_nope_head_dim if c.attention == "mla" else 0
         return sum(t.nbytes for t in layout.tensors.values()) + derived
+
+    @staticmethod
+    def cache_windows_for(c: ModelConfig) -> list[int]:
+        """The positions each layer's queries see (0: all), which its KV cache keeps."""
+        return [c.window_of(layer) for layer in range(c.n_layers)]
 
     @staticmethod
     def cache_widths_for(c: ModelConfig) -> dict[str, int]:

@@ -178,7 +178,7 @@ def plan(layout: ModelLayout, ram: int, ctx: int | None = None, kv_quant: str = 
         limit = max(free_for_model, 0) * KV_SHARE // max(per_position, 1)
         ctx = 1 << max(int(limit).bit_length() - 1, 9)
         ctx = min(ctx, c.max_position_embeddings)
-    kv = per_position * ctx
+    kv = kv_bytes(c.n_layers, ctx, widths, kv_quant, Decoder.cache_windows_for(c))  # windowed layers keep their window
     cache_for_all = cache_bytes_for_all(layout)
     expert_cache = int(min(max(free_for_model - kv, 0), cache_for_all))
     expert_bytes_per_token = sum(t.expert_bytes * c.n_experts_used for t in layout.expert_layers.values())

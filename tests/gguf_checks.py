@@ -4,9 +4,11 @@ import numpy as np
 
 from colibri.formats.layout import ModelLayout
 from colibri.runtime import open_model
+from colibri.runtime.rope import inverse_frequencies
 
 PROMPT = [1, 5, 9, 100, 200, 33, 7, 300, 17, 250]
-# The GGUF cannot say these; everything else in the config must come back unchanged.
+# The GGUF cannot say these; everything else in the config must come back unchanged (the rope
+# scaling as the same frequencies: GGUF names its keys otherwise).
 NOT_IN_GGUF = {
     "architecture",  # kimi_k2 is deepseek2 with sigmoid routing, imported as deepseek_v3
     "mtp_layers_skipped",  # counts the MTP layers dropped from *this* source; the export has none
@@ -33,5 +35,8 @@ def assert_same_model(a, b):
     assert first.manifest["expert_layers"] == again.manifest["expert_layers"]
     assert model_bytes(a) == model_bytes(b)
     config_a, config_b = first.manifest["config"], again.manifest["config"]
-    assert {k: v for k, v in config_a.items() if k not in NOT_IN_GGUF} == {k: v for k, v in config_b.items() if k not in NOT_IN_GGUF}
+    kept = NOT_IN_GGUF | {"rope_scaling"}
+    assert {k: v for k, v in config_a.items() if k not in kept} == {k: v for k, v in config_b.items() if k not in kept}
+    (freq_a, factor_a), (freq_b, factor_b) = inverse_frequencies(first.config), inverse_frequencies(again.config)
+    assert np.array_equal(freq_a, freq_b) and factor_a == factor_b
     assert np.array_equal(logits(a), logits(b))

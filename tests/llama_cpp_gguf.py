@@ -3,7 +3,7 @@
 ``write_reference_gguf(src, out)`` reads a tiny Hugging Face checkpoint (F32 safetensors)
 and writes, with gguf-py's own ``GGUFWriter`` -- never colibri's exporter -- what
 ``convert_hf_to_gguf.py --outtype f32`` writes (llama.cpp as vendored by
-llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm,minimax}.py``):
+llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm,minimax,gpt_oss}.py``):
 
 * the metadata of ``TextModel.set_gguf_parameters`` and of each model class;
 * tensor names from gguf's ``TensorNameMap`` (``map_tensor_name``), with
@@ -13,6 +13,8 @@ llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm,minimax
 * DeepSeek: ``kv_b_proj`` split into ``attn_k_b`` (transposed per head) and ``attn_v_b``,
   MTP layers dropped, ``head_count_kv`` 1 and the MLA key/value lengths;
 * GLM-4.5: the MTP layer kept, ``block_count`` counting it, ``nextn_predict_layers``;
+* gpt-oss: ``sinks`` named ``.weight``, the transposed ``gate_up_proj`` (and its bias) split
+  into gate and up by alternate columns, ``down_proj`` transposed;
 * optionally (``fuse_gate_up``, the converter's ``fuse_gate_up_exps``) each layer's gate and
   up experts in one ``ffn_gate_up_exps`` tensor [experts, 2·ffn, hidden].
 
@@ -137,12 +139,36 @@ def minimaxm2_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
     w.add_rope_dimension_count(hp["rotary_dim"])
 
 
+def gpt_oss_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
+    w.add_sliding_window(hp["sliding_window"])
+    w.add_expert_feed_forward_length(hp["intermediate_size"])
+
+
 # llama.cpp's converter: one model class per architecture it writes
 MODEL_CLASS_KEYS = {
     gguf.MODEL_ARCH.LLAMA: llama_keys, gguf.MODEL_ARCH.QWEN2MOE: qwen_moe_keys, gguf.MODEL_ARCH.QWEN3MOE: qwen_moe_keys,
     gguf.MODEL_ARCH.OLMOE: olmoe_keys, gguf.MODEL_ARCH.DEEPSEEK2: deepseek2_keys, gguf.MODEL_ARCH.GLM4_MOE: glm4moe_keys,
-    gguf.MODEL_ARCH.MINIMAXM2: minimaxm2_keys,
+    gguf.MODEL_ARCH.MINIMAXM2: minimaxm2_keys, gguf.MODEL_ARCH.GPT_OSS: gpt_oss_keys,
 }
+
+
+def gpt_oss_tensors(name: str, data: np.ndarray):
+    """GptOssModel.modify_tensors of a float checkpoint: (Hugging Face-style name, array) pairs."""
+    if name.endswith("sinks"):
+        yield name + ".weight", data
+    elif name.endswith("gate_up_proj_bias"):
+        yield name.replace("gate_up_proj_bias", "gate_proj.bias"), data[..., ::2]
+        yield name.replace("gate_up_proj_bias", "up_proj.bias"), data[..., 1::2]
+    elif name.endswith("gate_up_proj"):
+        data = data.swapaxes(-1, -2)
+        yield name.replace("gate_up_proj", "gate_proj.weight"), data[:, ::2]
+        yield name.replace("gate_up_proj", "up_proj.weight"), data[:, 1::2]
+    elif name.endswith("down_proj_bias"):
+        yield name.replace("down_proj_bias", "down_proj.bias"), data
+    elif name.endswith("down_proj"):
+        yield name.replace("down_proj", "down_proj.weight"), data.swapaxes(-1, -2)
+    else:
+        yield name, data
 
 
 def gguf_tensors(tensors: dict[str, np.ndarray], hp: dict, block_count: int, fuse_gate_up: bool = False):
@@ -167,7 +193,8 @@ def gguf_tensors(tensors: dict[str, np.ndarray], hp: dict, block_count: int, fus
             yield name_map.get_name(name.replace("kv_b_proj.weight", "v_b_proj")) + ".weight", np.ascontiguousarray(kv_b[:, nope:])
             continue
         name = name.replace("e_score_correction_bias", "e_score_correction.bias")
-        yield name_map.get_name(name, try_suffixes=(".weight", ".bias")), data
+        for name, data in (gpt_oss_tensors(name, data) if adapter.gguf_arch == gguf.MODEL_ARCH.GPT_OSS else [(name, data)]):
+            yield name_map.get_name(name, try_suffixes=(".weight", ".bias")), data
     stacked = {}
     for (layer, leaf), by_expert in experts.items():
         stacked[name_map.get_name(f"{adapter.experts(layer).prefix}.{leaf}") + ".weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])

@@ -226,15 +226,17 @@ def build_with_transformers(
     fused_experts: bool = False,
     fp8: bool = False,
     seed: int = 0,
+    overrides: dict | None = None,
 ) -> pathlib.Path:
-    """Save the tiny ``arch`` model with transformers' ``save_pretrained`` (see module doc)."""
+    """Save the tiny ``arch`` model (its config.json keys changed as ``overrides`` say) with
+    transformers' ``save_pretrained`` (see module doc)."""
     torch = _torch()
     from transformers import AutoModelForCausalLM
 
     if dtype not in ("f32", "bf16"):
         raise ValueError("dtype must be 'f32' or 'bf16'")
     torch_dtype = torch.float32 if dtype == "f32" else torch.bfloat16
-    cfg = synthetic.tiny_config(arch)
+    cfg = synthetic.tiny_config(arch, **(overrides or {}))
     config = _hf_config(cfg)
     torch.manual_seed(seed)
     # dtype at construction so transformers' own keep-in-fp32 rules (DeepSeek routers) apply

@@ -2,7 +2,8 @@
 shared rotary key (read in place by the attention kernel when f16): f16 and q8_0 give the f32
 cache's logits up to their rounding, for a prompt and for the tokens decoded after it. (On
 this random-weight model q8_0's worst logit is off by most of a standard deviation, as it
-was with the two streams stored apart.)"""
+was with the two streams stored apart.) A sliding-window layer keeps only its window, and its
+logits are those of a cache that kept everything."""
 
 import numpy as np
 import pytest
@@ -10,6 +11,8 @@ import pytest
 from colibri.convert.hf_to_colibri import ConvertOptions, convert
 from colibri.convert.synthetic import write_checkpoint
 from colibri.runtime import open_model
+from colibri.runtime.kv_cache import WRITE_ROOM, KVCache, kv_bytes
+from colibri.runtime.model import Decoder
 
 TOLERANCE = {"f16": 0.03, "q8_0": 0.1}  # mean error, of the f32 logits' standard deviation
 
@@ -33,3 +36,39 @@ def test_mla_cache_kinds_agree_with_f32(mla_model, kv_quant):
     ids = np.random.default_rng(3).integers(0, 500, 20).tolist()
     want, got = logits(mla_model, "f32", ids), logits(mla_model, kv_quant, ids)
     assert np.abs(got - want).mean() <= TOLERANCE[kv_quant] * want.std()
+
+
+@pytest.fixture(scope="module")
+def windowed_model(tmp_path_factory):
+    """gpt-oss's tiny model: layer 0 sees 8 positions, layer 1 all of them."""
+    root = tmp_path_factory.mktemp("kv-window")
+    convert(str(write_checkpoint(root / "src", "gpt_oss", dtype="f32")), root / "model",
+            ConvertOptions(quant="F32", progress=False))
+    return root / "model"
+
+
+@pytest.mark.parametrize("kv_quant", ["f32", "f16", "q8_0"])
+def test_a_sliding_layer_keeps_only_its_window_and_gives_the_same_logits(windowed_model, kv_quant):
+    ctx, n = 1400, 1300
+    model = open_model(windowed_model, ctx=ctx, kv_quant=kv_quant, ram_budget="8G")
+    window = model.config.sliding_window
+    rows = [streams["k"].shape[0] for streams in model.cache.values]
+    assert rows == [window - 1 + WRITE_ROOM, ctx]
+    assert model.cache.nbytes == kv_bytes(2, ctx, Decoder.cache_widths_for(model.config), kv_quant, [window, 0])
+    ids = np.random.default_rng(5).integers(0, 500, n).tolist()
+    whole = model.prefill(ids)  # in chunks of WRITE_ROOM: the window moves to the rows' front
+    assert model.cache.first(0, "k") > 0 and model.cache.first(1, "k") == 0
+    model.reset()
+    prompt = model.prefill(ids[:600])
+    steps = np.array([model.decode(t) for t in ids[600:700]])
+    assert np.array_equal(prompt, whole[:600])
+    assert np.abs(steps - whole[600:700]).max() <= 1e-4 * whole.std()  # decode's one-query attention
+
+
+def test_a_windowed_cache_refuses_a_position_before_its_window():
+    cache = KVCache(1, 4096, {"k": 32}, "f32", windows=[4])
+    cache.write(0, "k", 0, np.ones((600, 32), np.float32))
+    cache.write(0, "k", 600, np.ones((100, 32), np.float32))  # moves positions 597.. to the front
+    assert cache.first(0, "k") == 597
+    with pytest.raises(ValueError, match="before the window"):
+        cache.write(0, "k", 300, np.ones((1, 32), np.float32))

@@ -27,7 +27,9 @@ from colibri.runtime import open_model
 llama_cpp = pytest.importorskip("llama_cpp")
 
 TOKENS = [int(t) for t in np.random.default_rng(7).integers(0, 512, 24)]
-F32_TOLERANCE = {"kimi_k2": 1e-2}
+# gpt-oss: llama.cpp rounds the YaRN ramp to whole dimensions, gpt-oss (truncate: false) does not;
+# with truncate true the two agree to 1.4e-6
+F32_TOLERANCE = {"kimi_k2": 1e-2, "gpt_oss": 1e-3}
 
 
 @pytest.fixture(autouse=True)

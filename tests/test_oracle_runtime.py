@@ -88,6 +88,26 @@ def test_logits_match_transformers(built, arch, dtype):
     assert np.abs(logits - want[-1]).max() <= 1e-4 * want.std()
 
 
+def test_gpt_oss_clamped_swiglu_and_window_match_transformers(tmp_path):
+    """gpt-oss with a SwiGLU limit its products cross and a window of 4: prompts and cached
+    decode steps against transformers."""
+    src = build_with_transformers(tmp_path / "src", "gpt_oss", overrides={"swiglu_limit": 0.05, "sliding_window": 4})
+    reference = load_reference(src)
+    convert(str(src), tmp_path / "out", ConvertOptions(quant="F32", progress=False))
+    model = open_f32(tmp_path / "out")
+    assert model.config.swiglu_limit == 0.05  # the products' std is ~0.3: most are clipped
+    for length in PROMPT_LENGTHS:
+        ids = prompt(reference.config.vocab_size, length)
+        want = reference_logits(reference, ids)
+        model.reset()
+        assert np.abs(model.prefill(ids) - want).max() <= 1e-4 * want.std(), length
+    ids = prompt(reference.config.vocab_size, 7)
+    model.reset()
+    steps = [model.prefill(ids)[-1]] + [model.decode(t) for t in prompt(reference.config.vocab_size, 16, seed=1)]
+    want = reference_logits(reference, ids + prompt(reference.config.vocab_size, 16, seed=1))[6:]
+    assert np.abs(np.array(steps) - want).max() <= 1e-4 * want.std()
+
+
 # Bounds from measurements on these tiny random models (two prompts × eight architectures):
 # Q8_0 median cosine ≥ 0.9997, mean KL ≤ 0.0007; Q4_K_M median cosine ≥ 0.974, mean KL ≤ 0.0052.
 # Quantization flips near-tied router choices (worst in the sigmoid-routed DeepSeek/GLM

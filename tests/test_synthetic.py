@@ -211,8 +211,19 @@ _MUST_HAVE = {
         "model.layers.1.self_attn.q_norm.weight": [256],  # over the whole projection
         "model.layers.1.self_attn.k_norm.weight": [128],
     },
+    "gpt_oss": {  # as transformers' GptOssExperts holds them: transposed, gate and up interleaved
+        "model.layers.0.self_attn.sinks": [4],
+        "model.layers.0.self_attn.o_proj.bias": [256],
+        "model.layers.1.mlp.router.weight": [8, 256],
+        "model.layers.1.mlp.router.bias": [8],
+        "model.layers.1.mlp.experts.gate_up_proj": [8, 256, 512],
+        "model.layers.1.mlp.experts.gate_up_proj_bias": [8, 512],
+        "model.layers.1.mlp.experts.down_proj": [8, 256, 256],
+        "model.layers.1.mlp.experts.down_proj_bias": [8, 256],
+    },
 }
 _MUST_NOT_HAVE = {
+    "gpt_oss": ["model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.0.gate_proj.weight"],
     "mixtral": ["model.layers.0.mlp.gate.weight", "model.layers.0.self_attn.q_proj.bias"],
     "minimax_m2": ["model.layers.0.block_sparse_moe.gate.e_score_correction_bias", "model.layers.0.self_attn.q_proj.bias"],
     "qwen3_moe": ["model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.shared_expert_gate.weight"],
@@ -235,8 +246,10 @@ def test_config_and_arch_specific_tensors(ckpt, arch):
         "qwen3_moe": ["Qwen3MoeForCausalLM"], "olmoe": ["OlmoeForCausalLM"],
         "deepseek_v2": ["DeepseekV2ForCausalLM"], "deepseek_v3": ["DeepseekV3ForCausalLM"],
         "kimi_k2": ["DeepseekV3ForCausalLM"], "glm4_moe": ["Glm4MoeForCausalLM"],
-        "minimax_m2": ["MiniMaxM2ForCausalLM"],
+        "minimax_m2": ["MiniMaxM2ForCausalLM"], "gpt_oss": ["GptOssForCausalLM"],
     }[arch]
+    if arch == "gpt_oss":
+        assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["rope_scaling"]["truncate"] is False
     if arch in ("deepseek_v3", "kimi_k2"):
         assert cfg["rope_scaling"]["type"] == "yarn"
         assert {"factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",

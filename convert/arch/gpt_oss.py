@@ -7,7 +7,7 @@ import gguf
 from colibri.convert.arch.base import Adapter, ConfigError, ExpertNames, TinyModel, common_fields, require
 from colibri.formats.model_config import ModelConfig
 
-TINY = {  # openai/gpt-oss-20b (a limit the tiny model's products reach, a window its prompts pass)
+TINY = {  # openai/gpt-oss-20b (a window its prompts pass)
     "architectures": ["GptOssForCausalLM"],
     "attention_bias": True,
     "attention_dropout": 0.0,
@@ -30,7 +30,7 @@ TINY = {  # openai/gpt-oss-20b (a limit the tiny model's products reach, a windo
     "rope_theta": 150000,
     "router_aux_loss_coef": 0.9,
     "sliding_window": 8,
-    "swiglu_limit": 0.3,
+    "swiglu_limit": 7.0,
     "tie_word_embeddings": False,
     "vocab_size": 512,
 }
@@ -109,9 +109,12 @@ class GptOss(Adapter):
         return super().resident_views(name, shape, n_layers)
 
     def from_gguf(self, meta, shapes: dict[str, tuple], fields: dict) -> dict:
-        window = int(meta.value(f"{self.gguf_arch_name}.attention.sliding_window", 0) or 0)
-        # llama.cpp's gpt-oss graph: the even layers slide, the odd ones see everything
-        return {"attn_bias": True, "attn_output_bias": True, "attn_sinks": True, "sliding_window": window,
+        window = int(meta.get("{arch}.attention.sliding_window", 0) or 0)
+        scaling = fields.get("rope_scaling")
+        # gpt-oss's YaRN ramp is not rounded to whole dimensions (llama.cpp rounds it); llama.cpp's
+        # graph slides the even layers, the odd ones see everything
+        return {"rope_scaling": scaling and {**scaling, "truncate": False}, "attn_bias": True, "attn_output_bias": True,
+                "attn_sinks": True, "sliding_window": window,
                 "sliding_layers": list(range(0, fields["n_layers"], 2)) if window else [], "router": "softmax",
                 "router_norm_topk": True, "router_logit_bias": True, "expert_glu": "clamped_swiglu",
                 "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "expert_bias": True}

@@ -41,6 +41,7 @@ class MiniMaxM2(Adapter):
     expert_leaves = ("w1", "w3", "w2")
     router_bias_leaf = "e_score_correction_bias"  # beside the router, not in it
     gguf_norm_topk = True  # llama.cpp's minimax-m2 graph renormalises the top-k weights
+    gguf_ffn_is_expert = True  # its loader sizes the experts by feed_forward_length
 
     def normalize(self, hf: dict) -> ModelConfig:
         experts, used, ffn = require(hf, "num_local_experts", "num_experts_per_tok", "intermediate_size")
