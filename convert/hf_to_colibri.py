@@ -22,7 +22,7 @@ from colibri.convert.pipeline import TOKENIZER_FILES, ConvertError, ConvertOptio
 from colibri.convert.plan import ConversionPlan, ExpertLayerSource, ResidentTensor, make_plan
 from colibri.convert.quantize_q4k import quantize
 from colibri.convert.resident_layout import ResidentTensorData, resident_file_bytes, write_resident_file
-from colibri.formats.checkpoint import HUB_REPO_ID, Checkpoint, cache_blob_sha256
+from colibri.formats.checkpoint import HUB_REPO_ID, MXFP4_DTYPE, Checkpoint, cache_blob_sha256
 from colibri.formats.layout import EXPERT_MATRICES
 from colibri.formats.recipe import IMATRIX_REQUIRED, Recipe
 
@@ -127,6 +127,10 @@ def write_experts(checkpoint: Checkpoint, out_dir: Path, unit: ExpertUnit, advan
     def encode(e: int):
         if src.fused:
             gate_up_name, down_name = src.names.fused_names
+            if all(checkpoint.tensors[n].dtype == MXFP4_DTYPE for n in src.names.fused_names) \
+                    and all(encodings[m] == "MXFP4" for m in EXPERT_MATRICES):  # MXFP4 kept as it is
+                return list(src.names.split_fused(checkpoint.mxfp4_copy(gate_up_name, e, 1)[0],
+                                                  checkpoint.mxfp4_copy(down_name, e, 1)[0]))
             values = src.names.split_fused(checkpoint.read(gate_up_name, e, 1)[0], checkpoint.read(down_name, e, 1)[0])
             return [quantized(m, v, e) for m, v in zip(EXPERT_MATRICES, values)]
         encoded = []
@@ -175,8 +179,8 @@ def make_units(plan: ConversionPlan, recipe: Recipe, checkpoint: Checkpoint) -> 
     resident = ResidentUnit(tuple((t, recipe.encoding(t.name, t.shape, kept_encoding(checkpoint, t.source)))
                                   for t in plan.resident))
     experts = [
-        ExpertUnit(src, tuple((m, recipe.encoding(name, src.shapes[m], None if src.fused else kept_encoding(
-            checkpoint, src.names.per_expert_names(0)[EXPERT_MATRICES.index(m)]))) for m, name in src.canonical.items()))
+        ExpertUnit(src, tuple((m, recipe.encoding(name, src.shapes[m], kept_encoding(checkpoint, expert_source_name(src, m))))
+                              for m, name in src.canonical.items()))
         for src in plan.expert_layers
     ]
     return [resident, *experts]
@@ -184,8 +188,17 @@ def make_units(plan: ConversionPlan, recipe: Recipe, checkpoint: Checkpoint) -> 
 
 def kept_encoding(checkpoint: Checkpoint, name: str) -> str | None:
     """The encoding that holds source tensor `name` exactly, if one does: packed INT4 in groups
-    of 32 is Q4_0 (formats/compressed_tensors.py)."""
-    return "Q4_0" if checkpoint.holds_q4_0(name) else None
+    of 32 is Q4_0 (formats/compressed_tensors.py), gpt-oss's MXFP4 is MXFP4 (formats/mxfp4.py)."""
+    if checkpoint.holds_q4_0(name):
+        return "Q4_0"
+    return "MXFP4" if checkpoint.tensors[name].dtype == MXFP4_DTYPE else None
+
+
+def expert_source_name(src: ExpertLayerSource, matrix: str) -> str:
+    """The checkpoint tensor expert 0's `matrix` is read from."""
+    if src.fused:
+        return src.names.fused_names[matrix == "down"]
+    return src.names.per_expert_names(0)[EXPERT_MATRICES.index(matrix)]
 
 
 def checkpoint_job(src: str, options: ConvertOptions) -> Job:

@@ -14,7 +14,7 @@ import numpy as np
 
 from colibri.convert.arch import Adapter, adapter_for
 from colibri.convert.arch.base import ExpertNames, normalized_config
-from colibri.formats.checkpoint import CONVERTIBLE_DTYPES, Checkpoint, CheckpointError
+from colibri.formats.checkpoint import CONVERTIBLE_DTYPES, MXFP4_DTYPE, Checkpoint, CheckpointError
 from colibri.formats.layout import EXPERT_MATRICES
 from colibri.formats.messages import some
 from colibri.formats.model_config import ModelConfig
@@ -91,8 +91,9 @@ def make_plan(checkpoint: Checkpoint, adapter: Adapter | None = None) -> Convers
         expected.update(adapter.layer_tensors(config, layer))
     expert_layers = []
     for layer in config.moe_layers:
-        names = adapter.experts(layer)
-        src = ExpertLayerSource(layer, config.n_experts, adapter.expert_shapes(config), names, names.fused_names[0] in present)
+        fused = adapter.experts(layer).fused_names[0]
+        names = adapter.experts(layer, packed=fused in present and present[fused].dtype == MXFP4_DTYPE)
+        src = ExpertLayerSource(layer, config.n_experts, adapter.expert_shapes(config), names, fused in present)
         expected.update(expected_expert_tensors(src))
         expert_layers.append(src)
 
@@ -127,4 +128,5 @@ def _compare(present: dict, expected: dict[str, tuple], architecture: str) -> No
         if entry.shape != tuple(shape):
             raise CheckpointError(f"{entry.file.name}: tensor {name} has shape {list(entry.shape)}, config.json implies {list(shape)}")
         if entry.dtype not in CONVERTIBLE_DTYPES:
-            raise CheckpointError(f"{entry.file.name}: tensor {name} has dtype {entry.dtype}, expected a float type or packed INT4")
+            raise CheckpointError(f"{entry.file.name}: tensor {name} has dtype {entry.dtype}, expected a float type, packed "
+                                  "INT4 or MXFP4")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri.formats import compressed_tensors
+from colibri.formats import compressed_tensors, mxfp4
 from colibri.formats.compressed_tensors import PackedWeightError, find_packed
 from colibri.formats.messages import some
 from colibri.formats.safe_json import is_int, loads, read_json_object
@@ -38,7 +38,8 @@ DTYPE_BYTES = {
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F8_E4M3")
 TEXT_MODEL_PREFIX = "language_model."  # a multimodal checkpoint's text model (Checkpoint._text_model_view)
 PACKED_DTYPE = "I4"  # compressed-tensors' packed INT4 weight with its group scales (formats.compressed_tensors)
-CONVERTIBLE_DTYPES = (*FLOAT_DTYPES, PACKED_DTYPE)
+MXFP4_DTYPE = "MXFP4"  # gpt-oss's `_blocks` and `_scales` of one weight (formats.mxfp4)
+CONVERTIBLE_DTYPES = (*FLOAT_DTYPES, PACKED_DTYPE, MXFP4_DTYPE)
 FP8_BLOCK = 128
 FP8_SCALES = (".weight_scale_inv", ".weight_scale")  # DeepSeek's block scales; compressed-tensors' scales
 HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # what a Hugging Face repo id looks like: owner/name
@@ -215,6 +216,15 @@ class Checkpoint:
             self.parts.update((p.name, p) for p in parts)
             self.tensors[name] = TensorEntry(name, weight.packed.file, PACKED_DTYPE, (weight.rows, weight.cols),
                                              weight.packed.offset, sum(p.nbytes for p in parts))
+        try:  # gpt-oss's MXFP4 weights, each listed as one tensor of dtype MXFP4
+            self.mxfp4 = mxfp4.find_mxfp4(self.tensors)
+        except mxfp4.Mxfp4Error as e:
+            raise CheckpointError(str(e)) from None
+        for name, weight in self.mxfp4.items():
+            for part in (weight.blocks, weight.scales):
+                self.parts[part.name] = self.tensors.pop(part.name)
+            self.tensors[name] = TensorEntry(name, weight.blocks.file, MXFP4_DTYPE, weight.shape, weight.blocks.offset,
+                                             weight.blocks.nbytes + weight.scales.nbytes)
 
     def _text_model_view(self) -> list[str]:
         """A multimodal checkpoint (Kimi-K2.5 and K2.6: `text_config`, the text model's tensors
@@ -276,6 +286,8 @@ class Checkpoint:
             weight = self.packed[name]
             return compressed_tensors.dequantize(self.read_raw(weight.packed.name, first, count),
                                                  self.read(weight.scale.name, first, count), weight.cols)
+        if entry.dtype == MXFP4_DTYPE:
+            return mxfp4.dequantize(*self._mxfp4_parts(name, first, count))
         if entry.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"{entry.file.name}: tensor {name} has dtype {entry.dtype}, not a float type")
         count = (entry.shape[0] if entry.shape else 1) - first if count is None else count
@@ -305,6 +317,18 @@ class Checkpoint:
             return None
         weight = self.packed[name]
         return compressed_tensors.q4_0_blocks(self.read_raw(weight.packed.name), self.read(weight.scale.name), weight.cols)
+
+    def mxfp4_copy(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
+        """MXFP4 weight `name[first:first+count]` as GGML MXFP4 bytes [..., row bytes] (the same
+        values, no float in between)."""
+        return mxfp4.ggml_blocks(*self._mxfp4_parts(name, first, count))
+
+    def _mxfp4_parts(self, name: str, first: int, count: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """(blocks, scales) of MXFP4 weight `name[first:first+count]`, in their shapes."""
+        weight = self.mxfp4[name]
+        count = weight.blocks.shape[0] - first if count is None else count
+        blocks = self.read_raw(weight.blocks.name, first, count).reshape(count, *weight.blocks.shape[1:])
+        return blocks, self.read_raw(weight.scales.name, first, count).reshape(count, *weight.scales.shape[1:])
 
     def _dequantize_fp8(self, name: str, values: np.ndarray, first: int) -> np.ndarray:
         """FP8 values times their scales: DeepSeek's `.weight_scale_inv`, one per FP8_BLOCK²

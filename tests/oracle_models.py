@@ -267,11 +267,64 @@ def build_with_transformers(
     return out
 
 
+MXFP4_QUANTIZATION_CONFIG = {  # openai/gpt-oss-20b's
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+}
+
+
+def to_mxfp4(src, out) -> pathlib.Path:
+    """A copy of the gpt-oss checkpoint ``src`` with its experts as the hub ships them: MXFP4
+    ``gate_up_proj_blocks`` [E, 2I, D / 32, 16] and ``_scales`` [E, 2I, D / 32] (rows, gate and
+    up interleaved), ``down_proj_blocks`` [E, D, I / 32, 16] and ``_scales``; quantized by
+    colibri's MXFP4 quantizer (ggml's), laid out as the hub does (``formats.mxfp4``)."""
+    import numpy as np
+
+    from colibri.convert.quantize_q4k import quantize
+    from colibri.formats import mxfp4
+
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (pathlib.Path(src) / name).exists():
+            (out / name).write_bytes((pathlib.Path(src) / name).read_bytes())
+    torch, tensors = _torch(), {}
+    for name, t in _read_all(pathlib.Path(src)).items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = t
+            continue
+        rows = np.ascontiguousarray(t.float().numpy().swapaxes(1, 2))  # [E, out, in]
+        encoded = quantize(rows.reshape(-1, rows.shape[-1]), "MXFP4").reshape(*rows.shape[:2], -1)
+        blocks, scales = mxfp4.checkpoint_blocks(encoded)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = torch.from_numpy(blocks), torch.from_numpy(scales)
+    _write_all(out, tensors)
+    conf = json.loads((pathlib.Path(src) / "config.json").read_text())
+    conf["quantization_config"] = dict(MXFP4_QUANTIZATION_CONFIG)
+    (out / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def _dequantize_mxfp4(tensors: dict) -> dict:
+    """Experts' MXFP4 blocks to float32 by transformers' own dequantizer (what its loader runs
+    with ``dequantize=True``), in the layout GptOssExperts holds."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    torch, out = _torch(), {}
+    for name, t in tensors.items():
+        if name.endswith("_blocks"):
+            base = name.removesuffix("_blocks")
+            out[base] = convert_moe_packed_tensors(t, tensors[base + "_scales"], dtype=torch.float32)
+        elif not name.endswith("_scales"):
+            out[name] = t
+    return out
+
+
 def load_reference(path):
     """The checkpoint at ``path`` loaded by transformers, float32, eval mode.
 
     Kimi-K2 goes through ``DeepseekV3ForCausalLM``; FP8 checkpoints are dequantized here
-    (see module doc) and the dequantized copy is loaded.
+    (see module doc), MXFP4 ones by transformers' own dequantizer (its MXFP4 loader needs
+    ``accelerate``), and the dequantized copy is loaded.
     """
     torch = _torch()
     from transformers import AutoModelForCausalLM
@@ -280,10 +333,11 @@ def load_reference(path):
     cfg = json.loads((path / "config.json").read_text())
     config = _hf_config(cfg)
     quant = cfg.get("quantization_config") or {}
-    if quant.get("quant_method") != "fp8":
+    if quant.get("quant_method") not in ("fp8", "mxfp4"):
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32)
         return model.float().eval()
-    tensors = _dequantize_fp8(_read_all(path), torch.float32)
+    tensors = _read_all(path)
+    tensors = _dequantize_fp8(tensors, torch.float32) if quant["quant_method"] == "fp8" else _dequantize_mxfp4(tensors)
     with tempfile.TemporaryDirectory(prefix="colibri-oracle-") as tmp:
         tmp = pathlib.Path(tmp)
         _write_all(tmp, tensors, shards=1)

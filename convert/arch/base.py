@@ -152,8 +152,9 @@ class ExpertNames:
     prefix: str  # e.g. "model.layers.3.block_sparse_moe.experts"
     per_expert: tuple[str, str, str]  # gate, up, down leaf names, e.g. ("w1", "w3", "w2")
     # the fused tensors' layout: "halves" (gate_up_proj [E, 2I, D], gate rows then up rows;
-    # down_proj [E, D, I]) or "gpt_oss" (gate_up_proj [E, D, 2I], gate and up columns
-    # interleaved; down_proj [E, I, D]: both transposed)
+    # down_proj [E, D, I]), "gpt_oss" (gate_up_proj [E, D, 2I], gate and up columns
+    # interleaved; down_proj [E, I, D]: both transposed) or "interleaved" (gate_up_proj [E, 2I,
+    # D], gate and up rows interleaved; down_proj [E, D, I]: gpt-oss's MXFP4 blocks)
     fused_layout: str = "halves"
 
     def per_expert_names(self, expert: int) -> tuple[str, str, str]:
@@ -169,10 +170,13 @@ class ExpertNames:
         return (count, 2 * ffn, hidden), (count, hidden, ffn)
 
     def split_fused(self, gate_up: np.ndarray, down: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """One expert's (gate [I, D], up [I, D], down [D, I]) from its slices of the fused tensors."""
+        """One expert's (gate [I, D], up [I, D], down [D, I]) from its slices of the fused tensors
+        (values, or rows of encoded blocks for the layouts that are not transposed)."""
         if self.fused_layout == "gpt_oss":
             return (np.ascontiguousarray(gate_up[:, 0::2].T), np.ascontiguousarray(gate_up[:, 1::2].T),
                     np.ascontiguousarray(down.T))
+        if self.fused_layout == "interleaved":
+            return np.ascontiguousarray(gate_up[0::2]), np.ascontiguousarray(gate_up[1::2]), down
         rows = gate_up.shape[0] // 2
         return gate_up[:rows], gate_up[rows:], down
 
@@ -283,7 +287,8 @@ class Adapter:
             t[f"{m}.shared_expert_gate.weight"] = (1, c.hidden_size)
         return t
 
-    def experts(self, layer: int) -> ExpertNames:
+    def experts(self, layer: int, packed: bool = False) -> ExpertNames:
+        """Where layer `layer`'s experts are; `packed`: its fused tensors are packed blocks (MXFP4)."""
         return ExpertNames(f"model.layers.{layer}.{self.moe_block}.experts", self.expert_leaves, self.fused_expert_layout)
 
     def expert_shapes(self, c: ModelConfig) -> dict[str, tuple[int, int]]:

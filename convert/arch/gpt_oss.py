@@ -94,8 +94,10 @@ class GptOss(Adapter):
     def router_tensors(self, c: ModelConfig, p: str) -> dict[str, tuple]:
         return {f"{p}.mlp.router.weight": (c.n_experts, c.hidden_size), f"{p}.mlp.router.bias": (c.n_experts,)}
 
-    def experts(self, layer: int) -> ExpertNames:
-        return ExpertNames(f"model.layers.{layer}.mlp.experts", self.expert_leaves, self.fused_expert_layout)
+    def experts(self, layer: int, packed: bool = False) -> ExpertNames:
+        # the hub's MXFP4 blocks are rows [E, 2I, D / 32] (gate and up interleaved), not transposed
+        return ExpertNames(f"model.layers.{layer}.mlp.experts", self.expert_leaves,
+                           "interleaved" if packed else self.fused_expert_layout)
 
     def resident_views(self, name: str, shape: tuple, n_layers: int) -> list[tuple[str, tuple[int, int] | None, tuple]]:
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
