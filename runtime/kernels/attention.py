@@ -108,10 +108,11 @@ def _prompt_attention(q, keys, values, start, first_key, window, sinks, scale, o
                 scores[i, max(0, seen + i + 1 - window):seen + i + 1] = 0.0
             for d in range(width):
                 column = keys_t[kv, d]
-                for i in range(count):
-                    row, weight = scores[i], q[first + i, h, d] * scale
-                    for pos in range(max(0, seen + i + 1 - window), seen + i + 1):
-                        row[pos] += weight * column[pos]
+                for i in range(count):  # (slices: a loop from a variable start did not vectorize)
+                    lo = max(0, seen + i + 1 - window)
+                    row, keys_row, weight = scores[i, lo:seen + i + 1], column[lo:seen + i + 1], q[first + i, h, d] * scale
+                    for pos in range(row.size):
+                        row[pos] += weight * keys_row[pos]
             for i in range(count):
                 softmax_in_place(scores, i, max(0, seen + i + 1 - window), seen + i + 1, sinks[h])
             outputs[:count] = 0.0

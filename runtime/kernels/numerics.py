@@ -32,19 +32,20 @@ def softmax_in_place(scores, i, lo, end, sink):
     is one more logit in the denominator (an attention sink, whose share is dropped). Not
     inlined: inlined into the decode attention's parallel loop, it took away the second
     thread's gain."""
+    row = scores[i, lo:end]  # (a view: loops from a variable start did not vectorize)
     best = F32(-3.0e38)
-    for pos in range(lo, end):
-        best = max(best, scores[i, pos])
+    for pos in range(row.size):
+        best = max(best, row[pos])
     total = F32(0.0)
     if sink > F32(-3.0e38):
         best = max(best, sink)
         total = _exp_nonpositive(sink - best)
-    for pos in range(lo, end):
-        scores[i, pos] = _exp_nonpositive(scores[i, pos] - best)
-        total += scores[i, pos]
+    for pos in range(row.size):
+        row[pos] = _exp_nonpositive(row[pos] - best)
+        total += row[pos]
     inverse = F32(1.0) / total
-    for pos in range(lo, end):
-        scores[i, pos] *= inverse
+    for pos in range(row.size):
+        row[pos] *= inverse
 
 
 @njit(cache=True, nogil=True, fastmath=True, inline="always")
