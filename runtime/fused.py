@@ -255,9 +255,8 @@ class _LayerStep:
         self.o = _parts(attention.o)
         self.o_act = _activation_for(attention.o, self.attended.reshape(1, -1))
         self.o_out = np.empty((1, c.hidden_size), F32)
-        empty = np.empty(0, F32)
-        self.o_bias = getattr(attention, "o_bias", None)
-        self.o_bias = empty if self.o_bias is None else self.o_bias
+        empty = np.empty(0, F32)  # no bias
+        self.o_bias = empty if getattr(attention, "o_bias", None) is None else attention.o_bias
         self.routed = hasattr(ffn, "router")  # a routed MoE (else a dense FFN)
         self.logit_bias = ffn.router.logit_bias if self.routed and ffn.router.logit_bias is not None else empty
         if self.routed:
