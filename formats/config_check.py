@@ -83,6 +83,7 @@ def config_problems(c: ModelConfig) -> list[str]:
             need(c.head_dim == c.qk_nope_head_dim + c.qk_rope_head_dim,
                  f"head_dim {c.head_dim} is not qk_nope_head_dim + qk_rope_head_dim")
             need(c.n_kv_heads == c.n_heads, f"n_kv_heads {c.n_kv_heads} differs from n_heads {c.n_heads} in MLA")
+    _check_indexer(c, dim, need)
     dim("sliding_window", 0, MAX_POSITIONS)
     layers = c.sliding_layers
     need(isinstance(layers, list) and all(is_int(i) for i in layers) and layers == sorted(set(layers))
@@ -94,6 +95,23 @@ def config_problems(c: ModelConfig) -> list[str]:
         need(isinstance(ids, list) and all(is_int(i) and 0 <= i < c.vocab_size for i in ids),
              f"{name} {ids!r} is not a token of the {c.vocab_size}-token vocabulary")
     return problems
+
+
+def _check_indexer(c: ModelConfig, dim, need) -> None:
+    """DeepSeek sparse attention's fields, through `config_problems`' `dim` and `need`."""
+    need(isinstance(c.index_rope_interleaved, bool), f"index_rope_interleaved is {c.index_rope_interleaved!r}, not true or false")
+    if not dim("index_topk", 0, MAX_POSITIONS) or not c.index_topk:
+        need(c.index_layers == [], f"index_layers {c.index_layers!r} without an index_topk")
+        return
+    need(c.attention == "mla" and bool(c.q_lora_rank), "an indexer (index_topk) needs MLA with a query LoRA")
+    dim("index_heads")
+    if dim("index_head_dim") and is_int(c.qk_rope_head_dim):
+        need(c.qk_rope_head_dim <= c.index_head_dim and c.qk_rope_head_dim % 2 == 0,
+             f"index_head_dim {c.index_head_dim} is narrower than the rotated {c.qk_rope_head_dim}")
+    layers = c.index_layers
+    need(isinstance(layers, list) and all(is_int(i) for i in layers) and layers == sorted(set(layers))
+         and all(0 <= i < c.n_layers for i in layers) and layers[:1] == [0],
+         f"index_layers {layers!r} are not distinct increasing layers of the {c.n_layers}, from layer 0")
 
 
 def _rope_scaling_problems(scaling) -> list[str]:
@@ -171,6 +189,11 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
                                 p + "attn_q_b.weight": (h * c.head_dim, c.q_lora_rank)})
             else:
                 tensors[p + "attn_q.weight"] = (h * c.head_dim, d)
+            if layer in c.index_layers:
+                i, w = c.index_heads, c.index_head_dim
+                tensors.update({p + "indexer.attn_q_b.weight": (i * w, c.q_lora_rank), p + "indexer.attn_k.weight": (w, d),
+                                p + "indexer.k_norm.weight": (w,), p + "indexer.k_norm.bias": (w,),
+                                p + "indexer.proj.weight": (i, d)})
         else:
             q, kv = h * c.head_dim, c.n_kv_heads * c.head_dim
             tensors.update({p + "attn_q.weight": (q, d), p + "attn_k.weight": (kv, d), p + "attn_v.weight": (kv, d)})

@@ -37,6 +37,13 @@ class ModelConfig:
     kv_lora_rank: int | None = None  # MLA compressed latent width
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
+    # DeepSeek sparse attention (MLA only): each query attends to the index_topk positions its
+    # layer's indexer scores best (all of them while there are no more)
+    index_topk: int = 0  # 0: no indexer
+    index_heads: int = 0
+    index_head_dim: int = 0
+    index_rope_interleaved: bool = False  # the indexer rotates pairs (GLM-5), not halves (DeepSeek-V3.2)
+    index_layers: list[int] = field(default_factory=list)  # layers with an indexer; the others reuse the one before
     # rotary position embedding
     rope_theta: float = 10000.0
     rope_dim: int = 0  # rotated dimensions per head (partial rotary when < head width)

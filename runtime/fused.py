@@ -127,25 +127,26 @@ def _qkv_kernel(x, attn_norm, eps, h, tags, weights, row_nbytes, q_act, k_act, v
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _latent_query_kernel(x, attn_norm, eps, h, first, first_act, first_out, kv_a, kv_act, kv_distinct, compressed,
-                         lora, q_a_norm, q_b, q_b_act, q_low, q, kv_a_norm, latent, cos, sin, positions, rope_dim,
-                         interleaved, absorb, q_nope, absorb_act, q_latent, q_pe, k_pe, queries, stored, nthreads):
-    """MLA's queries [1, heads, rank + rope] and the cache entry `stored` [1, rank + rope] of x.
-    `first` is q_a with a query LoRA (`lora`), else q itself (then `q` is `first_out` and the
-    q_b arguments are not read)."""
+def _latent_query_kernel(x, attn_norm, eps, latent_eps, h, first, first_act, first_out, kv_a, kv_act, kv_distinct,
+                         compressed, lora, q_a_norm, q_b, q_b_act, q_low, q, kv_a_norm, latent, cos, sin, positions,
+                         rope_dim, interleaved, absorb, q_nope, absorb_act, q_latent, q_pe, k_pe, queries, stored,
+                         nthreads):
+    """MLA's queries [1, heads, rank + rope] and the cache entry `stored` [1, rank + rope] of x
+    (the latent norms with `latent_eps`). `first` is q_a with a query LoRA (`lora`), else q
+    itself (then `q` is `first_out` and the q_b arguments are not read)."""
     rms_norm_into(x, attn_norm, eps, h)
     cols = h.shape[1]
     _fill_pair(h, first_act, kv_act, kv_distinct)
     for t in prange(nthreads):
         _share_of_two(t, nthreads, cols, first, first_act, first_out, kv_a, kv_act, compressed)
     if lora:
-        rms_norm_into(first_out, q_a_norm, eps, q_low)
+        rms_norm_into(first_out, q_a_norm, latent_eps, q_low)
         fill_activation(q_b_act, q_low, 0, q_low.shape[1])
         for t in prange(nthreads):
             _share_of_one(t, nthreads, q_b, q_b_act, q, q_low.shape[1])
     heads, rank = q_latent.shape
     nope = q_nope.shape[1]
-    rms_norm_into(np.ascontiguousarray(compressed[:, :rank]), kv_a_norm, eps, latent)
+    rms_norm_into(np.ascontiguousarray(compressed[:, :rank]), kv_a_norm, latent_eps, latent)
     rotate_into(np.ascontiguousarray(compressed[:, rank:]).reshape(1, 1, -1), cos, sin, positions, rope_dim,
                 interleaved, k_pe)
     q_heads = q.reshape(1, heads, -1)
@@ -363,8 +364,8 @@ class LatentDecodeLayer(_LayerStep):
     def __call__(self, x: np.ndarray, position: int, cache) -> np.ndarray:
         c, a = self.c, self.attention
         self.positions[0] = position
-        _latent_query_kernel(x, self.attn_norm, F32(c.norm_eps), self.h, self.first, self.first_act, self.first_out,
-                             self.kv_a, self.kv_act, self.kv_distinct, self.compressed, self.lora, self.q_a_norm,
+        _latent_query_kernel(x, self.attn_norm, F32(c.norm_eps), F32(a.latent_eps), self.h, self.first, self.first_act,
+                             self.first_out, self.kv_a, self.kv_act, self.kv_distinct, self.compressed, self.lora, self.q_a_norm,
                              self.q_b, self.q_b_act, self.q_low, self.q, a.kv_a_norm, self.latent, a.rope.cos,
                              a.rope.sin, self.positions, a.rope.dim, a.rope.interleaved, self.absorb, self.q_nope,
                              self.absorb_act, self.q_latent, self.q_pe, self.k_pe, self.queries, self.stored,
@@ -372,7 +373,8 @@ class LatentDecodeLayer(_LayerStep):
         cache.write(a.layer, "kv", position, self.stored)
         keys = cache.stored(a.layer, "kv", position + 1)[:, None, :]
         rank = c.kv_lora_rank
+        chosen = a.choose(cache, self.q_low, self.h, self.positions, position) if c.index_topk else None
         # attention through the general path's own call (see DecodeLayer)
-        self.contexts[:] = kernels.attention(self.queries, keys, keys[:, :, :rank], position, a.scale)[0]
+        self.contexts[:] = kernels.attention(self.queries, keys, keys[:, :, :rank], position, a.scale, chosen=chosen)[0]
         nope = c.qk_nope_head_dim
         return self.finish(x, True, self.contexts, self.kv_b, self.kv_b_act, nope + c.v_head_dim, nope)

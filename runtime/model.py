@@ -9,6 +9,7 @@ RAM once; routed experts come through the `ExpertStore`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from colibri.formats.layout import ModelLayout, align_up
 from colibri.formats.model_config import ModelConfig
 from colibri.runtime import fused, kernels
 from colibri.runtime.expert_store import ExpertStore
+from colibri.runtime.indexer import Indexer
 from colibri.runtime.kv_cache import KVCache
 from colibri.runtime.memory import huge_page_buffer
 from colibri.runtime.rope import Rope, yarn_mscale
@@ -27,6 +29,9 @@ from colibri.runtime.rope import Rope, yarn_mscale
 
 rms_norm = kernels.rms_norm
 CACHE_LINE = 64  # resident tensors start on a cache line
+# MLA's q_a and kv_a RMSNorms keep their default epsilon whatever rms_norm_eps says, in
+# transformers and in DeepSeek's own code (GLM-5's rms_norm_eps is 1e-5)
+LATENT_NORM_EPS = 1e-6
 
 
 class Weights:
@@ -160,11 +165,17 @@ class Attention:
 
 class LatentAttention:
     """MLA: the cache holds the normalized latent and the shared rotary key; queries are
-    absorbed into the latent space (exactly equal to expanding keys and values)."""
+    absorbed into the latent space (exactly equal to expanding keys and values). With
+    DeepSeek's sparse attention, a query attends to the positions its layer's indexer chooses
+    (`runtime.indexer`), or the indexer of the layer it `shares`."""
 
-    def __init__(self, c: ModelConfig, w: Weights, layer: int, rope: Rope):
+    def __init__(self, c: ModelConfig, w: Weights, layer: int, rope: Rope, index_rope: Rope | None = None):
         p = f"blk.{layer}."
         self.c, self.layer, self.rope = c, layer, rope
+        self.latent_eps = LATENT_NORM_EPS
+        self.indexer = Indexer(c, w, layer, index_rope) if layer in c.index_layers else None
+        self.shares: LatentAttention | None = None  # the layer whose indexer's choice this one reuses
+        self.choices: dict[int, np.ndarray | None] = {}  # id(cache) -> the last pass's choice (indexer layers)
         if c.q_lora_rank:
             self.q_a, self.q_b = w.linear(p + "attn_q_a.weight"), w.linear(p + "attn_q_b.weight")
             self.q_a_norm = w.vector(p + "attn_q_a_norm.weight")
@@ -185,11 +196,12 @@ class LatentAttention:
     def __call__(self, h: np.ndarray, positions: np.ndarray, segments: list[Segment]) -> np.ndarray:
         c, n = self.c, h.shape[0]
         heads, nope, rope_dim, rank = c.n_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
-        q = self.q_b(rms_norm(self.q_a(h), self.q_a_norm, c.norm_eps)) if c.q_lora_rank else self.q(h)
+        q_resid = rms_norm(self.q_a(h), self.q_a_norm, self.latent_eps) if c.q_lora_rank else None
+        q = self.q_b(q_resid) if c.q_lora_rank else self.q(h)
         q = q.reshape(n, heads, nope + rope_dim)
         q_pe = self.rope.apply(q[:, :, nope:], positions)
         compressed = self.kv_a(h)
-        latent = rms_norm(compressed[:, :rank], self.kv_a_norm, c.norm_eps)
+        latent = rms_norm(compressed[:, :rank], self.kv_a_norm, self.latent_eps)
         k_pe = self.rope.apply(compressed[:, None, rank:], positions)[:, 0]
         stored = np.concatenate([latent, k_pe], axis=1)
         q_nope = q[:, :, :nope].reshape(n * heads, nope)
@@ -200,10 +212,28 @@ class LatentAttention:
             s.cache.write(self.layer, "kv", s.start, stored[s.rows])
             # multi-query attention over the cache in place: keys [latent | rotated part], values the latent
             keys = s.cache.stored(self.layer, "kv", s.end)[:, None, :]
-            context[s.rows] = kernels.attention(queries[s.rows], keys, keys[:, :, :rank], s.start, self.scale)
+            chosen = self.choose(s.cache, q_resid, h[s.rows], positions[s.rows], s.start) if c.index_topk else None
+            context[s.rows] = kernels.attention(queries[s.rows], keys, keys[:, :, :rank], s.start, self.scale,
+                                                chosen=chosen)
         out = self.kv_b.times_per_head(context.reshape(n * heads, rank), heads, c.v_head_dim, nope + c.v_head_dim,
                                        first=nope)
         return self.o(out.reshape(n, heads * c.v_head_dim))
+
+
+    def choose(self, cache: KVCache, q_resid: np.ndarray, h: np.ndarray, positions: np.ndarray,
+               start: int) -> np.ndarray | None:
+        """Which cached positions the queries of h [n, hidden] at positions start.. attend to
+        (uint8 [n, start + n]), None for all; an indexer layer first caches their index keys.
+        q_resid: the queries' q_a norm (rows of this cache's sequence only)."""
+        if self.indexer is None:
+            return None if self.shares is None else self.shares.choices.get(id(cache))
+        end = start + h.shape[0]
+        cache.write(self.layer, "index_k", start, self.indexer.keys(h, positions))
+        chosen = None
+        if end > self.c.index_topk:
+            chosen = self.indexer.choose(q_resid, h, positions, cache.read(self.layer, "index_k", end), start, 0)
+        self.choices[id(cache)] = chosen
+        return chosen
 
 
 def absorbed_keys(kv_b: kernels.Matrix, c: ModelConfig) -> kernels.Matrix:
@@ -349,13 +379,16 @@ class Decoder:
         c = self.config = layout.config
         w = self.weights = Weights(layout)
         rope = Rope(c, ctx)
+        index_rope = Rope(dataclasses.replace(c, rope_interleaved=c.index_rope_interleaved), ctx) if c.index_topk else None
         self.embed = w.linear("token_embd.weight")
         self.output = w.linear("output.weight" if w.has("output.weight") else "token_embd.weight")
         self.output_norm = w.vector("output_norm.weight")
         self.route_log = None  # called as route_log(layer, positions, expert ids, weights) after each MoE layer
         self.layers = []
         for i in range(c.n_layers):
-            attention = (LatentAttention if c.attention == "mla" else Attention)(c, w, i, rope)
+            attention = LatentAttention(c, w, i, rope, index_rope) if c.attention == "mla" else Attention(c, w, i, rope)
+            if c.index_topk and attention.indexer is None:  # it reuses the last indexer's choice
+                attention.shares = next(a for _, a, _, _ in reversed(self.layers) if a.indexer is not None)
             ffn = MoE(c, w, i, store) if c.is_moe_layer(i) else DenseFFN(w, i)
             self.layers.append((w.vector(f"blk.{i}.attn_norm.weight"), attention, w.vector(f"blk.{i}.ffn_norm.weight"), ffn))
         # a decoded token through each layer in a few numba calls
@@ -382,8 +415,8 @@ class Decoder:
     @staticmethod
     def cache_widths_for(c: ModelConfig) -> dict[str, int]:
         """Per-position widths of the KV cache streams of one layer."""
-        if c.attention == "mla":
-            return {"kv": c.kv_lora_rank + c.qk_rope_head_dim}  # the latent, then the shared rotary key
+        if c.attention == "mla":  # the latent, then the shared rotary key; the indexer's keys
+            return {"kv": c.kv_lora_rank + c.qk_rope_head_dim, **({"index_k": c.index_head_dim} if c.index_topk else {})}
         return {"k": c.n_kv_heads * c.head_dim, "v": c.n_kv_heads * c.v_head_dim}
 
     def forward(self, tokens, cache: KVCache, all_logits: bool = True) -> np.ndarray:

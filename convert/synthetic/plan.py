@@ -100,7 +100,7 @@ class _Planner:
         self.plain(name + ".weight", (size,), "norm", NORM_NOISE_STD, 1.0)
 
     # -- blocks ------------------------------------------------------------------------
-    def attention(self, p):
+    def attention(self, p, i):
         c, a, D, H = self.c, p + "self_attn.", self.c.hidden_size, self.c.n_heads
         if c.attention == "mla":
             bias = bool(self.cfg.get("attention_bias", False))  # on q_a, kv_a and o (false in every hub config)
@@ -114,6 +114,12 @@ class _Planner:
             self.norm(a + "kv_a_layernorm", c.kv_lora_rank)
             self.linear(a + "kv_b_proj", H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
             self.linear(a + "o_proj", D, H * c.v_head_dim, bias=bias)
+            if i in c.index_layers:  # DeepSeek's sparse attention indexer
+                self.linear(a + "indexer.wq_b", c.index_heads * c.index_head_dim, c.q_lora_rank)
+                self.linear(a + "indexer.wk", c.index_head_dim, D)
+                self.norm(a + "indexer.k_norm", c.index_head_dim)
+                self.plain(a + "indexer.k_norm.bias", (c.index_head_dim,), "bias", self.std)
+                self.linear(a + "indexer.weights_proj", c.index_heads, D)
             return
         q, kv = H * c.head_dim, c.n_kv_heads * c.head_dim
         self.linear(a + "q_proj", q, D, bias=c.attn_bias)
@@ -184,7 +190,7 @@ class _Planner:
     def decoder_layer(self, i):
         p = f"model.layers.{i}."
         self.norm(p + "input_layernorm", self.c.hidden_size)
-        self.attention(p)
+        self.attention(p, i)
         self.norm(p + "post_attention_layernorm", self.c.hidden_size)
         self.mlp(p, i)
 

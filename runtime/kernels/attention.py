@@ -16,6 +16,7 @@ from colibri.runtime.kernels.numerics import softmax_in_place
 from colibri.runtime.kernels.threads import part_range
 
 F32 = np.float32
+NO_SINK = np.finfo(np.float32).min  # below softmax_in_place's threshold: no sink (finite, for fastmath)
 
 
 def _as_f32(v):
@@ -29,11 +30,29 @@ def _as_f32_overload(v):
     return lambda v: F32(v)
 
 
-def _attention_loops(q, keys, values, start, first_key, window, sinks, scale, out, nthreads):
+@njit(cache=True, nogil=True)
+def _leave_out(scores, chosen, lo, end):
+    """Scores of the rows `chosen` leaves out (0) below every other, before the softmax."""
+    for g in range(scores.shape[0]):
+        for pos in range(lo, end):
+            if not chosen[pos]:
+                scores[g, pos] = NO_SINK
+
+
+@njit(cache=True, nogil=True)
+def _weigh_none(scores, chosen, lo, end):
+    """The left-out rows' weights exactly 0, after the softmax."""
+    for g in range(scores.shape[0]):
+        for pos in range(lo, end):
+            if not chosen[pos]:
+                scores[g, pos] = 0.0
+
+
+def _attention_loops(q, keys, values, start, first_key, window, sinks, chosen, scale, out, nthreads):
     """Each thread takes (query, kv head) pairs and does the query heads that share the kv
     head together: each cached key and value is converted to float32 once for all of them.
     Cache row r holds position first_key + r; query i (position start + i) sees the `window`
-    positions up to its own."""
+    positions up to its own, and of them only rows r with chosen[i, r] when `chosen` has rows."""
     n, heads, width = q.shape
     kv_heads, v_width = keys.shape[1], values.shape[2]
     group = heads // kv_heads
@@ -53,9 +72,13 @@ def _attention_loops(q, keys, values, start, first_key, window, sinks, scale, ou
                     for d in range(width):
                         score += q[i, h0 + g, d] * key[d]
                     scores[g, pos] = score * scale
+            if chosen.shape[0]:
+                _leave_out(scores, chosen[i], lo, end)
             for g in range(group):
                 softmax_in_place(scores, g, lo, end, sinks[h0 + g])
                 out[i, h0 + g, :] = 0.0
+            if chosen.shape[0]:
+                _weigh_none(scores, chosen[i], lo, end)
             for pos in range(lo, end):
                 for d in range(v_width):
                     value[d] = _as_f32(values[pos, kv, d])
@@ -73,11 +96,10 @@ PARALLEL_ATTENTION_WORK = 1 << 20  # multiply-adds from which attention runs on 
 PROMPT_ATTENTION_QUERIES = 32  # queries from which attention converts the cache once (a prompt) ...
 PROMPT_ATTENTION_BYTES = 32 << 20  # ... when the float32 copy of the cache takes at most this
 QUERY_BLOCK = 16  # queries of one head whose scores a thread computes together
-NO_SINK = np.finfo(np.float32).min  # below softmax_in_place's threshold: no sink (finite, for fastmath)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _prompt_attention(q, keys, values, start, first_key, window, sinks, scale, out, nthreads):
+def _prompt_attention(q, keys, values, start, first_key, window, sinks, chosen, scale, out, nthreads):
     """`attention` for many queries. The cache is converted to float32 once (keys transposed,
     [kv head, width, row]); then each thread takes blocks of QUERY_BLOCK queries of one
     head, accumulates their scores one key dimension at a time (a vector of positions per
@@ -114,7 +136,12 @@ def _prompt_attention(q, keys, values, start, first_key, window, sinks, scale, o
                     for pos in range(row.size):
                         row[pos] += weight * keys_row[pos]
             for i in range(count):
-                softmax_in_place(scores, i, max(0, seen + i + 1 - window), seen + i + 1, sinks[h])
+                lo = max(0, seen + i + 1 - window)
+                if chosen.shape[0]:
+                    _leave_out(scores[i:i + 1], chosen[first + i], lo, seen + i + 1)
+                softmax_in_place(scores, i, lo, seen + i + 1, sinks[h])
+                if chosen.shape[0]:
+                    _weigh_none(scores[i:i + 1], chosen[first + i], lo, seen + i + 1)
             outputs[:count] = 0.0
             for pos in range(max(0, seen + 1 - window), seen + count):
                 value = values_f[kv, pos]
@@ -127,15 +154,16 @@ def _prompt_attention(q, keys, values, start, first_key, window, sinks, scale, o
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, scale: float, window: int = 0,
-              sinks: np.ndarray | None = None, first_key: int = 0) -> np.ndarray:
+              sinks: np.ndarray | None = None, first_key: int = 0, chosen: np.ndarray | None = None) -> np.ndarray:
     """Causal softmax attention of the n queries at positions start..start+n-1.
 
     q float32 [n, heads, width]; keys [rows, kv_heads, width] and values [rows, kv_heads,
     v_width], row r the position first_key + r up to start + n - 1, as float32 or as float16
     bits (uint16, read in place from an f16 KV cache); query head h reads kv head h // (heads /
     kv_heads). A `window` > 0 lets a query see only that many positions, its own the last;
-    `sinks` float32 [heads] are per-head logits added to the softmax's denominator (gpt-oss)
-    -> float32 [n, heads, v_width]."""
+    `sinks` float32 [heads] are per-head logits added to the softmax's denominator (gpt-oss);
+    `chosen` uint8 [n, rows] leaves out the rows a query's entry is 0 for (DeepSeek's sparse
+    attention) -> float32 [n, heads, v_width]."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     n, heads, width = q.shape
     rows = start + n - first_key
@@ -148,11 +176,14 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     sinks = np.full(heads, NO_SINK, np.float32) if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
     if sinks.shape != (heads,):
         raise ValueError(f"sinks {sinks.shape} do not fit {heads} heads")
+    chosen = np.zeros((0, rows), np.uint8) if chosen is None else np.ascontiguousarray(chosen, dtype=np.uint8)
+    if chosen.shape[1:] != (rows,) or chosen.shape[0] not in (0, n):
+        raise ValueError(f"chosen {chosen.shape} does not fit {n} queries over {rows} cached positions")
     window = window if window > 0 else rows + 1
     out = np.empty((n, heads, values.shape[2]), np.float32)
     work = n * heads * min(rows, window) * (width + values.shape[2])
     copy_bytes = 4 * rows * (keys.shape[1] * width + values.shape[1] * values.shape[2])
-    args = (q, keys, values, start, first_key, window, sinks, F32(scale), out)
+    args = (q, keys, values, start, first_key, window, sinks, chosen, F32(scale), out)
     if n >= PROMPT_ATTENTION_QUERIES and copy_bytes <= PROMPT_ATTENTION_BYTES:
         _prompt_attention(*args, numba.get_num_threads())
     elif work >= PARALLEL_ATTENTION_WORK:

@@ -1,0 +1,92 @@
+"""DeepSeek-V3.2 and GLM-5 (GLM-MoE-DSA): DeepSeek-V3's MLA and MoE, plus DeepSeek's sparse
+attention indexer in each layer (GLM-5: in the layers `indexer_types` calls "full"; the others
+reuse the last one's choice). GLM-5's indexer rotates pairs, DeepSeek-V3.2's halves."""
+
+import dataclasses
+
+import gguf
+
+from colibri.convert.arch.base import ConfigError, TinyModel, require
+from colibri.convert.arch.deepseek import TINY_V3, Deepseek
+from colibri.formats.model_config import ModelConfig
+
+INDEXER = "{arch}.attention.indexer."  # llama.cpp's keys (the gguf package here predates them)
+
+TINY_V32 = {  # deepseek-ai/DeepSeek-V3.2: V3 with an indexer (a top-k the tiny model's prompts pass)
+    **{key: value for key, value in TINY_V3.items() if key != "auto_map"},
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "index_head_dim": 128,
+    "index_n_heads": 8,
+    "index_topk": 4,
+}
+TINY_GLM5 = {  # zai-org/GLM-5: MLA, one expert group, a layer that shares the indexer before it
+    **{key: value for key, value in TINY_V32.items() if key not in ("rope_scaling", "topk_method", "seq_aux")},
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "indexer_types": ["full", "shared", "full"],
+    "max_position_embeddings": 202752,
+    "n_group": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000,
+    "topk_group": 1,
+}
+
+
+def indexer_layers(hf: dict, n_layers: int) -> list[int]:
+    """The layers with an indexer of their own: config.json's `indexer_types` ("full" / "shared"),
+    else the schedule transformers derives from `index_topk_freq` and `index_skip_topk_offset`."""
+    kinds = hf.get("indexer_types")
+    if kinds is None:
+        freq, offset = max(hf.get("index_topk_freq", 1), 1), hf.get("index_skip_topk_offset", 2)
+        kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)]
+    if not (isinstance(kinds, list) and len(kinds) == n_layers and set(kinds) <= {"full", "shared"}):
+        raise ConfigError(f"config.json: indexer_types is not {n_layers} of full, shared")
+    return [i for i, kind in enumerate(kinds) if kind == "full"]
+
+
+class DeepseekSparse(Deepseek):
+    model_types = ("deepseek_v32", "glm_moe_dsa")
+    tiny_models = {"deepseek_v32": TinyModel(TINY_V32, "deepseek"), "glm_moe_dsa": TinyModel(TINY_GLM5, "glm")}
+    gguf_arch = gguf.MODEL_ARCH.GLM_DSA
+    gguf_keeps_mtp = True
+
+    def normalize(self, hf: dict) -> ModelConfig:
+        topk, heads, width = require(hf, "index_topk", "index_n_heads", "index_head_dim")
+        c = super().normalize(hf)
+        glm = hf["model_type"] == "glm_moe_dsa"
+        return dataclasses.replace(c, index_topk=topk, index_heads=heads, index_head_dim=width, index_rope_interleaved=glm,
+                                   index_layers=indexer_layers(hf, c.n_layers) if glm else list(range(c.n_layers)))
+
+    def layer_tensors(self, c: ModelConfig, layer: int) -> dict[str, tuple]:
+        tensors = super().layer_tensors(c, layer)
+        if layer in c.index_layers:
+            a, d, i, w = f"model.layers.{layer}.self_attn.indexer", c.hidden_size, c.index_heads, c.index_head_dim
+            tensors.update({f"{a}.wq_b.weight": (i * w, c.q_lora_rank), f"{a}.wk.weight": (w, d),
+                            f"{a}.k_norm.weight": (w,), f"{a}.k_norm.bias": (w,), f"{a}.weights_proj.weight": (i, d)})
+        return tensors
+
+    def from_gguf(self, meta, shapes: dict[str, tuple], fields: dict) -> dict:
+        own = super().from_gguf(meta, shapes, fields)
+        n_layers = fields["n_layers"]
+        full = meta.source.get(INDEXER.format(arch=meta.arch) + "types")  # per layer, true for "full"
+        layers = [i for i, own_indexer in enumerate(full) if own_indexer] if full is not None else list(range(n_layers))
+        return {**own, "architecture": "glm_moe_dsa", "index_topk": int(meta.require(INDEXER + "top_k")),
+                "index_heads": int(meta.require(INDEXER + "head_count")),
+                "index_head_dim": int(meta.require(INDEXER + "key_length")), "index_rope_interleaved": True,
+                "index_layers": layers}
+
+    def to_gguf(self, writer: gguf.GGUFWriter, c: ModelConfig) -> None:
+        super().to_gguf(writer, c)
+        keys = INDEXER.format(arch=self.gguf_arch_name)
+        writer.add_uint32(keys + "head_count", c.index_heads)
+        writer.add_uint32(keys + "key_length", c.index_head_dim)
+        writer.add_uint32(keys + "top_k", c.index_topk)
+        writer.add_array(keys + "types", [layer in c.index_layers for layer in range(c.n_layers)])
+
+    def gguf_problems(self, c: ModelConfig) -> list[str]:
+        problems = super().gguf_problems(c)
+        if not c.index_rope_interleaved:
+            problems.append("its indexer rotates halves (DeepSeek-V3.2), llama.cpp's glm-dsa pairs; llama.cpp's "
+                            "deepseek32 architecture is newer than the gguf package colibri uses")
+        return problems

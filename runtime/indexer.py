@@ -1,0 +1,92 @@
+"""DeepSeek's sparse attention (DSA) indexer: which cached positions each query of an MLA layer
+attends to (DeepSeek-V3.2, GLM-5).
+
+Each indexed layer keeps its own small key cache (`index_k`: a LayerNorm of one projection of
+the layer's input, its first rotary dimensions rotated). A query scores a position as the sum
+over the indexer's heads of weight_h × relu(q_h · k × width^-0.5), the weights a projection of
+the input scaled by heads^-0.5, and attends to the `index_topk` positions that score best. With
+no more positions than that, it attends to all of them: the indexer is skipped, and the
+attention is exactly dense MLA. A layer that shares its indexer reuses the choice of the last
+layer before it that has one.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from colibri.formats.model_config import ModelConfig
+from colibri.runtime.kernels.threads import part_range
+
+F32 = np.float32
+LAYER_NORM_EPS = 1e-6
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _index_scores(q, keys, weights, start, first_key, scale, out, nthreads):
+    """out[i, r] = sum_h weights[i, h] * relu(q[i, h] . keys[r] * scale) for the rows r query i
+    sees (position first_key + r up to start + i), -inf-like elsewhere."""
+    n, heads, width = q.shape
+    rows = keys.shape[0]
+    for t in prange(nthreads):
+        lo, hi = part_range(n, nthreads, t, 1)
+        for i in range(lo, hi):
+            seen = start + i + 1 - first_key
+            for r in range(rows):
+                if r >= seen:
+                    out[i, r] = F32(-3.0e38)
+                    continue
+                total = F32(0.0)
+                for h in range(heads):
+                    dot = F32(0.0)
+                    for d in range(width):
+                        dot += q[i, h, d] * keys[r, d]
+                    total += weights[i, h] * max(dot * scale, F32(0.0))
+                out[i, r] = total
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """LayerNorm over the last axis (float32)."""
+    mean = x.mean(-1, keepdims=True, dtype=np.float32)
+    centred = x - mean
+    variance = (centred * centred).mean(-1, keepdims=True, dtype=np.float32)
+    return (centred / np.sqrt(variance + F32(LAYER_NORM_EPS)) * weight + bias).astype(F32)
+
+
+class Indexer:
+    """One layer's indexer (blk.L.indexer.*); `rope` rotates as the indexer does."""
+
+    def __init__(self, c: ModelConfig, w, layer: int, rope):
+        p = f"blk.{layer}.indexer."
+        self.c, self.rope = c, rope
+        self.q_b, self.k = w.linear(p + "attn_q_b.weight"), w.linear(p + "attn_k.weight")
+        self.proj = w.linear(p + "proj.weight")
+        self.norm_weight, self.norm_bias = w.vector(p + "k_norm.weight"), w.vector(p + "k_norm.bias")
+
+    def keys(self, h: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The index keys [n, width] of the layer's input h [n, hidden] at `positions`."""
+        k = layer_norm(self.k(h), self.norm_weight, self.norm_bias)
+        return self.rope.apply(k[:, None, :], positions)[:, 0]
+
+    def choose(self, q_resid: np.ndarray, h: np.ndarray, positions: np.ndarray, keys: np.ndarray, start: int,
+               first_key: int) -> np.ndarray | None:
+        """uint8 [n, rows] (1: attended) for the queries of h [n, hidden] (q_resid: their q_a
+        norm) at positions start.., over cached index keys [rows, width] from position first_key;
+        None when no query sees more than index_topk positions (all are attended)."""
+        c, n = self.c, h.shape[0]
+        if start + n - first_key <= c.index_topk:
+            return None
+        q = self.rope.apply(self.q_b(q_resid).reshape(n, c.index_heads, c.index_head_dim), positions)
+        weights = (self.proj(h) * F32(c.index_heads ** -0.5)).astype(F32)
+        scores = np.empty((n, keys.shape[0]), F32)
+        _index_scores(np.ascontiguousarray(q), np.ascontiguousarray(keys, dtype=F32), np.ascontiguousarray(weights),
+                      start, first_key, F32(c.index_head_dim ** -0.5), scores, numba.get_num_threads())
+        chosen = np.zeros(scores.shape, np.uint8)
+        for i, row in enumerate(scores):
+            seen = start + i + 1 - first_key
+            if seen <= c.index_topk:
+                chosen[i, :seen] = 1
+            else:  # the best index_topk; of equal scores, the earliest positions
+                chosen[i, np.argsort(-row[:seen], kind="stable")[:c.index_topk]] = 1
+        return chosen
