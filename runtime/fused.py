@@ -365,8 +365,8 @@ class LatentDecodeLayer(_LayerStep):
         c, a = self.c, self.attention
         self.positions[0] = position
         _latent_query_kernel(x, self.attn_norm, F32(c.norm_eps), F32(a.latent_eps), self.h, self.first, self.first_act,
-                             self.first_out, self.kv_a, self.kv_act, self.kv_distinct, self.compressed, self.lora, self.q_a_norm,
-                             self.q_b, self.q_b_act, self.q_low, self.q, a.kv_a_norm, self.latent, a.rope.cos,
+                             self.first_out, self.kv_a, self.kv_act, self.kv_distinct, self.compressed, self.lora,
+                             self.q_a_norm, self.q_b, self.q_b_act, self.q_low, self.q, a.kv_a_norm, self.latent, a.rope.cos,
                              a.rope.sin, self.positions, a.rope.dim, a.rope.interleaved, self.absorb, self.q_nope,
                              self.absorb_act, self.q_latent, self.q_pe, self.k_pe, self.queries, self.stored,
                              numba.get_num_threads())

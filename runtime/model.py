@@ -212,7 +212,7 @@ class LatentAttention:
             s.cache.write(self.layer, "kv", s.start, stored[s.rows])
             # multi-query attention over the cache in place: keys [latent | rotated part], values the latent
             keys = s.cache.stored(self.layer, "kv", s.end)[:, None, :]
-            chosen = self.choose(s.cache, q_resid, h[s.rows], positions[s.rows], s.start) if c.index_topk else None
+            chosen = self.choose(s.cache, q_resid[s.rows], h[s.rows], positions[s.rows], s.start) if c.index_topk else None
             context[s.rows] = kernels.attention(queries[s.rows], keys, keys[:, :, :rank], s.start, self.scale,
                                                 chosen=chosen)
         out = self.kv_b.times_per_head(context.reshape(n * heads, rank), heads, c.v_head_dim, nope + c.v_head_dim,

@@ -12,7 +12,8 @@ llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm,minimax
 * ``llama``: Q and K rows permuted by ``LlamaModel.permute``;
 * DeepSeek: ``kv_b_proj`` split into ``attn_k_b`` (transposed per head) and ``attn_v_b``,
   MTP layers dropped, ``head_count_kv`` 1 and the MLA key/value lengths;
-* GLM-4.5: the MTP layer kept, ``block_count`` counting it, ``nextn_predict_layers``;
+* GLM-4.5 and GLM-5: the MTP layer kept, ``block_count`` counting it, ``nextn_predict_layers``;
+  GLM-5's indexer keys;
 * gpt-oss: ``sinks`` named ``.weight``, the transposed ``gate_up_proj`` (and its bias) split
   into gate and up by alternate columns, ``down_proj`` transposed;
 * optionally (``fuse_gate_up``, the converter's ``fuse_gate_up_exps``) each layer's gate and
@@ -139,6 +140,19 @@ def minimaxm2_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
     w.add_rope_dimension_count(hp["rotary_dim"])
 
 
+def glm_dsa_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
+    """GlmMoeDsaModel: DeepseekV2Model's keys, the MTP layers kept, the indexer's (gguf-py's
+    add_indexer_* helpers are newer than the gguf package here: the same keys by name)."""
+    deepseek2_keys(w, hp, rope)
+    w.add_nextn_predict_layers(hp["num_nextn_predict_layers"])
+    keys = "glm-dsa.attention.indexer."
+    w.add_uint32(keys + "head_count", hp["index_n_heads"])
+    w.add_uint32(keys + "key_length", hp["index_head_dim"])
+    w.add_uint32(keys + "top_k", hp["index_topk"])
+    if hp.get("indexer_types") is not None:
+        w.add_array(keys + "types", [t == "full" for t in hp["indexer_types"]])
+
+
 def gpt_oss_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
     w.add_sliding_window(hp["sliding_window"])
     w.add_expert_feed_forward_length(hp["intermediate_size"])
@@ -148,7 +162,7 @@ def gpt_oss_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
 MODEL_CLASS_KEYS = {
     gguf.MODEL_ARCH.LLAMA: llama_keys, gguf.MODEL_ARCH.QWEN2MOE: qwen_moe_keys, gguf.MODEL_ARCH.QWEN3MOE: qwen_moe_keys,
     gguf.MODEL_ARCH.OLMOE: olmoe_keys, gguf.MODEL_ARCH.DEEPSEEK2: deepseek2_keys, gguf.MODEL_ARCH.GLM4_MOE: glm4moe_keys,
-    gguf.MODEL_ARCH.MINIMAXM2: minimaxm2_keys, gguf.MODEL_ARCH.GPT_OSS: gpt_oss_keys,
+    gguf.MODEL_ARCH.MINIMAXM2: minimaxm2_keys, gguf.MODEL_ARCH.GPT_OSS: gpt_oss_keys, gguf.MODEL_ARCH.GLM_DSA: glm_dsa_keys,
 }
 
 

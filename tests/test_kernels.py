@@ -287,6 +287,28 @@ def test_attention_with_a_sliding_window_and_sinks_matches_float64(start, n, win
     assert relative_error(got, windowed_attention(q, keys, values, start, first_key, window, sinks)) < 1e-5
 
 
+@pytest.mark.parametrize("start, n", [(0, 1), (9, 1), (5, 4), (300, 8), (0, 40), (7, 300)])
+def test_attention_over_chosen_positions_matches_float64(start, n):
+    """DeepSeek's sparse attention: each query attends to the positions `chosen` marks."""
+    rng = np.random.default_rng(start + n)
+    heads, width = 4, 64
+    q = rng.standard_normal((n, heads, width)).astype(np.float32)
+    keys = rng.standard_normal((start + n, 1, width)).astype(np.float16)
+    chosen = (rng.random((n, start + n)) < 0.3).astype(np.uint8)
+    chosen[np.arange(n), start + np.arange(n)] = 1  # a query attends to something
+    got = kernels.attention(q, keys.view(np.uint16), keys.view(np.uint16)[:, :, :48], start, width**-0.5, chosen=chosen)
+    want = np.zeros((n, heads, 48))
+    for i in range(n):
+        seen = np.nonzero(chosen[i, :start + i + 1])[0]
+        k = keys[seen, 0].astype(np.float64)
+        for h in range(heads):
+            p = np.exp(k @ q[i, h] / np.sqrt(width) - (k @ q[i, h] / np.sqrt(width)).max())
+            want[i, h] = p @ k[:, :48] / p.sum()
+    assert relative_error(got, want) < 1e-5
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.attention(q, keys.view(np.uint16), keys.view(np.uint16), start, 0.1, chosen=chosen[:, 1:])
+
+
 def test_attention_refuses_a_cache_that_lacks_positions_the_window_sees():
     q = np.zeros((1, 4, 16), np.float32)
     with pytest.raises(ValueError, match="after the first one"):

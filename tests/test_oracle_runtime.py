@@ -117,6 +117,10 @@ QUANT_BOUNDS = {
     "Q8_0": {"median_cos": 0.999, "mean_kl": 0.002, "top1": 0.85},
     "Q4_K_M": {"median_cos": 0.96, "mean_kl": 0.01, "top1": 0.6},
 }
+# DeepSeek's sparse attention: past index_topk positions quantization also changes which
+# positions a query attends to (DeepSeek-V3.2's median cosine there: Q8_0 0.997, Q4_K_M 0.936),
+# so the bounds above hold for the rows before, these for the rows after
+SPARSE_MEDIAN_COS = {"Q8_0": 0.99, "Q4_K_M": 0.9}
 CLEAR_MARGIN = 0.5  # top-1 minus top-2 logit, in units of the logits' standard deviation
 
 
@@ -132,15 +136,19 @@ def test_quantized_runs_stay_close_to_f32(built, arch, quant):
     vocab = entry[1].config.vocab_size
     ids = prompt(vocab, 48, seed=1)
     want = open_f32(converted(entry, "F32")).prefill(ids)
-    got = open_f32(converted(entry, quant)).prefill(ids)
+    model = open_f32(converted(entry, quant))
+    got = model.prefill(ids)
     cos = (got * want).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))
     log_p, log_q = log_softmax(want), log_softmax(got)
     kl = (np.exp(log_p) * (log_p - log_q)).sum(-1).mean()
+    dense = model.config.index_topk or len(ids)  # rows whose queries attend to every position
     top2 = np.sort(want, axis=-1)[:, -2:]
-    clear = (top2[:, 1] - top2[:, 0]) > CLEAR_MARGIN * want.std()
-    agreement = (got.argmax(-1) == want.argmax(-1))[clear].mean() if clear.any() else 1.0
+    clear = ((top2[:, 1] - top2[:, 0]) > CLEAR_MARGIN * want.std())[:dense]
+    agreement = (got.argmax(-1) == want.argmax(-1))[:dense][clear].mean() if clear.any() else 1.0
     bounds = QUANT_BOUNDS[quant]
-    assert np.median(cos) >= bounds["median_cos"], (arch, quant, np.median(cos))
+    assert np.median(cos[:dense]) >= bounds["median_cos"], (arch, quant, np.median(cos[:dense]))
+    if dense < len(ids):
+        assert np.median(cos[dense:]) >= SPARSE_MEDIAN_COS[quant], (arch, quant, np.median(cos[dense:]))
     assert kl <= bounds["mean_kl"], (arch, quant, kl)
     assert agreement >= bounds["top1"], (arch, quant, agreement, int(clear.sum()))
 

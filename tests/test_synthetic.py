@@ -211,6 +211,13 @@ _MUST_HAVE = {
         "model.layers.1.self_attn.q_norm.weight": [256],  # over the whole projection
         "model.layers.1.self_attn.k_norm.weight": [128],
     },
+    "deepseek_v32": {  # the sparse attention's indexer in every layer
+        "model.layers.0.self_attn.indexer.wq_b.weight": [1024, 256],
+        "model.layers.2.self_attn.indexer.wk.weight": [128, 256],
+        "model.layers.2.self_attn.indexer.k_norm.bias": [128],
+        "model.layers.2.self_attn.indexer.weights_proj.weight": [8, 256],
+    },
+    "glm_moe_dsa": {"model.layers.2.self_attn.indexer.wq_b.weight": [1024, 256]},
     "gpt_oss": {  # as transformers' GptOssExperts holds them: transposed, gate and up interleaved
         "model.layers.0.self_attn.sinks": [4],
         "model.layers.0.self_attn.o_proj.bias": [256],
@@ -223,6 +230,7 @@ _MUST_HAVE = {
     },
 }
 _MUST_NOT_HAVE = {
+    "glm_moe_dsa": ["model.layers.1.self_attn.indexer.wq_b.weight"],  # layer 1 shares layer 0's
     "gpt_oss": ["model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.0.gate_proj.weight"],
     "mixtral": ["model.layers.0.mlp.gate.weight", "model.layers.0.self_attn.q_proj.bias"],
     "minimax_m2": ["model.layers.0.block_sparse_moe.gate.e_score_correction_bias", "model.layers.0.self_attn.q_proj.bias"],
@@ -247,6 +255,7 @@ def test_config_and_arch_specific_tensors(ckpt, arch):
         "deepseek_v2": ["DeepseekV2ForCausalLM"], "deepseek_v3": ["DeepseekV3ForCausalLM"],
         "kimi_k2": ["DeepseekV3ForCausalLM"], "glm4_moe": ["Glm4MoeForCausalLM"],
         "minimax_m2": ["MiniMaxM2ForCausalLM"], "gpt_oss": ["GptOssForCausalLM"],
+        "deepseek_v32": ["DeepseekV32ForCausalLM"], "glm_moe_dsa": ["GlmMoeDsaForCausalLM"],
     }[arch]
     if arch == "gpt_oss":
         assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["rope_scaling"]["truncate"] is False
@@ -265,7 +274,7 @@ def test_config_and_arch_specific_tensors(ckpt, arch):
         assert name not in wmap, name
     # the MTP layer is exactly a decoder layer + its six extra tensors
     mtp = S.mtp_layer_indices(cfg)
-    assert len(mtp) == {"deepseek_v3": 1, "glm4_moe": 1}.get(arch, 0)
+    assert len(mtp) == {"deepseek_v3": 1, "glm4_moe": 1, "deepseek_v32": 1, "glm_moe_dsa": 1}.get(arch, 0)
     for i in mtp:
         last = cfg["num_hidden_layers"] - 1
         extra = {"embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",

@@ -8,6 +8,7 @@ import gguf
 
 from colibri.convert.arch.base import ConfigError, TinyModel, require
 from colibri.convert.arch.deepseek import TINY_V3, Deepseek
+from colibri.convert.gguf_source import GGUFError
 from colibri.formats.model_config import ModelConfig
 
 INDEXER = "{arch}.attention.indexer."  # llama.cpp's keys (the gguf package here predates them)
@@ -18,7 +19,7 @@ TINY_V32 = {  # deepseek-ai/DeepSeek-V3.2: V3 with an indexer (a top-k the tiny 
     "model_type": "deepseek_v32",
     "index_head_dim": 128,
     "index_n_heads": 8,
-    "index_topk": 4,
+    "index_topk": 16,
 }
 TINY_GLM5 = {  # zai-org/GLM-5: MLA, one expert group, a layer that shares the indexer before it
     **{key: value for key, value in TINY_V32.items() if key not in ("rope_scaling", "topk_method", "seq_aux")},
@@ -70,23 +71,19 @@ class DeepseekSparse(Deepseek):
         own = super().from_gguf(meta, shapes, fields)
         n_layers = fields["n_layers"]
         full = meta.source.get(INDEXER.format(arch=meta.arch) + "types")  # per layer, true for "full"
+        if full is not None and not (isinstance(full, list) and len(full) == n_layers):
+            raise GGUFError(f"{meta.file}: {INDEXER.format(arch=meta.arch)}types is not one flag per layer")
         layers = [i for i, own_indexer in enumerate(full) if own_indexer] if full is not None else list(range(n_layers))
         return {**own, "architecture": "glm_moe_dsa", "index_topk": int(meta.require(INDEXER + "top_k")),
                 "index_heads": int(meta.require(INDEXER + "head_count")),
                 "index_head_dim": int(meta.require(INDEXER + "key_length")), "index_rope_interleaved": True,
                 "index_layers": layers}
 
-    def to_gguf(self, writer: gguf.GGUFWriter, c: ModelConfig) -> None:
-        super().to_gguf(writer, c)
-        keys = INDEXER.format(arch=self.gguf_arch_name)
-        writer.add_uint32(keys + "head_count", c.index_heads)
-        writer.add_uint32(keys + "key_length", c.index_head_dim)
-        writer.add_uint32(keys + "top_k", c.index_topk)
-        writer.add_array(keys + "types", [layer in c.index_layers for layer in range(c.n_layers)])
-
     def gguf_problems(self, c: ModelConfig) -> list[str]:
         problems = super().gguf_problems(c)
         if not c.index_rope_interleaved:
             problems.append("its indexer rotates halves (DeepSeek-V3.2), llama.cpp's glm-dsa pairs; llama.cpp's "
                             "deepseek32 architecture is newer than the gguf package colibri uses")
+        problems.append("llama.cpp's glm-dsa loads MLA only with attn_kv_b split into attn_k_b and attn_v_b, "
+                        "which colibri's export does not write (a GGUF with them imports)")
         return problems

@@ -114,7 +114,7 @@ class _Planner:
             self.norm(a + "kv_a_layernorm", c.kv_lora_rank)
             self.linear(a + "kv_b_proj", H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
             self.linear(a + "o_proj", D, H * c.v_head_dim, bias=bias)
-            if i in c.index_layers:  # DeepSeek's sparse attention indexer
+            if i in c.index_layers or (c.index_topk and i >= c.n_layers):  # the sparse attention's indexer (MTP: too)
                 self.linear(a + "indexer.wq_b", c.index_heads * c.index_head_dim, c.q_lora_rank)
                 self.linear(a + "indexer.wk", c.index_head_dim, D)
                 self.norm(a + "indexer.k_norm", c.index_head_dim)
