@@ -231,9 +231,10 @@ def replicate_layers(source: pathlib.Path, out: pathlib.Path, layers: int) -> No
             files[name] = info
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             os.link(source / name, out / name)
-    manifest.update(tensors=tensors, files=files, expert_layers=expert_layers,
-                    config=dict(manifest["config"], n_layers=layers,
-                                moe_layers=[i for i in range(layers) if i % n in manifest["config"]["moe_layers"]]))
+    config = dict(manifest["config"], n_layers=layers)
+    for field in ("moe_layers", "sliding_layers", "index_layers"):  # the lists of layers, repeated too
+        config[field] = [i for i in range(layers) if i % n in manifest["config"].get(field, [])]
+    manifest.update(tensors=tensors, files=files, expert_layers=expert_layers, config=config)
     manifest.pop("self_sha256", None)
     write_manifest(out, manifest)
 

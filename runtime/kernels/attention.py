@@ -131,17 +131,18 @@ def _prompt_attention(q, keys, values, start, first_key, window, sinks, chosen, 
             for d in range(width):
                 column = keys_t[kv, d]
                 for i in range(count):  # (slices: a loop from a variable start did not vectorize)
-                    lo = max(0, seen + i + 1 - window)
-                    row, keys_row, weight = scores[i, lo:seen + i + 1], column[lo:seen + i + 1], q[first + i, h, d] * scale
+                    row_lo = max(0, seen + i + 1 - window)
+                    row, keys_row = scores[i, row_lo:seen + i + 1], column[row_lo:seen + i + 1]
+                    weight = q[first + i, h, d] * scale
                     for pos in range(row.size):
                         row[pos] += weight * keys_row[pos]
             for i in range(count):
-                lo = max(0, seen + i + 1 - window)
+                row_lo = max(0, seen + i + 1 - window)
                 if chosen.shape[0]:
-                    _leave_out(scores[i:i + 1], chosen[first + i], lo, seen + i + 1)
-                softmax_in_place(scores, i, lo, seen + i + 1, sinks[h])
+                    _leave_out(scores[i:i + 1], chosen[first + i], row_lo, seen + i + 1)
+                softmax_in_place(scores, i, row_lo, seen + i + 1, sinks[h])
                 if chosen.shape[0]:
-                    _weigh_none(scores[i:i + 1], chosen[first + i], lo, seen + i + 1)
+                    _weigh_none(scores[i:i + 1], chosen[first + i], row_lo, seen + i + 1)
             outputs[:count] = 0.0
             for pos in range(max(0, seen + 1 - window), seen + count):
                 value = values_f[kv, pos]
