@@ -124,11 +124,13 @@ def write_experts(checkpoint: Checkpoint, out_dir: Path, unit: ExpertUnit, advan
         weights = imatrix.importance(src.canonical[matrix], values.shape[-1], e) if imatrix else None
         return quantize(values, encodings[matrix], weights)
 
+    kept_mxfp4 = src.fused and all(checkpoint.tensors[n].dtype == MXFP4_DTYPE for n in src.names.fused_names) \
+        and all(encodings[m] == "MXFP4" for m in EXPERT_MATRICES)  # MXFP4 blocks kept as they are
+
     def encode(e: int):
         if src.fused:
             gate_up_name, down_name = src.names.fused_names
-            if all(checkpoint.tensors[n].dtype == MXFP4_DTYPE for n in src.names.fused_names) \
-                    and all(encodings[m] == "MXFP4" for m in EXPERT_MATRICES):  # MXFP4 kept as it is
+            if kept_mxfp4:
                 return list(src.names.split_fused(checkpoint.mxfp4_copy(gate_up_name, e, 1)[0],
                                                   checkpoint.mxfp4_copy(down_name, e, 1)[0]))
             values = src.names.split_fused(checkpoint.read(gate_up_name, e, 1)[0], checkpoint.read(down_name, e, 1)[0])

@@ -24,15 +24,15 @@ LAYER_NORM_EPS = 1e-6
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _index_scores(q, keys, weights, start, first_key, scale, out, nthreads):
-    """out[i, r] = sum_h weights[i, h] * relu(q[i, h] . keys[r] * scale) for the rows r query i
-    sees (position first_key + r up to start + i), -inf-like elsewhere."""
+def _index_scores(q, keys, weights, start, scale, out, nthreads):
+    """out[i, r] = sum_h weights[i, h] * relu(q[i, h] . keys[r] * scale) for the positions r
+    query i sees (up to start + i), -inf-like elsewhere."""
     n, heads, width = q.shape
     rows = keys.shape[0]
     for t in prange(nthreads):
         lo, hi = part_range(n, nthreads, t, 1)
         for i in range(lo, hi):
-            seen = start + i + 1 - first_key
+            seen = start + i + 1
             for r in range(rows):
                 if r >= seen:
                     out[i, r] = F32(-3.0e38)
@@ -69,22 +69,22 @@ class Indexer:
         k = layer_norm(self.k(h), self.norm_weight, self.norm_bias)
         return self.rope.apply(k[:, None, :], positions)[:, 0]
 
-    def choose(self, q_resid: np.ndarray, h: np.ndarray, positions: np.ndarray, keys: np.ndarray, start: int,
-               first_key: int) -> np.ndarray | None:
+    def choose(self, q_resid: np.ndarray, h: np.ndarray, positions: np.ndarray, keys: np.ndarray,
+               start: int) -> np.ndarray | None:
         """uint8 [n, rows] (1: attended) for the queries of h [n, hidden] (q_resid: their q_a
-        norm) at positions start.., over cached index keys [rows, width] from position first_key;
+        norm) at positions start.., over the cached index keys [start + n, width] (every position);
         None when no query sees more than index_topk positions (all are attended)."""
         c, n = self.c, h.shape[0]
-        if start + n - first_key <= c.index_topk:
+        if start + n <= c.index_topk:
             return None
         q = self.rope.apply(self.q_b(q_resid).reshape(n, c.index_heads, c.index_head_dim), positions)
         weights = (self.proj(h) * F32(c.index_heads ** -0.5)).astype(F32)
         scores = np.empty((n, keys.shape[0]), F32)
         _index_scores(np.ascontiguousarray(q), np.ascontiguousarray(keys, dtype=F32), np.ascontiguousarray(weights),
-                      start, first_key, F32(c.index_head_dim ** -0.5), scores, numba.get_num_threads())
+                      start, F32(c.index_head_dim ** -0.5), scores, numba.get_num_threads())
         chosen = np.zeros(scores.shape, np.uint8)
         for i, row in enumerate(scores):
-            seen = start + i + 1 - first_key
+            seen = start + i + 1
             if seen <= c.index_topk:
                 chosen[i, :seen] = 1
             else:  # the best index_topk; of equal scores, the earliest positions

@@ -231,7 +231,7 @@ class LatentAttention:
         cache.write(self.layer, "index_k", start, self.indexer.keys(h, positions))
         chosen = None
         if end > self.c.index_topk:
-            chosen = self.indexer.choose(q_resid, h, positions, cache.read(self.layer, "index_k", end), start, 0)
+            chosen = self.indexer.choose(q_resid, h, positions, cache.read(self.layer, "index_k", end), start)
         self.choices[id(cache)] = chosen
         return chosen
 

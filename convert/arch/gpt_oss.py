@@ -35,6 +35,7 @@ TINY = {  # openai/gpt-oss-20b (a window its prompts pass)
     "vocab_size": 512,
 }
 LAYER_TYPES = ("sliding_attention", "full_attention")
+SWIGLU = 1.702, 7.0  # alpha and limit: transformers' defaults, and what llama.cpp's gpt-oss graph hard-codes
 
 
 class GptOss(Adapter):
@@ -76,8 +77,8 @@ class GptOss(Adapter):
             router_norm_topk=True,  # the softmax over the chosen k is the renormalized softmax of all
             router_logit_bias=True,
             expert_glu="clamped_swiglu",
-            swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
-            swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(hf.get("swiglu_alpha", SWIGLU[0])),
+            swiglu_limit=float(hf.get("swiglu_limit", SWIGLU[1])),
             expert_bias=True,
         )
 
@@ -119,7 +120,7 @@ class GptOss(Adapter):
                 "attn_sinks": True, "sliding_window": window,
                 "sliding_layers": list(range(0, fields["n_layers"], 2)) if window else [], "router": "softmax",
                 "router_norm_topk": True, "router_logit_bias": True, "expert_glu": "clamped_swiglu",
-                "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "expert_bias": True}
+                "swiglu_alpha": SWIGLU[0], "swiglu_limit": SWIGLU[1], "expert_bias": True}
 
     def to_gguf(self, writer: gguf.GGUFWriter, c: ModelConfig) -> None:
         writer.add_sliding_window(c.sliding_window)
@@ -129,6 +130,7 @@ class GptOss(Adapter):
         problems = []
         if c.sliding_layers != list(range(0, c.n_layers, 2)):
             problems.append(f"llama.cpp's gpt-oss slides the even layers, not layers {c.sliding_layers}")
-        if (c.swiglu_alpha, c.swiglu_limit) != (1.702, 7.0):
-            problems.append(f"llama.cpp's gpt-oss has swiglu alpha 1.702 and limit 7.0, not {c.swiglu_alpha} and {c.swiglu_limit}")
+        if (c.swiglu_alpha, c.swiglu_limit) != SWIGLU:
+            problems.append(f"llama.cpp's gpt-oss has swiglu alpha {SWIGLU[0]} and limit {SWIGLU[1]}, not "
+                            f"{c.swiglu_alpha} and {c.swiglu_limit}")
         return problems
