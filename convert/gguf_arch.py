@@ -267,7 +267,7 @@ def resident_shapes(c: ModelConfig) -> dict[str, tuple]:
     for layer in range(c.n_layers):
         source.update(adapter.layer_tensors(c, layer))
     return {canonical: tuple(part) for name, shape in source.items()
-            for canonical, _, part in adapter.resident_views(name, tuple(shape), c.n_layers)}
+            for canonical, _, part, *_ in adapter.resident_views(name, tuple(shape), c)}
 
 
 def expert_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:

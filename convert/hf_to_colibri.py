@@ -107,8 +107,9 @@ def write_resident(checkpoint: Checkpoint, out_dir: Path, unit: ResidentUnit, ad
         copy = checkpoint.q4_0_copy(tensor.source) if encoding == "Q4_0" else None
         if copy is not None:
             return iter([copy])
-        return (quantize(tensor.select(chunk), encoding, weights) for weights in [importance(tensor)]
-                for chunk in read_row_chunks(checkpoint, tensor.source, tensor.shape))
+        chunks = [checkpoint.read(tensor.source)] if tensor.rows is not None else \
+            read_row_chunks(checkpoint, tensor.source, tensor.shape)
+        return (quantize(tensor.select(chunk), encoding, weights) for weights in [importance(tensor)] for chunk in chunks)
 
     tensors = (
         ResidentTensorData(tensor.name, encoding, tensor.shape, encoded(tensor, encoding), checkpoint.tensors[tensor.source].nbytes)

@@ -27,11 +27,23 @@ class ResidentTensor:
     name: str  # canonical (gguf) name
     source: str  # Hugging Face name
     shape: tuple[int, ...]
-    columns: tuple[int, int] | None = None  # (first, step): the source's columns this is, when not all
+    columns: tuple[int, ...] | None = None  # the source's columns this is, in order, when not all
+    rows: tuple[int, ...] | None = None  # the source's rows this is, in order, when not all (read whole)
+    transform: str | None = None  # convert.arch.base.ResidentView.transform
 
     def select(self, values: np.ndarray) -> np.ndarray:
-        """This tensor's part of rows of its source."""
-        return values if self.columns is None else np.ascontiguousarray(values[..., self.columns[0]::self.columns[1]])
+        """This tensor's part of rows of its source (all of them when `rows` is set), in its shape."""
+        if values.ndim != len(self.shape):  # a DeltaNet's convolution [channels, 1, kernel]
+            values = values.reshape(-1, *self.shape[1:])
+        if self.rows is not None:
+            values = values[np.asarray(self.rows)]
+        if self.columns is not None:
+            values = np.ascontiguousarray(values[..., np.asarray(self.columns)])
+        if self.transform == "plus_one":
+            return values + np.float32(1)
+        if self.transform == "neg_exp":
+            return -np.exp(values)
+        return values
 
 
 @dataclass(frozen=True)
@@ -72,7 +84,8 @@ def make_plan(checkpoint: Checkpoint, adapter: Adapter | None = None) -> Convers
     config = normalized_config(adapter, checkpoint.config)
     present = dict(checkpoint.tensors)
     mtp_layers = range(config.n_layers, config.n_layers + adapter.mtp_layers(checkpoint.config))
-    skipped = sorted(n for n in present if _layer_of(n) in mtp_layers or IGNORED.search(n))
+    skipped = sorted(n for n in present if _layer_of(n) in mtp_layers or IGNORED.search(n)
+                     or n.startswith(adapter.skipped_prefixes))
     for name in skipped:
         present.pop(name)
     skipped += checkpoint.other_model_tensors  # a multimodal checkpoint's vision tower and projector
@@ -103,10 +116,10 @@ def make_plan(checkpoint: Checkpoint, adapter: Adapter | None = None) -> Convers
     for name, shape in expected.items():
         if name in expert_tensor_names:
             continue
-        views = adapter.resident_views(name, shape, config.n_layers)
+        views = adapter.resident_views(name, shape, config)
         if not views:
             raise CheckpointError(f"{name}: no canonical gguf name for this {config.architecture} tensor")
-        resident += [ResidentTensor(canonical, name, tuple(part), columns) for canonical, columns, part in views]
+        resident += [ResidentTensor(v.name, name, tuple(v.shape), v.columns, v.rows, v.transform) for v in views]
     return ConversionPlan(config, resident, expert_layers, skipped)
 
 

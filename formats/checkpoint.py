@@ -36,7 +36,11 @@ DTYPE_BYTES = {
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
 }
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F8_E4M3")
-TEXT_MODEL_PREFIX = "language_model."  # a multimodal checkpoint's text model (Checkpoint._text_model_view)
+# a multimodal checkpoint's text model (Checkpoint._text_model_view): its tensors' prefix → the
+# text-only checkpoint's (Kimi-K2.5: "language_model."; Qwen3.5: "model.language_model.", with
+# lm_head beside it)
+TEXT_MODEL_PREFIXES = {"model.language_model.": "model.", "language_model.": ""}
+TEXT_MODEL_TOP = ("lm_head.weight",)  # text tensors a Qwen3.5-style wrapper keeps outside its prefix
 PACKED_DTYPE = "I4"  # compressed-tensors' packed INT4 weight with its group scales (formats.compressed_tensors)
 MXFP4_DTYPE = "MXFP4"  # gpt-oss's `_blocks` and `_scales` of one weight (formats.mxfp4)
 CONVERTIBLE_DTYPES = (*FLOAT_DTYPES, PACKED_DTYPE, MXFP4_DTYPE)
@@ -227,20 +231,23 @@ class Checkpoint:
                                              weight.blocks.nbytes + weight.scales.nbytes)
 
     def _text_model_view(self) -> list[str]:
-        """A multimodal checkpoint (Kimi-K2.5 and K2.6: `text_config`, the text model's tensors
-        under `language_model.`) is read as its text model: that config, those tensors without
-        the prefix. Returns the names of the others (a vision tower, a projector), which no
-        conversion reads."""
+        """A multimodal checkpoint (Kimi-K2.5 and K2.6, Qwen3.5: `text_config`, the text model's
+        tensors under a prefix of TEXT_MODEL_PREFIXES) is read as its text model: that config,
+        those tensors named as a text-only checkpoint names them. Returns the names of the others
+        (a vision tower, a projector), which no conversion reads."""
         text = self.config.get("text_config")
-        if not isinstance(text, dict) or not any(n.startswith(TEXT_MODEL_PREFIX) for n in self.tensors):
+        prefix = next((p for p in TEXT_MODEL_PREFIXES if any(n.startswith(p) for n in self.tensors)), None)
+        if not isinstance(text, dict) or prefix is None:
             return []
         quantization = self.config.get("quantization_config")
         self.config = dict(text)
         if quantization is not None:  # the wrapper's, unless the text model has its own
             self.config.setdefault("quantization_config", quantization)
-        others = sorted(n for n in self.tensors if not n.startswith(TEXT_MODEL_PREFIX))
-        self.tensors = {n[len(TEXT_MODEL_PREFIX):]: replace(e, name=n[len(TEXT_MODEL_PREFIX):])
-                        for n, e in self.tensors.items() if n.startswith(TEXT_MODEL_PREFIX)}
+        renamed = {n: TEXT_MODEL_PREFIXES[prefix] + n[len(prefix):] for n in self.tensors if n.startswith(prefix)}
+        if prefix == "model.language_model.":
+            renamed.update((n, n) for n in TEXT_MODEL_TOP if n in self.tensors)
+        others = sorted(n for n in self.tensors if n not in renamed)
+        self.tensors = {new: replace(self.tensors[old], name=new) for old, new in renamed.items()}
         return others
 
     def _check_index(self) -> None:

@@ -65,8 +65,9 @@ def config_problems(c: ModelConfig) -> list[str]:
     need(_is_finite(c.norm_eps) and 0 < c.norm_eps < 1, f"norm_eps is {c.norm_eps!r}, not a number in (0, 1)")
     need(_is_finite(c.rope_theta) and c.rope_theta > 0, f"rope_theta is {c.rope_theta!r}, not a positive number")
     need(c.clip_qkv is None or (_is_finite(c.clip_qkv) and c.clip_qkv > 0), f"clip_qkv is {c.clip_qkv!r}, not a positive number")
-    for name in ("tie_word_embeddings", "attn_bias", "attn_output_bias", "attn_sinks", "rope_interleaved", "router_norm_topk",
-                 "router_bias", "router_logit_bias", "expert_bias", "shared_expert_gate"):
+    for name in ("tie_word_embeddings", "attn_bias", "attn_output_bias", "attn_sinks", "attn_output_gate", "linear_v_tiled",
+                 "rope_interleaved", "router_norm_topk", "router_bias", "router_logit_bias", "expert_bias",
+                 "shared_expert_gate"):
         need(isinstance(getattr(c, name), bool), f"{name} is {getattr(c, name)!r}, not true or false")
     if problems:  # the checks below combine the fields above
         return problems
@@ -90,6 +91,9 @@ def config_problems(c: ModelConfig) -> list[str]:
          and all(0 <= i < c.n_layers for i in layers) and (not layers or c.sliding_window),
          f"sliding_layers {layers!r} are not distinct increasing layers of the {c.n_layers} (with a sliding_window)")
     problems += _rope_scaling_problems(c.rope_scaling)
+    _check_linear(c, dim, need)
+    need(not c.attn_output_gate or (c.attention == "gqa" and not c.attn_bias),
+         "attn_output_gate needs GQA attention without q/k/v biases")
     _check_moe(c, dim, need)
     for name, ids in (("bos_token_id", [] if c.bos_token_id is None else [c.bos_token_id]), ("eos_token_ids", c.eos_token_ids)):
         need(isinstance(ids, list) and all(is_int(i) and 0 <= i < c.vocab_size for i in ids),
@@ -112,6 +116,34 @@ def _check_indexer(c: ModelConfig, dim, need) -> None:
     need(isinstance(layers, list) and all(is_int(i) for i in layers) and layers == sorted(set(layers))
          and all(0 <= i < c.n_layers for i in layers) and layers[:1] == [0],
          f"index_layers {layers!r} are not distinct increasing layers of the {c.n_layers}, from layer 0")
+
+
+MAX_CONV_KERNEL = 64  # the DeltaNet convolution's width (4 in every release)
+
+
+def _check_linear(c: ModelConfig, dim, need) -> None:
+    """The gated DeltaNet fields, through `config_problems`' `dim` and `need`."""
+    layers = c.linear_layers
+    if not need(isinstance(layers, list) and all(is_int(i) for i in layers) and layers == sorted(set(layers))
+                and all(0 <= i < c.n_layers for i in layers),
+                f"linear_layers {layers!r} are not distinct increasing layers of the {c.n_layers}") or not layers:
+        return
+    need(c.attention == "gqa" and not c.sliding_layers, "linear_layers need GQA attention without sliding layers")
+    dim("linear_conv_kernel", 1, MAX_CONV_KERNEL)
+    for name in ("linear_k_heads", "linear_v_heads", "linear_k_head_dim", "linear_v_head_dim"):
+        dim(name)
+    if is_int(c.linear_k_heads) and is_int(c.linear_v_heads) and c.linear_k_heads > 0:
+        need(c.linear_v_heads % c.linear_k_heads == 0,
+             f"linear_v_heads {c.linear_v_heads} is not a multiple of linear_k_heads {c.linear_k_heads}")
+
+
+def _linear_tensors(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """A gated DeltaNet layer's token mixer, by canonical name (llama.cpp's Qwen3.5 names)."""
+    d, heads, values = c.hidden_size, c.linear_v_heads, c.linear_v_heads * c.linear_v_head_dim
+    return {p + "attn_qkv.weight": (c.linear_conv_channels, d), p + "attn_gate.weight": (values, d),
+            p + "ssm_beta.weight": (heads, d), p + "ssm_alpha.weight": (heads, d),
+            p + "ssm_conv1d.weight": (c.linear_conv_channels, c.linear_conv_kernel), p + "ssm_a": (heads,),
+            p + "ssm_dt.bias": (heads,), p + "ssm_norm.weight": (c.linear_v_head_dim,), p + "ssm_out.weight": (d, values)}
 
 
 def _rope_scaling_problems(scaling) -> list[str]:
@@ -174,34 +206,11 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         tensors["output.weight"] = (c.vocab_size, d)
     for layer in range(c.n_layers):
         p = f"blk.{layer}."
-        tensors.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,),
-                        p + "attn_output.weight": (d, h * c.v_head_dim)})
-        if c.attn_output_bias:
-            tensors[p + "attn_output.bias"] = (d,)
-        if c.attn_sinks:
-            tensors[p + "attn_sinks.weight"] = (h,)
-        if c.attention == "mla":
-            tensors.update({p + "attn_kv_a_mqa.weight": (c.kv_lora_rank + c.qk_rope_head_dim, d),
-                            p + "attn_kv_a_norm.weight": (c.kv_lora_rank,),
-                            p + "attn_kv_b.weight": (h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)})
-            if c.q_lora_rank:
-                tensors.update({p + "attn_q_a.weight": (c.q_lora_rank, d), p + "attn_q_a_norm.weight": (c.q_lora_rank,),
-                                p + "attn_q_b.weight": (h * c.head_dim, c.q_lora_rank)})
-            else:
-                tensors[p + "attn_q.weight"] = (h * c.head_dim, d)
-            if layer in c.index_layers:
-                i, w = c.index_heads, c.index_head_dim
-                tensors.update({p + "indexer.attn_q_b.weight": (i * w, c.q_lora_rank), p + "indexer.attn_k.weight": (w, d),
-                                p + "indexer.k_norm.weight": (w,), p + "indexer.k_norm.bias": (w,),
-                                p + "indexer.proj.weight": (i, d)})
+        tensors.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,)})
+        if layer in c.linear_layers:
+            tensors.update(_linear_tensors(c, p))
         else:
-            q, kv = h * c.head_dim, c.n_kv_heads * c.head_dim
-            tensors.update({p + "attn_q.weight": (q, d), p + "attn_k.weight": (kv, d), p + "attn_v.weight": (kv, d)})
-            if c.attn_bias:
-                tensors.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
-            norms = {"head": (c.head_dim, c.head_dim), "full": (q, kv)}.get(c.qk_norm)
-            if norms:
-                tensors.update({p + "attn_q_norm.weight": (norms[0],), p + "attn_k_norm.weight": (norms[1],)})
+            tensors.update(_attention_tensors(c, p, layer))
         if layer in c.moe_layers:
             tensors[p + "ffn_gate_inp.weight"] = (c.n_experts, d)
             if c.router_bias:
@@ -217,6 +226,40 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
                 tensors[p + "ffn_gate_inp_shexp.weight"] = (1, d)
         else:
             tensors.update(_mlp(p + "ffn_{}.weight", c.dense_ffn, d))
+    return tensors
+
+
+def _attention_tensors(c: ModelConfig, p: str, layer: int) -> dict[str, tuple[int, ...]]:
+    """An attention layer's tensors, by canonical name."""
+    d, h = c.hidden_size, c.n_heads
+    tensors = {p + "attn_output.weight": (d, h * c.v_head_dim)}
+    if c.attn_output_bias:
+        tensors[p + "attn_output.bias"] = (d,)
+    if c.attn_sinks:
+        tensors[p + "attn_sinks.weight"] = (h,)
+    if c.attention == "mla":
+        tensors.update({p + "attn_kv_a_mqa.weight": (c.kv_lora_rank + c.qk_rope_head_dim, d),
+                        p + "attn_kv_a_norm.weight": (c.kv_lora_rank,),
+                        p + "attn_kv_b.weight": (h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)})
+        if c.q_lora_rank:
+            tensors.update({p + "attn_q_a.weight": (c.q_lora_rank, d), p + "attn_q_a_norm.weight": (c.q_lora_rank,),
+                            p + "attn_q_b.weight": (h * c.head_dim, c.q_lora_rank)})
+        else:
+            tensors[p + "attn_q.weight"] = (h * c.head_dim, d)
+        if layer in c.index_layers:
+            i, w = c.index_heads, c.index_head_dim
+            tensors.update({p + "indexer.attn_q_b.weight": (i * w, c.q_lora_rank), p + "indexer.attn_k.weight": (w, d),
+                            p + "indexer.k_norm.weight": (w,), p + "indexer.k_norm.bias": (w,),
+                            p + "indexer.proj.weight": (i, d)})
+    else:
+        q, kv = h * c.head_dim, c.n_kv_heads * c.head_dim
+        gated = 2 if c.attn_output_gate else 1  # the gate's rows beside each head's query rows
+        tensors.update({p + "attn_q.weight": (gated * q, d), p + "attn_k.weight": (kv, d), p + "attn_v.weight": (kv, d)})
+        if c.attn_bias:
+            tensors.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
+        norms = {"head": (c.head_dim, c.head_dim), "full": (q, kv)}.get(c.qk_norm)
+        if norms:
+            tensors.update({p + "attn_q_norm.weight": (norms[0],), p + "attn_k_norm.weight": (norms[1],)})
     return tensors
 
 

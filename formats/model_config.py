@@ -44,6 +44,17 @@ class ModelConfig:
     index_head_dim: int = 0
     index_rope_interleaved: bool = False  # the indexer rotates pairs (GLM-5), not halves (DeepSeek-V3.2)
     index_layers: list[int] = field(default_factory=list)  # layers with an indexer; the others reuse the one before
+    attn_output_gate: bool = False  # q's projection gives [query | gate] per head; the output is times sigmoid(gate)
+    # gated DeltaNet (Qwen3-Next, Qwen3.5): layers whose token mixer is a linear recurrence, not
+    # attention, with a fixed-size state per sequence instead of a KV cache
+    linear_layers: list[int] = field(default_factory=list)
+    linear_conv_kernel: int = 0  # width of the causal depthwise convolution over the q/k/v channels
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0  # a multiple of linear_k_heads (r times as many)
+    linear_v_tiled: bool = False  # value head h is served by q/k head h % linear_k_heads (llama.cpp's
+    # order for Qwen3.5), not by h // r (transformers')
+    linear_k_head_dim: int = 0
+    linear_v_head_dim: int = 0
     # rotary position embedding
     rope_theta: float = 10000.0
     rope_dim: int = 0  # rotated dimensions per head (partial rotary when < head width)
@@ -89,6 +100,19 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    def is_linear_layer(self, layer: int) -> bool:
+        return layer in self.linear_layers
+
+    def linear_key_heads_of(self) -> list[int]:
+        """The q/k head that serves each value head of a DeltaNet layer."""
+        r = self.linear_v_heads // max(self.linear_k_heads, 1)
+        return [h % self.linear_k_heads if self.linear_v_tiled else h // r for h in range(self.linear_v_heads)]
+
+    @property
+    def linear_conv_channels(self) -> int:
+        """The channels the DeltaNet convolution runs over: q and k of every key head, v of every value head."""
+        return 2 * self.linear_k_heads * self.linear_k_head_dim + self.linear_v_heads * self.linear_v_head_dim
 
     def window_of(self, layer: int) -> int:
         """The positions a query of `layer` sees (0: all of them)."""

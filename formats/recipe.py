@@ -102,8 +102,9 @@ def _nested_repeat(parsed, inside: bool) -> bool:
 
 
 def is_quantizable(name: str, shape) -> bool:
-    """2-D weights are quantized; 1-D tensors, biases and the router gate stay F32."""
-    return name.endswith(".weight") and len(shape) >= 2 and "ffn_gate_inp.weight" not in name
+    """2-D weights are quantized; 1-D tensors, biases, the router gate and the DeltaNet
+    convolution (llama.cpp's rule: rows of a few taps) stay F32."""
+    return name.endswith(".weight") and len(shape) >= 2 and "ffn_gate_inp.weight" not in name and "ssm_conv1d" not in name
 
 
 @dataclass

@@ -20,7 +20,7 @@ import numpy as np
 from colibri.formats.layout import ModelLayout
 from colibri.runtime import kernels
 from colibri.runtime.expert_store import DEFAULT_IO, POLICIES, ExpertStore, cache_bytes_for_all
-from colibri.runtime.kv_cache import WRITE_ROOM, ContextOverflow, KVCache, kv_bytes
+from colibri.runtime.kv_cache import WRITE_ROOM, ContextOverflow, KVCache
 from colibri.runtime.memory import current_rss, format_size, parse_size, peak_rss, total_ram
 from colibri.runtime.model import Decoder
 
@@ -61,12 +61,10 @@ def default_ram_budget() -> int:
     return int(total_ram() * 0.8)
 
 
-def plan_budget(layout: ModelLayout, ctx: int, kv_quant: str, widths: dict, ram_budget, expert_cache,
-                parallel: int = 1) -> Budget:
-    c = layout.config
+def plan_budget(layout: ModelLayout, ctx: int, kv_quant: str, ram_budget, expert_cache, parallel: int = 1) -> Budget:
     ram = parse_size(ram_budget) if ram_budget is not None else default_ram_budget()
     resident = Decoder.resident_bytes(layout)
-    kv = parallel * kv_bytes(c.n_layers, ctx, widths, kv_quant, Decoder.cache_windows_for(c))
+    kv = parallel * Decoder.cache_shape_for(layout.config).nbytes(ctx, kv_quant)
     scratch = scratch_bytes(layout)
     budget = Budget(ram, current_rss(), resident, kv, scratch, 0)
     if budget.fixed > ram:
@@ -91,10 +89,9 @@ def plan_budget(layout: ModelLayout, ctx: int, kv_quant: str, widths: dict, ram_
 def fitting_parallel(layout: ModelLayout, ctx: int, kv_quant: str, ram_budget=None, most: int = 32) -> int:
     """The most KV slots (at most `most`) whose cache takes at most a quarter of what the RAM
     budget leaves after resident weights, scratch and the runtime: the rest stays for experts."""
-    c = layout.config
     ram = parse_size(ram_budget) if ram_budget is not None else default_ram_budget()
     room = ram - current_rss() - Decoder.resident_bytes(layout) - scratch_bytes(layout)
-    per_slot = kv_bytes(c.n_layers, ctx, Decoder.cache_widths_for(c), kv_quant, Decoder.cache_windows_for(c))
+    per_slot = Decoder.cache_shape_for(layout.config).nbytes(ctx, kv_quant)
     return max(1, min(most, room // 4 // max(per_slot, 1)))
 
 
@@ -110,14 +107,14 @@ class Model:
         self.config = c = self.layout.config
         if threads:
             kernels.set_threads(threads)
-        widths = Decoder.cache_widths_for(c)
-        self.budget = plan_budget(self.layout, ctx, kv_quant, widths, ram_budget, expert_cache, parallel)
+        self.budget = plan_budget(self.layout, ctx, kv_quant, ram_budget, expert_cache, parallel)
         self.store = ExpertStore(self.layout, self.budget.expert_cache, max(c.n_experts_used, 1), cache_policy,
                                  prefetch=prefetch, io=io)
         self.decoder = Decoder(self.layout, self.store, ctx)
         # one KV slot per sequence that can run at once (`generate_many`, `scheduler`); the
         # single-sequence calls use the first
-        self.slots = [KVCache(c.n_layers, ctx, widths, kv_quant, Decoder.cache_windows_for(c)) for _ in range(parallel)]
+        shape = Decoder.cache_shape_for(c)
+        self.slots = [KVCache(shape, ctx, kv_quant) for _ in range(parallel)]
         self.cache = self.slots[0]
         self.ctx = ctx
         self._tokenizer = None

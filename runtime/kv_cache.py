@@ -7,10 +7,14 @@ GGML's Q8_0 does: about half the bytes of f16, nearly lossless. f32 is for exact
 
 A layer whose queries see only a window of positions (gpt-oss's sliding layers) keeps only
 that window, plus room for one forward pass's writes: when its rows are full, the window is
-moved to their front (`first` says which position row 0 holds).
+moved to their front (`first` says which position row 0 holds). A recurrent layer (a gated
+DeltaNet's) keeps no positions but fixed-size float32 states, which a pass from position 0
+starts from zero.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,43 +28,73 @@ class ContextOverflow(Exception):
     """More positions than the cache was allocated for."""
 
 
-def layer_rows(n_layers: int, ctx: int, windows: list[int] | None = None) -> list[int]:
-    """The positions each layer's cache holds: `ctx`, or a windowed layer's window and WRITE_ROOM."""
-    windows = windows or [0] * n_layers
-    return [ctx if not w else min(ctx, w - 1 + WRITE_ROOM) for w in windows]
+BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "q8_0": (Q8_BLOCK + 2) / Q8_BLOCK}
 
 
-def kv_bytes(n_layers: int, ctx: int, widths: dict[str, int], kind: str, windows: list[int] | None = None) -> int:
-    """Bytes the cache will take: f32 4, f16 2 bytes a value, q8_0 34 bytes per 32 values;
-    `windows` [n_layers]: the positions each layer's queries see (0: all)."""
-    per_position = sum(widths.values())
-    per_value = {"f32": 4.0, "f16": 2.0, "q8_0": (Q8_BLOCK + 2) / Q8_BLOCK}[kind]
-    return int(sum(layer_rows(n_layers, ctx, windows)) * per_position * per_value)
+@dataclass(frozen=True)
+class CacheShape:
+    """What one sequence's cache holds in each of `n_layers` layers: streams of `widths` values
+    a position; `windows`[layer], the positions its queries see (0 or absent: all); `states`[layer],
+    a recurrent layer's fixed-size states (name → shape; such a layer keeps no positions)."""
+
+    n_layers: int
+    widths: dict[str, int]
+    windows: tuple[int, ...] = ()
+    states: tuple[dict[str, tuple[int, ...]], ...] = field(default=())
+
+    def window(self, layer: int) -> int:
+        return self.windows[layer] if self.windows else 0
+
+    def state(self, layer: int) -> dict[str, tuple[int, ...]]:
+        return self.states[layer] if self.states else {}
+
+    def rows(self, ctx: int) -> list[int]:
+        """The positions each layer holds: `ctx`, a windowed layer's window and WRITE_ROOM, a recurrent layer's none."""
+        return [0 if self.state(i) else ctx if not self.window(i) else min(ctx, self.window(i) - 1 + WRITE_ROOM)
+                for i in range(self.n_layers)]
+
+    def state_bytes(self) -> int:
+        return sum(4 * int(np.prod(shape)) for layer in range(self.n_layers) for shape in self.state(layer).values())
+
+    def nbytes(self, ctx: int, kind: str) -> int:
+        """Bytes a cache of `ctx` positions takes: f32 4, f16 2 bytes a value, q8_0 34 bytes per
+        32 values; the states float32."""
+        return int(sum(self.rows(ctx)) * sum(self.widths.values()) * BYTES_PER_VALUE[kind]) + self.state_bytes()
 
 
 class KVCache:
-    def __init__(self, n_layers: int, ctx: int, widths: dict[str, int], kind: str = "f16",
-                 windows: list[int] | None = None):
+    def __init__(self, shape: CacheShape, ctx: int, kind: str = "f16"):
         if kind not in KV_KINDS:
             raise ValueError(f"--kv-quant must be one of {', '.join(KV_KINDS)}, not {kind!r}")
+        widths = shape.widths
         if kind == "q8_0" and any(w % Q8_BLOCK for w in widths.values()):
             raise ValueError(f"q8_0 KV cache needs widths that are multiples of {Q8_BLOCK}: {widths}")
         self.ctx, self.kind, self.widths = ctx, kind, dict(widths)
         self.length = 0  # positions filled (the same in every layer once a forward pass ends)
-        self.windows = list(windows or [0] * n_layers)
-        rows = layer_rows(n_layers, ctx, self.windows)
+        self.windows = [shape.window(i) for i in range(shape.n_layers)]
+        rows = shape.rows(ctx)
         dtype = FLOAT_KINDS.get(kind, np.int8)
         self.values = [{n: np.zeros((r, w), dtype) for n, w in widths.items()} for r in rows]
         if kind == "q8_0":
             self.scales = [{n: np.zeros((r, w // Q8_BLOCK), np.float16) for n, w in widths.items()} for r in rows]
         self.firsts = [dict.fromkeys(widths, 0) for _ in rows]  # the position row 0 of each stream holds
+        self.states = [{n: np.zeros(s, np.float32) for n, s in shape.state(i).items()} for i in range(shape.n_layers)]
 
     @property
     def nbytes(self) -> int:
         total = sum(a.nbytes for layer in self.values for a in layer.values())
         if self.kind == "q8_0":
             total += sum(a.nbytes for layer in self.scales for a in layer.values())
-        return total
+        return total + sum(a.nbytes for layer in self.states for a in layer.values())
+
+    def states_from(self, layer: int, start: int) -> dict[str, np.ndarray]:
+        """A recurrent layer's states for a pass from position `start`, updated in place by it
+        (zero for a pass from position 0)."""
+        states = self.states[layer]
+        if start == 0:
+            for array in states.values():
+                array.fill(0)
+        return states
 
     def check_room(self, start: int, count: int) -> None:
         if start + count > self.ctx:

@@ -1,9 +1,10 @@
 """The forward pass, driven only by the normalized config (`formats.model_config`).
 
 One decoder serves every architecture: attention is GQA/MHA (with optional q/k/v bias,
-per-head or whole-projection q/k RMSNorm, partial or interleaved rotary) or MLA (the
-compressed latent is what the KV cache holds, queries are absorbed into it); the FFN is
-dense or a routed mixture with optional shared experts. Resident tensors are read into
+per-head or whole-projection q/k RMSNorm, partial or interleaved rotary, an output gate) or
+MLA (the compressed latent is what the KV cache holds, queries are absorbed into it), or a
+layer's token mixer is a gated DeltaNet (`runtime.deltanet`); the FFN is dense or a routed
+mixture with optional shared experts. Resident tensors are read into
 RAM once; routed experts come through the `ExpertStore`.
 """
 
@@ -20,9 +21,10 @@ from colibri.formats.encodings import FLOAT_DTYPES
 from colibri.formats.layout import ModelLayout, align_up
 from colibri.formats.model_config import ModelConfig
 from colibri.runtime import fused, kernels
+from colibri.runtime.deltanet import GatedDeltaNet
 from colibri.runtime.expert_store import ExpertStore
 from colibri.runtime.indexer import Indexer
-from colibri.runtime.kv_cache import KVCache
+from colibri.runtime.kv_cache import CacheShape, KVCache
 from colibri.runtime.memory import huge_page_buffer
 from colibri.runtime.rope import Rope, yarn_mscale
 
@@ -122,7 +124,7 @@ class Attention:
     def __call__(self, h: np.ndarray, positions: np.ndarray, segments: list[Segment]) -> np.ndarray:
         """h [n, hidden] at `positions` [n]; each segment's rows attend over its own cache."""
         c, n = self.c, h.shape[0]
-        q, k, v = self.rotated_qkv(h, positions)
+        q, k, v, gate = self.rotated_qkv(h, positions)
         k = k.reshape(n, -1)
         out = np.empty((n, c.n_heads, c.v_head_dim), np.float32)
         for s in segments:
@@ -132,14 +134,21 @@ class Attention:
             keys = s.cache.stored(self.layer, "k", s.end).reshape(s.end - first, c.n_kv_heads, c.head_dim)
             values = s.cache.stored(self.layer, "v", s.end).reshape(s.end - first, c.n_kv_heads, c.v_head_dim)
             out[s.rows] = kernels.attention(q[s.rows], keys, values, s.start, self.scale, self.window, self.sinks, first)
-        out = self.o(out.reshape(n, c.n_heads * c.v_head_dim))
+        out = out.reshape(n, c.n_heads * c.v_head_dim)
+        if gate is not None:  # Qwen3-Next's output gate
+            out = out / (np.float32(1) + np.exp(-gate))
+        out = self.o(out)
         return out if self.o_bias is None else out + self.o_bias
 
-    def rotated_qkv(self, h: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def rotated_qkv(self, h: np.ndarray, positions: np.ndarray):
         """q [n, heads, width], k [n, kv heads, width] and v [n, kv heads * v width] of h with
-        their bias, norms, clip and rotation."""
+        their bias, norms, clip and rotation; the output gate [n, heads * width] (None without)."""
         c, n = self.c, h.shape[0]
-        q, k, v = self.project(h)
+        q, k, v = kernels.products(h, (self.q, self.k, self.v))
+        gate = None
+        if c.attn_output_gate:  # [query | gate] per head
+            both = q.reshape(n, c.n_heads, 2, c.head_dim)
+            q, gate = both[:, :, 0].reshape(n, -1), both[:, :, 1].reshape(n, -1)
         if self.bias:
             q, k, v = q + self.bias[0], k + self.bias[1], v + self.bias[2]
         if c.qk_norm == "full":
@@ -150,17 +159,7 @@ class Attention:
         k = k.reshape(n, c.n_kv_heads, c.head_dim)
         if c.qk_norm == "head":
             q, k = rms_norm(q, self.q_norm, c.norm_eps), rms_norm(k, self.k_norm, c.norm_eps)
-        return self.rope.apply(q, positions), self.rope.apply(k, positions), v
-
-    def project(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """q, k, v of h; the activation is quantized once for the matrices that share a path."""
-        matrices, acts = (self.q, self.k, self.v), {}
-        for m in matrices:
-            if m.observe is not None:
-                m.observe(h)
-            if m.dot_type not in acts:
-                acts[m.dot_type] = m.activation(h)
-        return tuple(m.times(acts[m.dot_type], h.shape[0]) for m in matrices)
+        return self.rope.apply(q, positions), self.rope.apply(k, positions), v, gate
 
 
 class LatentAttention:
@@ -386,13 +385,17 @@ class Decoder:
         self.route_log = None  # called as route_log(layer, positions, expert ids, weights) after each MoE layer
         self.layers = []
         for i in range(c.n_layers):
-            attention = LatentAttention(c, w, i, rope, index_rope) if c.attention == "mla" else Attention(c, w, i, rope)
+            if c.is_linear_layer(i):
+                attention = GatedDeltaNet(c, w, i)
+            else:
+                attention = LatentAttention(c, w, i, rope, index_rope) if c.attention == "mla" else Attention(c, w, i, rope)
             if c.index_topk and attention.indexer is None:  # it reuses the last indexer's choice
                 attention.shares = next(a for _, a, _, _ in reversed(self.layers) if a.indexer is not None)
             ffn = MoE(c, w, i, store) if c.is_moe_layer(i) else DenseFFN(w, i)
             self.layers.append((w.vector(f"blk.{i}.attn_norm.weight"), attention, w.vector(f"blk.{i}.ffn_norm.weight"), ffn))
-        # a decoded token through each layer in a few numba calls
-        self.decode_layers = [(fused.LatentDecodeLayer if isinstance(attention, LatentAttention) else fused.DecodeLayer)
+        # a decoded token through each layer in a few numba calls (not yet Qwen3-Next's layers)
+        self.decode_layers = [None if c.linear_layers else
+                              (fused.LatentDecodeLayer if isinstance(attention, LatentAttention) else fused.DecodeLayer)
                               (attention, attn_norm, ffn_norm, ffn) for attn_norm, attention, ffn_norm, ffn in self.layers]
         moe = [(ffn, ffn_norm) for _, _, ffn_norm, ffn in self.layers if isinstance(ffn, MoE)]
         for (this, this_norm), (following, following_norm) in zip(moe, moe[1:]):
@@ -408,16 +411,16 @@ class Decoder:
         return sum(t.nbytes for t in layout.tensors.values()) + derived
 
     @staticmethod
-    def cache_windows_for(c: ModelConfig) -> list[int]:
-        """The positions each layer's queries see (0: all), which its KV cache keeps."""
-        return [c.window_of(layer) for layer in range(c.n_layers)]
-
-    @staticmethod
-    def cache_widths_for(c: ModelConfig) -> dict[str, int]:
-        """Per-position widths of the KV cache streams of one layer."""
+    def cache_shape_for(c: ModelConfig) -> CacheShape:
+        """What one sequence's cache holds: the KV streams' widths a position, the positions each
+        layer's queries see (0: all), a DeltaNet layer's states."""
         if c.attention == "mla":  # the latent, then the shared rotary key; the indexer's keys
-            return {"kv": c.kv_lora_rank + c.qk_rope_head_dim, **({"index_k": c.index_head_dim} if c.index_topk else {})}
-        return {"k": c.n_kv_heads * c.head_dim, "v": c.n_kv_heads * c.v_head_dim}
+            widths = {"kv": c.kv_lora_rank + c.qk_rope_head_dim, **({"index_k": c.index_head_dim} if c.index_topk else {})}
+        else:
+            widths = {"k": c.n_kv_heads * c.head_dim, "v": c.n_kv_heads * c.v_head_dim}
+        return CacheShape(c.n_layers, widths, tuple(c.window_of(layer) for layer in range(c.n_layers)),
+                          tuple(GatedDeltaNet.state_shapes(c) if c.is_linear_layer(layer) else {}
+                                for layer in range(c.n_layers)))
 
     def forward(self, tokens, cache: KVCache, all_logits: bool = True) -> np.ndarray:
         """Logits [n, vocab] for `tokens` placed after the cache's contents ([1, vocab] for the

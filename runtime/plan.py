@@ -31,7 +31,6 @@ from colibri.formats.safe_json import loads
 from colibri.runtime.engine import scratch_bytes
 from colibri.runtime.expert_store import DEFAULT_IO, IO_MODES, READ_THREADS, cache_bytes_for_all
 from colibri.runtime.kernels import measure_read_bandwidth
-from colibri.runtime.kv_cache import kv_bytes
 from colibri.runtime.memory import container_memory_limit, format_size, huge_page_buffer
 from colibri.runtime.model import Decoder
 
@@ -167,18 +166,18 @@ def plan(layout: ModelLayout, ram: int, ctx: int | None = None, kv_quant: str = 
     """The budget table and the expected decode speed, as a dict (bytes, bytes/s, tok/s);
     `step_costs` from `measure_step_costs`, `trace` from `traced_choices`."""
     c = layout.config
-    widths = Decoder.cache_widths_for(c)
+    shape = Decoder.cache_shape_for(c)
     resident = Decoder.resident_bytes(layout)
     all_experts = sum(t.stride * t.count for t in layout.expert_layers.values())
     scratch = scratch_bytes(layout)
     reserve = int(ram * OS_RESERVE)
     free_for_model = ram - reserve - RUNTIME_BYTES - resident - scratch
-    per_position = kv_bytes(c.n_layers, 1, widths, kv_quant)
+    per_position = shape.nbytes(1, kv_quant) - shape.state_bytes()
     if ctx is None:
-        limit = max(free_for_model, 0) * KV_SHARE // max(per_position, 1)
+        limit = max(max(free_for_model, 0) * KV_SHARE - shape.state_bytes(), 0) // max(per_position, 1)
         ctx = 1 << max(int(limit).bit_length() - 1, 9)
         ctx = min(ctx, c.max_position_embeddings)
-    kv = kv_bytes(c.n_layers, ctx, widths, kv_quant, Decoder.cache_windows_for(c))  # windowed layers keep their window
+    kv = shape.nbytes(ctx, kv_quant)  # windowed layers keep their window, DeltaNet layers their states
     cache_for_all = cache_bytes_for_all(layout)
     expert_cache = int(min(max(free_for_model - kv, 0), cache_for_all))
     expert_bytes_per_token = sum(t.expert_bytes * c.n_experts_used for t in layout.expert_layers.values())

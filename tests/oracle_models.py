@@ -37,6 +37,7 @@ import re
 import tempfile
 
 from colibri.convert import synthetic
+from colibri.convert.arch import ADAPTERS
 from colibri.convert.synthetic import FP8_BLOCK, FP8_QUANTIZATION_CONFIG
 
 # 2-D ``*.weight`` tensors that are NOT linear projections quantized to FP8 in the
@@ -71,12 +72,15 @@ def _hf_config(cfg: dict):
     model_type = d.pop("model_type")
     if model_type == "kimi_k2":  # not a transformers model type: it is DeepSeek-V3
         model_type = "deepseek_v3"
+    if model_type == "qwen3_5_moe":  # the multimodal wrapper's; the text model is its own type
+        model_type = "qwen3_5_moe_text"
     for key in ("transformers_version", "quantization_config"):
         d.pop(key, None)
     return AutoConfig.for_model(model_type, **d)
 
 
-def _reinit(model, seed: int, hidden: int) -> None:
+def _reinit(model, seed: int, hidden: int, zero_centred: bool = False) -> None:
+    """`zero_centred`: the model's RMSNorms apply 1 + w (but a DeltaNet's gated norm)."""
     torch = _torch()
     gen = torch.Generator().manual_seed(seed)
     router_std = 2.0 / math.sqrt(hidden)
@@ -93,8 +97,10 @@ def _reinit(model, seed: int, hidden: int) -> None:
                 std, mean = router_std, 0.0
             elif name.endswith(".sinks"):  # gpt-oss's attention sinks: logits the scores compete with
                 std, mean = 1.0, 0.0
+            elif name.endswith(("conv1d.weight", ".A_log", ".dt_bias")):  # a DeltaNet's taps and decays
+                std, mean = 0.5, 0.0
             elif t.ndim == 1 and "norm" in name:
-                std, mean = 0.1, 1.0
+                std, mean = 0.1, 0.0 if zero_centred and not name.endswith("linear_attn.norm.weight") else 1.0
             else:  # projections, experts (2-D / 3-D), embeddings, biases
                 std, mean = 0.02, 0.0
             val = torch.randn(t.shape, generator=gen, dtype=torch.float32) * std + mean
@@ -241,7 +247,7 @@ def build_with_transformers(
     torch.manual_seed(seed)
     # dtype at construction so transformers' own keep-in-fp32 rules (DeepSeek routers) apply
     model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    _reinit(model, seed, int(cfg["hidden_size"]))
+    _reinit(model, seed, int(cfg["hidden_size"]), ADAPTERS[arch].zero_centred_norms)
     model.eval()
 
     out = pathlib.Path(out_dir)

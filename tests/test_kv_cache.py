@@ -11,7 +11,7 @@ import pytest
 from colibri.convert.hf_to_colibri import ConvertOptions, convert
 from colibri.convert.synthetic import write_checkpoint
 from colibri.runtime import open_model
-from colibri.runtime.kv_cache import WRITE_ROOM, KVCache, kv_bytes
+from colibri.runtime.kv_cache import WRITE_ROOM, CacheShape, KVCache
 from colibri.runtime.model import Decoder
 
 TOLERANCE = {"f16": 0.03, "q8_0": 0.1}  # mean error, of the f32 logits' standard deviation
@@ -54,7 +54,7 @@ def test_a_sliding_layer_keeps_only_its_window_and_gives_the_same_logits(windowe
     window = model.config.sliding_window
     rows = [streams["k"].shape[0] for streams in model.cache.values]
     assert rows == [window - 1 + WRITE_ROOM, ctx]
-    assert model.cache.nbytes == kv_bytes(2, ctx, Decoder.cache_widths_for(model.config), kv_quant, [window, 0])
+    assert model.cache.nbytes == CacheShape(2, Decoder.cache_shape_for(model.config).widths, (window, 0)).nbytes(ctx, kv_quant)
     ids = np.random.default_rng(5).integers(0, 500, n).tolist()
     whole = model.prefill(ids)  # in chunks of WRITE_ROOM: the window moves to the rows' front
     assert model.cache.first(0, "k") > 0 and model.cache.first(1, "k") == 0
@@ -66,7 +66,7 @@ def test_a_sliding_layer_keeps_only_its_window_and_gives_the_same_logits(windowe
 
 
 def test_a_windowed_cache_refuses_a_position_before_its_window():
-    cache = KVCache(1, 4096, {"k": 32}, "f32", windows=[4])
+    cache = KVCache(CacheShape(1, {"k": 32}, (4,)), 4096, "f32")
     cache.write(0, "k", 0, np.ones((600, 32), np.float32))
     cache.write(0, "k", 600, np.ones((100, 32), np.float32))  # moves positions 597.. to the front
     assert cache.first(0, "k") == 597

@@ -20,6 +20,9 @@ def _discover() -> list[Adapter]:
 
 
 ADAPTERS: dict[str, Adapter] = {t: adapter for adapter in _discover() for t in adapter.model_types}
+# other model types the same checkpoints carry (a multimodal release's text_config) → ours
+ALIASES: dict[str, str] = {alias: t for t, adapter in ADAPTERS.items() if t == adapter.model_types[0]
+                           for alias in adapter.model_type_aliases}
 SUPPORTED = tuple(sorted(ADAPTERS))
 # llama.cpp's architecture name (`general.architecture`) → the one adapter stored as it
 GGUF_ADAPTERS: dict[str, Adapter] = {a.gguf_arch_name: a for a in dict.fromkeys(ADAPTERS.values())}
@@ -28,6 +31,7 @@ TINY_MODELS: dict[str, TinyModel] = {t: m for adapter in dict.fromkeys(ADAPTERS.
 
 def adapter_for(hf_config: dict) -> Adapter:
     model_type = hf_config.get("model_type")
+    model_type = ALIASES.get(model_type, model_type) if isinstance(model_type, str) else model_type
     if not isinstance(model_type, str) or model_type not in ADAPTERS:
         raise ConfigError(f"config.json: unsupported architecture {model_type!r} (supported: {', '.join(SUPPORTED)})")
     return ADAPTERS[model_type]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import gguf
 import numpy as np
@@ -181,6 +182,19 @@ class ExpertNames:
         return gate_up[:rows], gate_up[rows:], down
 
 
+class ResidentView(NamedTuple):
+    """One resident tensor a checkpoint tensor becomes: its canonical name, the source's columns
+    it takes, in order (None for all), its shape; the source's rows it takes, in order (None
+    for all); a `transform` of the values ("plus_one": a zero-centred norm's weight, 1 + w;
+    "neg_exp": -exp(x))."""
+
+    name: str
+    columns: tuple[int, ...] | None
+    shape: tuple
+    rows: tuple[int, ...] | None = None
+    transform: str | None = None
+
+
 @dataclass(frozen=True)
 class TinyModel:
     """A tiny model of one model type: its config.json, keys named as the real hub config
@@ -194,6 +208,7 @@ class Adapter:
     """Base of the architecture adapters; subclasses set the names, data and `normalize`."""
 
     model_types: tuple[str, ...] = ()
+    model_type_aliases: tuple[str, ...] = ()  # model types read as the first of `model_types`
     tiny_models: dict[str, TinyModel] = {}  # model type → its tiny synthetic model
     gguf_arch: gguf.MODEL_ARCH
     moe_block = "mlp"  # module holding router and experts
@@ -210,6 +225,8 @@ class Adapter:
     gguf_rope_interleaved = False  # llama.cpp's rope rotates pairs (2i, 2i+1), not halves
     gguf_permuted_qk = False  # Q/K rows permuted per head (LlamaModel.permute)
     gguf_keeps_mtp = False  # multi-token-prediction layers kept, counted in block_count
+    zero_centred_norms = False  # the checkpoint's RMSNorm weights are w where 1 + w is applied
+    skipped_prefixes: tuple[str, ...] = ()  # checkpoint tensors no conversion reads (a separate MTP head)
 
     @property
     def gguf_arch_name(self) -> str:
@@ -305,11 +322,11 @@ class Adapter:
                     return self.colibri_name(base + canonical_suffix)
         return None
 
-    def resident_views(self, name: str, shape: tuple, n_layers: int) -> list[tuple[str, tuple[int, int] | None, tuple]]:
-        """The resident tensors Hugging Face tensor `name` becomes: (canonical name, the columns
-        taken (first, step) or None for all, shape); [] when it has no canonical name."""
-        canonical = self.canonical_name(name, n_layers)
-        return [] if canonical is None else [(canonical, None, shape)]
+    def resident_views(self, name: str, shape: tuple, c: ModelConfig) -> list[ResidentView]:
+        """The resident tensors Hugging Face tensor `name` of a model of config `c` becomes
+        ([] when it has no canonical name)."""
+        canonical = self.canonical_name(name, c.n_layers)
+        return [] if canonical is None else [ResidentView(canonical, None, shape)]
 
     def gguf_name(self, name: str) -> str:
         """llama.cpp's name for the colibri tensor `name`."""

@@ -4,7 +4,7 @@ clamped SwiGLU, their gate and up interleaved column by column in one transposed
 
 import gguf
 
-from colibri.convert.arch.base import Adapter, ConfigError, ExpertNames, TinyModel, common_fields, require
+from colibri.convert.arch.base import Adapter, ConfigError, ExpertNames, ResidentView, TinyModel, common_fields, require
 from colibri.formats.model_config import ModelConfig
 
 TINY = {  # openai/gpt-oss-20b (a window its prompts pass)
@@ -100,16 +100,17 @@ class GptOss(Adapter):
         return ExpertNames(f"model.layers.{layer}.mlp.experts", self.expert_leaves,
                            "interleaved" if packed else self.fused_expert_layout)
 
-    def resident_views(self, name: str, shape: tuple, n_layers: int) -> list[tuple[str, tuple[int, int] | None, tuple]]:
+    def resident_views(self, name: str, shape: tuple, c: ModelConfig) -> list[ResidentView]:
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
         if name.endswith(".self_attn.sinks"):
-            return [(f"blk.{layer}.attn_sinks.weight", None, shape)]
+            return [ResidentView(f"blk.{layer}.attn_sinks.weight", None, shape)]
         if name.endswith(".mlp.experts.gate_up_proj_bias"):  # gate and up interleaved, column by column
             half = (shape[0], shape[1] // 2)
-            return [(f"blk.{layer}.ffn_gate_exps.bias", (0, 2), half), (f"blk.{layer}.ffn_up_exps.bias", (1, 2), half)]
+            return [ResidentView(f"blk.{layer}.ffn_gate_exps.bias", tuple(range(0, shape[1], 2)), half),
+                    ResidentView(f"blk.{layer}.ffn_up_exps.bias", tuple(range(1, shape[1], 2)), half)]
         if name.endswith(".mlp.experts.down_proj_bias"):
-            return [(f"blk.{layer}.ffn_down_exps.bias", None, shape)]
-        return super().resident_views(name, shape, n_layers)
+            return [ResidentView(f"blk.{layer}.ffn_down_exps.bias", None, shape)]
+        return super().resident_views(name, shape, c)
 
     def from_gguf(self, meta, shapes: dict[str, tuple], fields: dict) -> dict:
         window = int(meta.get("{arch}.attention.sliding_window", 0) or 0)

@@ -24,6 +24,10 @@ NORM_NOISE_STD = 0.1
 SCORE_BIAS_STD = 0.05
 #: std of gpt-oss's attention sinks (logits the scores compete with)
 SINK_STD = 1.0
+#: std of a DeltaNet convolution's taps (a few per channel: their sum scales q, k and v)
+CONV_STD = 0.5
+#: std of a DeltaNet's A_log and dt_bias (decays exp(-exp(A_log) softplus(a + dt_bias)) around 1/2)
+DECAY_STD = 0.5
 
 
 @dataclass(frozen=True)
@@ -96,8 +100,9 @@ class _Planner:
     def plain(self, name, shape, kind, std, mean=0.0, dtype=None):
         self._add(TensorSpec(name, tuple(int(s) for s in shape), kind, dtype or self.odt, std, mean, parts=(name,)))
 
-    def norm(self, name, size):
-        self.plain(name + ".weight", (size,), "norm", NORM_NOISE_STD, 1.0)
+    def norm(self, name, size, zero_centred=None):
+        zero_centred = self.adapter.zero_centred_norms if zero_centred is None else zero_centred
+        self.plain(name + ".weight", (size,), "norm", NORM_NOISE_STD, 0.0 if zero_centred else 1.0)
 
     # -- blocks ------------------------------------------------------------------------
     def attention(self, p, i):
@@ -121,8 +126,11 @@ class _Planner:
                 self.plain(a + "indexer.k_norm.bias", (c.index_head_dim,), "bias", self.std)
                 self.linear(a + "indexer.weights_proj", c.index_heads, D)
             return
+        if c.is_linear_layer(i):
+            self.linear_attention(p + "linear_attn")
+            return
         q, kv = H * c.head_dim, c.n_kv_heads * c.head_dim
-        self.linear(a + "q_proj", q, D, bias=c.attn_bias)
+        self.linear(a + "q_proj", 2 * q if c.attn_output_gate else q, D, bias=c.attn_bias)
         self.linear(a + "k_proj", kv, D, bias=c.attn_bias)
         self.linear(a + "v_proj", kv, D, bias=c.attn_bias)
         self.linear(a + "o_proj", D, q, bias=c.attn_bias and self.adapter.o_proj_bias)
@@ -132,6 +140,18 @@ class _Planner:
             head = c.qk_norm == "head"
             self.norm(a + "q_norm", c.head_dim if head else q)
             self.norm(a + "k_norm", c.head_dim if head else kv)
+
+    def linear_attention(self, a):
+        """A gated DeltaNet's tensors, as the adapter names them."""
+        for name, shape in self.adapter.linear_attention_tensors(self.c, a).items():
+            if name.endswith("norm.weight"):
+                self.norm(name.removesuffix(".weight"), shape[0], zero_centred=False)
+            elif name.endswith("conv1d.weight"):
+                self.plain(name, shape, "conv", CONV_STD)
+            elif name.endswith(("A_log", "dt_bias")):
+                self.plain(name, shape, "bias", DECAY_STD, dtype="F32")
+            else:
+                self.linear(name.removesuffix(".weight"), *shape)
 
     def dense_mlp(self, prefix, inter):
         D = self.c.hidden_size

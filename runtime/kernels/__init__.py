@@ -5,11 +5,12 @@
 
 The package re-exports the public names of its modules, one job each:
 
-- `matrices`: `Matrix`, `matmul`, `matvec`, `dequantize_rows`, and the three paths of a
+- `matrices`: `Matrix`, `matmul`, `matvec`, `products`, `dequantize_rows`, and the three paths of a
   product (fast int8, AMX tiles, exact);
 - `experts`: `ExpertKernel`, `moe_experts`, `moe_experts_batch`, `add_weighted_rows`, `silu_times`;
 - `attention`: causal softmax attention over the KV cache;
 - `routing`: `route`, the router's top-k choice;
+- `recurrence`: `gated_delta_rule`, a DeltaNet layer's recurrence;
 - `numerics`: softmax, silu and `rms_norm`;
 - `activations`: the activation formats (`DOT_TYPES`) and their int8 quantization;
 - `rows`: a row of weights times activations, the building block of every kernel;
@@ -42,8 +43,9 @@ from colibri.runtime.kernels.attention import (
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS, CACHE_LINE, PREFETCH_BYTES
 from colibri.runtime.kernels.experts import ExpertKernel, add_weighted_rows, moe_experts, moe_experts_batch, silu_times
-from colibri.runtime.kernels.matrices import Matrix, dequantize_rows, kernel_paths, matmul, matvec
+from colibri.runtime.kernels.matrices import Matrix, dequantize_rows, kernel_paths, matmul, matvec, products
 from colibri.runtime.kernels.numerics import rms_norm
+from colibri.runtime.kernels.recurrence import gated_delta_rule
 from colibri.runtime.kernels.routing import route
 from colibri.runtime.kernels.rows import CHUNK, GROUP, ROW_TILE
 from colibri.runtime.kernels.threads import measure_read_bandwidth, read_seconds, set_threads
@@ -54,8 +56,9 @@ __all__ = [
     "PARALLEL_ATTENTION_WORK", "PROMPT_ATTENTION_BYTES", "PROMPT_ATTENTION_QUERIES", "QUERY_BLOCK", "attention",
     "BLOCK_TAGS", "CACHE_LINE", "PREFETCH_BYTES",
     "ExpertKernel", "add_weighted_rows", "moe_experts", "moe_experts_batch", "silu_times",
-    "Matrix", "dequantize_rows", "kernel_paths", "matmul", "matvec",
+    "Matrix", "dequantize_rows", "kernel_paths", "matmul", "matvec", "products",
     "rms_norm",
+    "gated_delta_rule",
     "route",
     "CHUNK", "GROUP", "ROW_TILE",
     "measure_read_bandwidth", "read_seconds", "set_threads",

@@ -155,6 +155,18 @@ class Matrix:
         return dequantize_rows(self.data, self.encoding, self.cols, first, count)
 
 
+def products(x: np.ndarray, matrices) -> tuple[np.ndarray, ...]:
+    """x float32 [n, cols] times each of `matrices`; the activation is quantized once for the
+    matrices that share a path."""
+    acts = {}
+    for m in matrices:
+        if m.observe is not None:
+            m.observe(x)
+        if m.dot_type not in acts:
+            acts[m.dot_type] = m.activation(x)
+    return tuple(m.times(acts[m.dot_type], x.shape[0]) for m in matrices)
+
+
 def kernel_paths() -> dict:
     """Which instructions the kernels compiled in this process use, and whether prompts take
     the AMX tiles: for `colibri run --json` and the benchmarks."""
