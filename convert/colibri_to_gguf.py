@@ -6,7 +6,8 @@ again as `blk.N.ffn_{gate,up,down}_exps` (the experts' bytes concatenated in exp
 order), Q and K rows permuted back into llama.cpp's order for `llama`, and the tokenizer
 as `tokenizer.ggml.*` metadata (`convert.gguf_tokenizer`). DeepSeek's `attn_kv_b` is
 written unsplit, the form llama.cpp still loads when `key_length_mla` is absent, so no
-block is re-encoded.
+block is re-encoded; Qwen3-Next's `ssm_beta` and `ssm_alpha` are joined by whole rows into
+its `ssm_ba` (`Adapter.gguf_joined`).
 
 Everything that could fail is checked before a byte is written. Tensor data is streamed
 with `pread` in bounded chunks; the files are written under temp names in a
@@ -27,6 +28,7 @@ import gguf
 import numpy as np
 from tqdm import tqdm
 
+from colibri.convert.arch import ADAPTERS
 from colibri.convert.gguf_arch import (
     expert_tensor_name, gguf_arch_name, gguf_tensor_name, layer_of, permuted_heads, tensor_chunks, write_arch_metadata,
 )
@@ -70,10 +72,15 @@ def export_tensors(layout: ModelLayout) -> list[ExportTensor]:
     """The GGUF's tensors in llama.cpp's order: embeddings, each layer (its experts last), output."""
     c, path = layout.config, lambda file: str(layout.path(file))
     by_layer: dict[int | None, list[ExportTensor]] = defaultdict(list)
+    joined = ADAPTERS[c.architecture].gguf_joined(c)
+    parts = {name for pieces in joined.values() for name, _, _ in pieces}
     for t in layout.tensors.values():
-        by_layer[layer_of(t.name)].append(
-            ExportTensor(gguf_tensor_name(c, t.name), t.shape, t.encoding, t.nbytes, ((path(t.file), t.offset, t.nbytes),),
-                         permuted_heads(c, t.name)))
+        if t.name not in parts:
+            by_layer[layer_of(t.name)].append(
+                ExportTensor(gguf_tensor_name(c, t.name), t.shape, t.encoding, t.nbytes, ((path(t.file), t.offset, t.nbytes),),
+                             permuted_heads(c, t.name)))
+    for name, pieces in joined.items():
+        by_layer[layer_of(name)].append(joined_tensor(layout, name, pieces))
     for table in layout.expert_layers.values():
         for m in EXPERT_MATRICES:
             matrix = table.matrices[m]
@@ -84,6 +91,17 @@ def export_tensors(layout: ModelLayout) -> list[ExportTensor]:
     embeddings = [t for t in outside if t.name == "token_embd.weight"]
     layers = [t for layer in sorted(by_layer) for t in by_layer[layer]]
     return embeddings + layers + [t for t in outside if t.name != "token_embd.weight"]
+
+
+def joined_tensor(layout: ModelLayout, name: str, pieces: list[tuple[str, int, int]]) -> ExportTensor:
+    """GGUF tensor `name` of rows of colibri tensors, whole rows moved (one encoding for all)."""
+    sources = [layout.tensors[part] for part, _, _ in pieces]
+    if len({t.encoding for t in sources}) != 1 or len({t.shape[1:] for t in sources}) != 1:
+        raise ConvertError(f"{name}: joins {', '.join(sorted({t.name for t in sources}))}, which differ in encoding or width")
+    row = sources[0].nbytes // sources[0].shape[0]
+    spans = tuple((str(layout.path(t.file)), t.offset + first * row, count * row) for t, (_, first, count) in zip(sources, pieces))
+    rows = sum(count for _, _, count in pieces)
+    return ExportTensor(name, (rows, *sources[0].shape[1:]), sources[0].encoding, rows * row, spans)
 
 
 def file_type(tensors: list[ExportTensor]) -> gguf.LlamaFileType:

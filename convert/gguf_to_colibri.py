@@ -6,7 +6,8 @@ resident tensor's bytes are copied as they are, and each stacked
 contiguous slice). Two tensors change form, losslessly: for `llama` the Q/K rows are put
 back in transformers' order (whole rows move, blocks are untouched), and a DeepSeek
 `attn_kv_b` stored as `attn_k_b`/`attn_v_b` is rebuilt exactly, as F32 (k_b is stored
-transposed per head, so its blocks cannot be reused). Multi-token-prediction layers are
+transposed per head, so its blocks cannot be reused); Qwen3-Next's `ssm_ba` is cut by whole
+rows into `ssm_beta` and `ssm_alpha` (`Adapter.gguf_joined`). Multi-token-prediction layers are
 dropped. The tokenizer is rebuilt from the GGUF's tokenizer metadata.
 
 Everything is checked before anything is written — metadata, tensor names, shapes and
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri.convert.arch import ADAPTERS
 from colibri.convert.expert_layout import expert_file_bytes, write_expert_layer
 from colibri.convert.gguf_arch import (
     GGUFMetadata, config_from_gguf, expert_shapes, expert_tensor_name, gguf_tensor_name, kv_b_from_split, layer_of,
@@ -57,6 +59,24 @@ class CopiedTensor:
 
     def chunks(self, reader: ByteReader):
         return tensor_chunks(reader, self.file, self.offset, self.nbytes, self.shape[0], self.heads, to_gguf=False)
+
+
+@dataclass(frozen=True)
+class GatheredRows:
+    """A resident tensor whose rows are spans of whole rows of other tensors (byte copies)."""
+
+    name: str
+    encoding: str
+    shape: tuple[int, ...]
+    spans: tuple[tuple[str, int, int], ...]  # (file, offset, nbytes), in order
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(nbytes for _, _, nbytes in self.spans)
+
+    def chunks(self, reader: ByteReader):
+        for file, offset, nbytes in self.spans:
+            yield from tensor_chunks(reader, file, offset, nbytes, 1)
 
 
 @dataclass(frozen=True)
@@ -161,6 +181,13 @@ class ImportPlan:
             present.pop(name)
         self.present, self.used, self.missing, self.misshapen = present, set(), [], []
         self.rebuilt: list[str] = []
+        # colibri's tensors that are rows of one of llama.cpp's: name → [(GGUF name, first row, rows)]
+        self.parts: dict[str, list[tuple[str, int, int]]] = {}
+        for joined, pieces in ADAPTERS[config.architecture].gguf_joined(config).items():
+            at = 0
+            for part, first, count in pieces:
+                self.parts.setdefault(part, []).append((joined, at, count))
+                at += count
         resident = [t for name, shape in resident_shapes(config).items() if (t := self._resident(name, shape))]
         experts = [self._experts(layer) for layer in config.moe_layers]
         self._refuse_inconsistent()
@@ -178,6 +205,8 @@ class ImportPlan:
         return None
 
     def _resident(self, name: str, shape: tuple):
+        if name in self.parts:
+            return self._gathered(name, shape)
         split = name.replace("attn_kv_b", "attn_k_b"), name.replace("attn_kv_b", "attn_v_b")
         if name.endswith(".attn_kv_b.weight") and name not in self.present and all(n in self.present for n in split):
             c = self.config
@@ -189,6 +218,17 @@ class ImportPlan:
             self.skipped += [n for n in split if self.present.pop(n, None)]
         t = self._tensor(gguf_tensor_name(self.config, name), shape)
         return t and CopiedTensor(name, t.type, shape, str(t.file), t.offset, t.nbytes, permuted_heads(self.config, name))
+
+    def _gathered(self, name: str, shape: tuple) -> GatheredRows | None:
+        """Tensor `name` from its rows in llama.cpp's joined tensors (`Adapter.gguf_joined`)."""
+        joined = self.parts[name][0][0]
+        rows = sum(count for _, _, count in ADAPTERS[self.config.architecture].gguf_joined(self.config)[joined])
+        t = self._tensor(joined, (rows, *shape[1:]))
+        if t is None:
+            return None
+        row = t.nbytes // rows
+        return GatheredRows(name, t.type, shape, tuple((str(t.file), t.offset + at * row, count * row)
+                                                       for _, at, count in self.parts[name]))
 
     def _experts(self, layer: int) -> ExpertImport | None:
         c, shapes = self.config, expert_shapes(self.config)

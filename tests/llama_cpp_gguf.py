@@ -16,6 +16,9 @@ llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm,minimax
   GLM-5's indexer keys;
 * gpt-oss: ``sinks`` named ``.weight``, the transposed ``gate_up_proj`` (and its bias) split
   into gate and up by alternate columns, ``down_proj`` transposed;
+* Qwen3-Next and Qwen3.5-MoE: ``-exp(A_log)``, the zero-centred norms plus one, the
+  convolution squeezed, Qwen3-Next's ``in_proj_qkvz`` split into ``attn_qkv`` and
+  ``attn_gate``, Qwen3.5's value heads reordered from grouped to tiled;
 * optionally (``fuse_gate_up``, the converter's ``fuse_gate_up_exps``) each layer's gate and
   up experts in one ``ffn_gate_up_exps`` tensor [experts, 2·ffn, hidden].
 
@@ -59,7 +62,8 @@ def add_metadata(w: gguf.GGUFWriter, hp: dict, block_count: int) -> None:
     w.add_block_count(block_count)
     w.add_context_length(hp["max_position_embeddings"])
     w.add_embedding_length(hp["hidden_size"])
-    w.add_feed_forward_length(hp["intermediate_size"])
+    if hp.get("intermediate_size") is not None:
+        w.add_feed_forward_length(hp["intermediate_size"])
     w.add_head_count(hp["num_attention_heads"])
     w.add_head_count_kv(1 if "kv_lora_rank" in hp else hp["num_key_value_heads"])  # MLA: DeepseekV2Model sets 1
     if rope.get("type", rope.get("rope_type")) == "yarn":
@@ -68,7 +72,7 @@ def add_metadata(w: gguf.GGUFWriter, hp: dict, block_count: int) -> None:
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
-    w.add_rope_freq_base(hp["rope_theta"])
+    w.add_rope_freq_base(hp.get("rope_theta") or hp["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
     w.add_expert_count(hp.get("num_local_experts") or hp.get("num_experts") or hp["n_routed_experts"])
     w.add_expert_used_count(hp["num_experts_per_tok"])
@@ -158,12 +162,71 @@ def gpt_oss_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
     w.add_expert_feed_forward_length(hp["intermediate_size"])
 
 
+def qwen3next_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
+    """Qwen3NextModel (and Qwen3.5-MoE's, which adds its M-RoPE sections)."""
+    qwen_moe_keys(w, hp, rope)
+    w.add_ssm_conv_kernel(hp["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(hp["linear_key_head_dim"])
+    w.add_ssm_group_count(hp["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(hp["linear_num_value_heads"])
+    w.add_ssm_inner_size(hp["linear_value_head_dim"] * hp["linear_num_value_heads"])
+    if hp.get("layer_types") is not None:
+        w.add_array(f"{w.arch}.attention.recurrent_layers", [t == "linear_attention" for t in hp["layer_types"]])
+    w.add_full_attention_interval(hp.get("full_attention_interval", 4))
+    partial = hp.get("partial_rotary_factor") or (hp.get("rope_parameters") or {}).get("partial_rotary_factor", 0.25)
+    w.add_rope_dimension_count(int(hp["head_dim"] * partial))
+    if w.arch == "qwen35moe":
+        w.add_rope_dimension_sections([11, 11, 10, 0])
+
+
 # llama.cpp's converter: one model class per architecture it writes
 MODEL_CLASS_KEYS = {
     gguf.MODEL_ARCH.LLAMA: llama_keys, gguf.MODEL_ARCH.QWEN2MOE: qwen_moe_keys, gguf.MODEL_ARCH.QWEN3MOE: qwen_moe_keys,
     gguf.MODEL_ARCH.OLMOE: olmoe_keys, gguf.MODEL_ARCH.DEEPSEEK2: deepseek2_keys, gguf.MODEL_ARCH.GLM4_MOE: glm4moe_keys,
     gguf.MODEL_ARCH.MINIMAXM2: minimaxm2_keys, gguf.MODEL_ARCH.GPT_OSS: gpt_oss_keys, gguf.MODEL_ARCH.GLM_DSA: glm_dsa_keys,
+    gguf.MODEL_ARCH.QWEN3NEXT: qwen3next_keys, gguf.MODEL_ARCH.QWEN35MOE: qwen3next_keys,
 }
+
+
+def v_heads_tiled(data: np.ndarray, axis: int, hp: dict, width: int) -> np.ndarray:
+    """_LinearAttentionVReorderBase._reorder_v_heads: value heads grouped by key head → tiled."""
+    k, r = hp["linear_num_key_heads"], hp["linear_num_value_heads"] // hp["linear_num_key_heads"]
+    data = np.moveaxis(data, axis, 0)
+    shape = data.shape
+    data = data.reshape(k, r, width, *shape[1:]).swapaxes(0, 1).reshape(shape)
+    return np.ascontiguousarray(np.moveaxis(data, 0, axis))
+
+
+def qwen3next_tensors(name: str, data: np.ndarray, hp: dict, tiled: bool):
+    """Qwen3NextModel.modify_tensors (with Qwen3.5's value-head reorder when `tiled`)."""
+    k_dim, v_dim = hp["linear_key_head_dim"], hp["linear_value_head_dim"]
+    keys = 2 * k_dim * hp["linear_num_key_heads"]
+    if tiled and "linear_attn." in name and hp["linear_num_key_heads"] != hp["linear_num_value_heads"]:
+        if ".in_proj_qkv." in name or ".conv1d" in name:
+            data = np.concatenate([data[:keys], v_heads_tiled(data[keys:], 0, hp, v_dim)])
+        elif ".in_proj_z." in name:
+            data = v_heads_tiled(data, 0, hp, v_dim)
+        elif ".in_proj_b." in name or ".in_proj_a." in name or name.endswith((".A_log", ".dt_bias")):
+            data = v_heads_tiled(data, 0, hp, 1)
+        elif ".out_proj." in name:
+            data = v_heads_tiled(data, 1, hp, v_dim)
+    if name.endswith(".A_log"):
+        data = -np.exp(data)
+    elif name.endswith(".dt_bias"):
+        name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+    elif "conv1d" in name:
+        data = data.squeeze()
+    elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        data = data + 1
+    if "in_proj_qkvz.weight" in name:
+        heads, widths = hp["linear_num_key_heads"], [k_dim, k_dim, *[hp["linear_num_value_heads"] // hp["linear_num_key_heads"] * v_dim] * 2]
+        grouped = data.T.reshape(data.shape[1], heads, sum(widths))
+        q, k, v, z = np.split(grouped, np.cumsum(widths)[:-1], axis=-1)
+        flat = [part.reshape(data.shape[1], -1) for part in (q, k, v, z)]
+        yield name.replace("in_proj_qkvz", "in_proj_qkv"), np.concatenate(flat[:3], axis=1).T
+        yield name.replace("in_proj_qkvz", "in_proj_z"), flat[3].T
+    else:
+        yield name, data
 
 
 def gpt_oss_tensors(name: str, data: np.ndarray):
@@ -207,7 +270,13 @@ def gguf_tensors(tensors: dict[str, np.ndarray], hp: dict, block_count: int, fus
             yield name_map.get_name(name.replace("kv_b_proj.weight", "v_b_proj")) + ".weight", np.ascontiguousarray(kv_b[:, nope:])
             continue
         name = name.replace("e_score_correction_bias", "e_score_correction.bias")
-        for name, data in (gpt_oss_tensors(name, data) if adapter.gguf_arch == gguf.MODEL_ARCH.GPT_OSS else [(name, data)]):
+        if adapter.gguf_arch == gguf.MODEL_ARCH.GPT_OSS:
+            pairs = gpt_oss_tensors(name, data)
+        elif adapter.gguf_arch in (gguf.MODEL_ARCH.QWEN3NEXT, gguf.MODEL_ARCH.QWEN35MOE):
+            pairs = qwen3next_tensors(name, data, hp, adapter.gguf_arch == gguf.MODEL_ARCH.QWEN35MOE)
+        else:
+            pairs = [(name, data)]
+        for name, data in pairs:
             yield name_map.get_name(name, try_suffixes=(".weight", ".bias")), data
     stacked = {}
     for (layer, leaf), by_expert in experts.items():

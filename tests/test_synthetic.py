@@ -140,7 +140,7 @@ def test_layout_index_and_plan(ckpt, arch):
         if name != "__metadata__"
     }
     for s in plan:  # K-quant friendly: every matrix's input dimension is a multiple of 256
-        if len(s.shape) >= 2:
+        if len(s.shape) >= 2 and s.kind != "conv":  # a DeltaNet's convolution taps are no matrix
             assert s.shape[-1] % 256 == 0, s
 
 
@@ -218,6 +218,24 @@ _MUST_HAVE = {
         "model.layers.2.self_attn.indexer.weights_proj.weight": [8, 256],
     },
     "glm_moe_dsa": {"model.layers.2.self_attn.indexer.wq_b.weight": [1024, 256]},
+    "qwen3_next": {  # layer 0 a DeltaNet (q, k, v, z and b, a fused per key head), layer 1 gated attention
+        "model.layers.0.linear_attn.in_proj_qkvz.weight": [768, 256],
+        "model.layers.0.linear_attn.in_proj_ba.weight": [8, 256],
+        "model.layers.0.linear_attn.conv1d.weight": [512, 1, 4],
+        "model.layers.0.linear_attn.A_log": [4],
+        "model.layers.0.linear_attn.dt_bias": [4],
+        "model.layers.0.linear_attn.norm.weight": [64],
+        "model.layers.0.linear_attn.out_proj.weight": [256, 256],
+        "model.layers.1.self_attn.q_proj.weight": [512, 256],
+        "model.layers.1.mlp.shared_expert_gate.weight": [1, 256],
+    },
+    "qwen3_5_moe": {
+        "model.layers.0.linear_attn.in_proj_qkv.weight": [512, 256],
+        "model.layers.0.linear_attn.in_proj_z.weight": [256, 256],
+        "model.layers.0.linear_attn.in_proj_b.weight": [4, 256],
+        "model.layers.0.linear_attn.in_proj_a.weight": [4, 256],
+        "model.layers.1.self_attn.q_proj.weight": [512, 256],
+    },
     "gpt_oss": {  # as transformers' GptOssExperts holds them: transposed, gate and up interleaved
         "model.layers.0.self_attn.sinks": [4],
         "model.layers.0.self_attn.o_proj.bias": [256],
@@ -230,6 +248,8 @@ _MUST_HAVE = {
     },
 }
 _MUST_NOT_HAVE = {
+    "qwen3_next": ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.linear_attn.in_proj_qkvz.weight"],
+    "qwen3_5_moe": ["model.layers.0.linear_attn.in_proj_qkvz.weight", "model.layers.1.linear_attn.in_proj_qkv.weight"],
     "glm_moe_dsa": ["model.layers.1.self_attn.indexer.wq_b.weight"],  # layer 1 shares layer 0's
     "gpt_oss": ["model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.0.gate_proj.weight"],
     "mixtral": ["model.layers.0.mlp.gate.weight", "model.layers.0.self_attn.q_proj.bias"],
@@ -248,7 +268,10 @@ def test_config_and_arch_specific_tensors(ckpt, arch):
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["model_type"] == arch
     assert cfg["torch_dtype"] == "bfloat16" and "quantization_config" not in cfg
-    assert "rope_theta" in cfg and "rope_parameters" not in cfg  # hub (v4-style) config
+    if arch == "qwen3_5_moe":  # Qwen3.5's hub config is v5-style
+        assert cfg["rope_parameters"]["rope_theta"] and "rope_theta" not in cfg
+    else:
+        assert "rope_theta" in cfg and "rope_parameters" not in cfg  # hub (v4-style) config
     assert cfg["architectures"] == {
         "mixtral": ["MixtralForCausalLM"], "qwen2_moe": ["Qwen2MoeForCausalLM"],
         "qwen3_moe": ["Qwen3MoeForCausalLM"], "olmoe": ["OlmoeForCausalLM"],
@@ -256,6 +279,7 @@ def test_config_and_arch_specific_tensors(ckpt, arch):
         "kimi_k2": ["DeepseekV3ForCausalLM"], "glm4_moe": ["Glm4MoeForCausalLM"],
         "minimax_m2": ["MiniMaxM2ForCausalLM"], "gpt_oss": ["GptOssForCausalLM"],
         "deepseek_v32": ["DeepseekV32ForCausalLM"], "glm_moe_dsa": ["GlmMoeDsaForCausalLM"],
+        "qwen3_next": ["Qwen3NextForCausalLM"], "qwen3_5_moe": ["Qwen3_5MoeForCausalLM"],
     }[arch]
     if arch == "gpt_oss":
         assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["rope_scaling"]["truncate"] is False

@@ -346,6 +346,11 @@ class Adapter:
     def to_gguf(self, writer: gguf.GGUFWriter, c: ModelConfig) -> None:
         """Add the `{arch}.*` keys only this architecture's llama.cpp loader reads."""
 
+    def gguf_joined(self, c: ModelConfig) -> dict[str, list[tuple[str, int, int]]]:
+        """llama.cpp's tensors that join rows of several of colibri's: GGUF name → its rows as
+        (colibri tensor, first row, rows) pieces, in order."""
+        return {}
+
     def gguf_problems(self, c: ModelConfig) -> list[str]:
         """Why llama.cpp's `gguf_arch` cannot run `c` as colibri does, beyond the generic checks."""
         return []

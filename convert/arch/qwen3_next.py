@@ -13,6 +13,7 @@ import numpy as np
 import gguf
 
 from colibri.convert.arch.base import Adapter, ConfigError, ResidentView, TinyModel, common_fields, require
+from colibri.convert.gguf_source import GGUFError
 from colibri.formats.model_config import ModelConfig
 
 TINY_NEXT = {  # Qwen/Qwen3-Next-80B-A3B-Instruct (one attention layer in two, not in four)
@@ -25,10 +26,10 @@ TINY_NEXT = {  # Qwen/Qwen3-Next-80B-A3B-Instruct (one attention layer in two, n
     "hidden_size": 256,
     "intermediate_size": 512,
     "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 32,
+    "linear_key_head_dim": 64,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
-    "linear_value_head_dim": 32,
+    "linear_value_head_dim": 64,
     "max_position_embeddings": 262144,
     "mlp_only_layers": [],
     "model_type": "qwen3_next",
@@ -55,10 +56,10 @@ TINY_35 = {  # Qwen/Qwen3.5-35B-A3B's text_config (its model_type qwen3_5_moe_te
     "hidden_size": 256,
     "layer_types": ["linear_attention", "full_attention"],
     "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 32,
+    "linear_key_head_dim": 64,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
-    "linear_value_head_dim": 32,
+    "linear_value_head_dim": 64,
     "max_position_embeddings": 262144,
     "model_type": "qwen3_5_moe",
     "moe_intermediate_size": 256,
@@ -75,6 +76,9 @@ TINY_35 = {  # Qwen/Qwen3.5-35B-A3B's text_config (its model_type qwen3_5_moe_te
     "vocab_size": 512,
 }
 LAYER_TYPES = ("linear_attention", "full_attention")
+RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"  # newer than gguf 0.19's Keys
+SSM = gguf.Keys.SSM
+MROPE_SECTIONS = [11, 11, 10, 0]  # Qwen3.5's, which llama.cpp's loader requires
 LINEAR = "linear_attn"  # the DeltaNet module of a decoder layer
 ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
                 "self_attn.k_norm.weight")
@@ -187,6 +191,60 @@ class Qwen3Next(Adapter):
             return [view._replace(transform="plus_one") for view in views]
         return views
 
+    # --- GGUF ---------------------------------------------------------------------------
+
+    def from_gguf(self, meta, shapes: dict[str, tuple], fields: dict) -> dict:
+        n, file = fields["n_layers"], meta.file
+        recurrent = meta.source.get(RECURRENT_LAYERS.format(arch=meta.arch))
+        if recurrent is None:
+            interval = meta.get(gguf.Keys.LLM.FULL_ATTENTION_INTERVAL, 4)
+            if not (isinstance(interval, int) and interval > 0):
+                raise GGUFError(f"{file}: {meta.arch}.full_attention_interval is {interval!r}, not a positive whole number")
+            linear = [i for i in range(n) if (i + 1) % interval]
+        elif isinstance(recurrent, list) and len(recurrent) >= n and all(isinstance(r, bool) for r in recurrent):
+            linear = [i for i in range(n) if recurrent[i]]
+        else:
+            raise GGUFError(f"{file}: {RECURRENT_LAYERS.format(arch=meta.arch)} is not a true or false for each of {n} layers")
+        v_heads, inner = meta.require(SSM.TIME_STEP_RANK), meta.require(SSM.INNER_SIZE)
+        if not (isinstance(v_heads, int) and isinstance(inner, int) and v_heads > 0 and inner % v_heads == 0):
+            raise GGUFError(f"{file}: {meta.arch}.ssm.inner_size {inner!r} is not a multiple of ssm.time_step_rank {v_heads!r}")
+        first_moe = fields["moe_layers"][0] if fields["moe_layers"] else 0
+        shared = meta.get(gguf.Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH) or \
+            shapes.get(f"blk.{first_moe}.ffn_up_shexp.weight", (0,))[0]
+        return {"qk_norm": "head", "attn_output_gate": True, "linear_layers": linear,
+                "linear_conv_kernel": meta.require(SSM.CONV_KERNEL), "linear_k_heads": meta.require(SSM.GROUP_COUNT),
+                "linear_v_heads": v_heads, "linear_k_head_dim": meta.require(SSM.STATE_SIZE),
+                "linear_v_head_dim": inner // v_heads, "linear_v_tiled": self.gguf_arch == gguf.MODEL_ARCH.QWEN35MOE,
+                "n_shared_experts": 1 if shared else 0, "shared_expert_ffn": shared, "shared_expert_gate": bool(shared)}
+
+    def to_gguf(self, writer: gguf.GGUFWriter, c: ModelConfig) -> None:
+        writer.add_ssm_conv_kernel(c.linear_conv_kernel)
+        writer.add_ssm_state_size(c.linear_k_head_dim)
+        writer.add_ssm_group_count(c.linear_k_heads)
+        writer.add_ssm_time_step_rank(c.linear_v_heads)
+        writer.add_ssm_inner_size(c.linear_v_heads * c.linear_v_head_dim)
+        writer.add_array(RECURRENT_LAYERS.format(arch=self.gguf_arch_name), [c.is_linear_layer(i) for i in range(c.n_layers)])
+        if c.n_shared_experts:
+            writer.add_expert_shared_feed_forward_length(c.shared_expert_ffn)
+
+    def gguf_problems(self, c: ModelConfig) -> list[str]:
+        problems = []
+        if c.linear_k_head_dim != c.linear_v_head_dim:
+            problems.append(f"llama.cpp's {self.gguf_arch_name} has DeltaNet keys and values of one width, not "
+                            f"{c.linear_k_head_dim} and {c.linear_v_head_dim}")
+        if c.linear_v_tiled != (self.gguf_arch == gguf.MODEL_ARCH.QWEN35MOE) and c.linear_k_heads != c.linear_v_heads:
+            problems.append(f"its value heads are not in llama.cpp's {self.gguf_arch_name} order")
+        if not c.shared_expert_gate:
+            problems.append(f"llama.cpp's {self.gguf_arch_name} has a gated shared expert")
+        return problems
+
+    def gguf_joined(self, c: ModelConfig) -> dict[str, list[tuple[str, int, int]]]:
+        """llama.cpp's Qwen3-Next keeps b and a in one ssm_ba, [b (r rows), a (r rows)] per key head."""
+        ratio = c.linear_v_heads // c.linear_k_heads
+        return {f"blk.{i}.ssm_ba.weight": [(f"blk.{i}.ssm_{part}.weight", g * ratio, ratio)
+                                           for g in range(c.linear_k_heads) for part in ("beta", "alpha")]
+                for i in c.linear_layers}
+
     @staticmethod
     def split_projection(name: str, shape: tuple, config: ModelConfig) -> list[ResidentView] | None:
         """Qwen3-Next's fused projections as Qwen3.5's: [q k v z] and [b a] per key head become
@@ -225,6 +283,13 @@ class Qwen35Moe(Qwen3Next):
         config = super().normalize({**hf, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True})
         config.linear_v_tiled = True  # stored in llama.cpp's order
         return config
+
+    def to_gguf(self, writer: gguf.GGUFWriter, c: ModelConfig) -> None:
+        super().to_gguf(writer, c)
+        writer.add_rope_dimension_sections(MROPE_SECTIONS)  # a text's positions are the same in each section
+
+    def gguf_joined(self, c: ModelConfig) -> dict[str, list[tuple[str, int, int]]]:
+        return {}
 
     def linear_attention_tensors(self, c: ModelConfig, a: str) -> dict[str, tuple]:
         d, heads, values = c.hidden_size, c.linear_v_heads, c.linear_v_heads * c.linear_v_head_dim
