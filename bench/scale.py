@@ -232,7 +232,7 @@ def replicate_layers(source: pathlib.Path, out: pathlib.Path, layers: int) -> No
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             os.link(source / name, out / name)
     config = dict(manifest["config"], n_layers=layers)
-    for field in ("moe_layers", "sliding_layers", "index_layers"):  # the lists of layers, repeated too
+    for field in ("moe_layers", "sliding_layers", "index_layers", "linear_layers"):  # the lists of layers, repeated too
         config[field] = [i for i in range(layers) if i % n in manifest["config"].get(field, [])]
     manifest.update(tensors=tensors, files=files, expert_layers=expert_layers, config=config)
     manifest.pop("self_sha256", None)

@@ -230,7 +230,8 @@ def format_batches(p: dict) -> list[str]:
 
 def format_plan(p: dict, model) -> str:
     """The budget table of `runtime.plan.plan` for people."""
-    rows = [("resident weights (always in RAM)", p["resident_bytes"]), (f"KV cache (--ctx {p['ctx']}, {p['kv_quant']})", p["kv_cache_bytes"]),
+    kv = f"KV cache (--ctx {p['ctx']}, {p['kv_quant']})" + (", DeltaNet states" if p["state_bytes"] else "")
+    rows = [("resident weights (always in RAM)", p["resident_bytes"]), (kv, p["kv_cache_bytes"]),
             ("expert cache (recommended --expert-cache)", p["expert_cache_bytes"]), ("scratch", p["scratch_bytes"]),
             ("runtime (Python, numba, kernels)", p["runtime_bytes"]), ("OS and page cache reserve (15%)", p["os_reserve_bytes"])]
     lines = [f"plan for {model} in {format_size(p['ram'])} of RAM"]

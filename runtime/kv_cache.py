@@ -14,6 +14,7 @@ starts from zero.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,7 +55,7 @@ class CacheShape:
                 for i in range(self.n_layers)]
 
     def state_bytes(self) -> int:
-        return sum(4 * int(np.prod(shape)) for layer in range(self.n_layers) for shape in self.state(layer).values())
+        return sum(4 * math.prod(shape) for layer in range(self.n_layers) for shape in self.state(layer).values())
 
     def nbytes(self, ctx: int, kind: str) -> int:
         """Bytes a cache of `ctx` positions takes: f32 4, f16 2 bytes a value, q8_0 34 bytes per

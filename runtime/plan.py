@@ -194,6 +194,7 @@ def plan(layout: ModelLayout, ram: int, ctx: int | None = None, kv_quant: str = 
         "fits": free_for_model - kv >= 0,
         "resident_bytes": resident,
         "kv_cache_bytes": kv,
+        "state_bytes": shape.state_bytes(),  # of those, a DeltaNet's fixed-size states (any --ctx)
         "ctx": ctx,
         "kv_quant": kv_quant,
         "expert_cache_bytes": expert_cache,

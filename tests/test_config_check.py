@@ -59,6 +59,25 @@ def test_a_bad_field_is_named(layouts, field, value):
     assert problems and field.split("_")[0] in " ".join(problems), problems
 
 
+LINEAR_BAD_FIELDS = [
+    ("linear_layers", [5]), ("linear_layers", [0, 0]), ("linear_v_heads", 3), ("linear_k_heads", 0),
+    ("linear_conv_kernel", 10**6), ("linear_v_head_dim", -1), ("linear_v_tiled", "yes"), ("attn_output_gate", 1),
+]
+
+
+@pytest.mark.parametrize("field, value", LINEAR_BAD_FIELDS, ids=[f"{f}={v!r}" for f, v in LINEAR_BAD_FIELDS])
+def test_a_bad_deltanet_field_is_named(layouts, field, value):
+    """A hybrid model's fields size its states and index its heads: each is checked."""
+    config = dataclasses.replace(layouts["qwen3_next"].config, **{field: value})
+    problems = config_problems(config)
+    assert problems and field in " ".join(problems), problems
+
+
+def test_gated_attention_with_biases_is_refused(layouts):
+    config = dataclasses.replace(layouts["qwen3_next"].config, attn_bias=True)
+    assert any("attn_output_gate" in p for p in config_problems(config))
+
+
 def test_shapes_that_contradict_the_config(layouts):
     layout = layouts["deepseek_v3"]
     shapes, experts = stored_shapes(layout)

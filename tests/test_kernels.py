@@ -468,3 +468,29 @@ def test_ggml_blocks_decode_as_ggml_does(encoding):
                 got = kernels.matmul(w.reshape(-1), encoding, rows, cols, x, exact=exact)
                 bound = kernels.FAST_PATH_TOLERANCE if not exact else EXACT_TOLERANCE
                 assert relative_error(got, reference) <= bound, (case, exact)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_gated_delta_rule_matches_the_recurrence_written_out(tiled):
+    """transformers' torch_recurrent_gated_delta_rule, token by token in float64, for two key
+    heads serving four value heads in either order."""
+    rng = np.random.default_rng(4)
+    n, k_heads, v_heads, dk, dv = 9, 2, 4, 8, 16
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q, k = unit(rng.standard_normal((n, k_heads, dk))), unit(rng.standard_normal((n, k_heads, dk)))
+    v = rng.standard_normal((n, v_heads, dv))
+    decay, beta = rng.uniform(0.3, 1.0, (n, v_heads)), rng.uniform(0.0, 1.0, (n, v_heads))
+    key_heads = np.array([h % k_heads if tiled else h // 2 for h in range(v_heads)], np.int64)
+    start = rng.standard_normal((v_heads, dk, dv))
+    state, want = start.copy(), np.empty((n, v_heads, dv))
+    for t in range(n):
+        for h, g in enumerate(key_heads):
+            state[h] *= decay[t, h]
+            delta = (v[t, h] - state[h].T @ k[t, g]) * beta[t, h]
+            state[h] += np.outer(k[t, g], delta)
+            want[t, h] = state[h].T @ q[t, g]
+    f32 = lambda x: np.ascontiguousarray(x, np.float32)  # noqa: E731
+    got, out_state = np.empty((n, v_heads, dv), np.float32), f32(start)
+    kernels.gated_delta_rule(f32(q), f32(k), f32(v), f32(decay), f32(beta), key_heads, out_state, got)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert np.abs(out_state - state).max() <= 1e-5 * np.abs(state).max()

@@ -72,3 +72,45 @@ def test_a_windowed_cache_refuses_a_position_before_its_window():
     assert cache.first(0, "k") == 597
     with pytest.raises(ValueError, match="before the window"):
         cache.write(0, "k", 300, np.ones((1, 32), np.float32))
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory):
+    """Qwen3-Next's tiny model: layer 0 a gated DeltaNet, layer 1 attention."""
+    root = tmp_path_factory.mktemp("kv-hybrid")
+    convert(str(write_checkpoint(root / "src", "qwen3_next", dtype="f32")), root / "model",
+            ConvertOptions(quant="F32", progress=False))
+    return root / "model"
+
+
+@pytest.mark.parametrize("kv_quant", ["f32", "q8_0"])
+def test_a_deltanet_layer_keeps_fixed_states_that_plan_and_budget_count(hybrid_model, kv_quant):
+    from colibri.formats.layout import ModelLayout
+    from colibri.runtime.plan import plan
+
+    ctx = 512
+    model = open_model(hybrid_model, ctx=ctx, kv_quant=kv_quant, ram_budget="8G")
+    c, cache = model.config, model.cache
+    assert [streams["k"].shape[0] for streams in cache.values] == [0, ctx]  # no positions in the DeltaNet layer
+    assert {n: a.shape for n, a in cache.states[0].items()} == {
+        "conv": (c.linear_conv_kernel - 1, c.linear_conv_channels),
+        "recurrent": (c.linear_v_heads, c.linear_k_head_dim, c.linear_v_head_dim)}
+    state_bytes = 4 * ((c.linear_conv_kernel - 1) * c.linear_conv_channels
+                       + c.linear_v_heads * c.linear_k_head_dim * c.linear_v_head_dim)
+    assert cache.nbytes == Decoder.cache_shape_for(c).nbytes(ctx, kv_quant) == model.budget.kv
+    assert Decoder.cache_shape_for(c).state_bytes() == state_bytes
+    p = plan(ModelLayout(hybrid_model), 8 << 30, ctx=ctx, kv_quant=kv_quant, mem_bw=1e10)
+    assert p["kv_cache_bytes"] == cache.nbytes and p["state_bytes"] == state_bytes
+
+
+def test_deltanet_states_continue_across_passes_and_restart_at_position_0(hybrid_model):
+    model = open_model(hybrid_model, ctx=256, kv_quant="f32", ram_budget="8G")
+    ids = np.random.default_rng(8).integers(0, 500, 40).tolist()
+    whole = model.prefill(ids)
+    assert np.abs(model.cache.states[0]["recurrent"]).max() > 0
+    model.reset()
+    parts = np.concatenate([model.prefill(ids[:5]), model.prefill(ids[5:23]),
+                            np.array([model.decode(t) for t in ids[23:]])])
+    assert np.abs(parts - whole).max() <= 1e-5 * whole.std()
+    model.reset()  # a new sequence starts from zero states, whatever the last one left
+    assert np.array_equal(model.prefill(ids), whole)

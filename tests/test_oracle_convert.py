@@ -62,7 +62,7 @@ def test_f32_conversion_reads_back_bit_identical(saved, tmp_path, arch):
             assert np.array_equal(decode(stored, "F32", src_layer.shapes[matrix]), source)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "qwen3_next"])
 def test_fused_expert_checkpoints_give_the_same_expert_files(saved, tmp_path, arch):
     convert(str(saved(arch)), tmp_path / "a", ConvertOptions(quant="Q4_K_M", progress=False))
     fused = saved(arch, fused_experts=True)
@@ -72,7 +72,7 @@ def test_fused_expert_checkpoints_give_the_same_expert_files(saved, tmp_path, ar
         assert (tmp_path / "a" / layer.file).read_bytes() == (tmp_path / "b" / layer.file).read_bytes()
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "kimi_k2", "minimax_m2"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "kimi_k2", "minimax_m2", "qwen3_next"])
 def test_fp8_checkpoints_convert(saved, tmp_path, arch):
     src = saved(arch, fp8=True)
     assert any(t.dtype == "F8_E4M3" for t in Checkpoint(src).tensors.values())

@@ -153,7 +153,7 @@ def test_quantized_runs_stay_close_to_f32(built, arch, quant):
     assert agreement >= bounds["top1"], (arch, quant, agreement, int(clear.sum()))
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "gpt_oss", "glm_moe_dsa"])
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "gpt_oss", "glm_moe_dsa", "qwen3_5_moe"])
 def test_placement_never_changes_logits(built, arch):
     entry = built(arch)
     path = converted(entry, "Q4_K_M")
