@@ -5,8 +5,10 @@ metadata keys and tensor names (`convert.gguf_arch`), each layer's routed expert
 again as `blk.N.ffn_{gate,up,down}_exps` (the experts' bytes concatenated in expert
 order), Q and K rows permuted back into llama.cpp's order for `llama`, and the tokenizer
 as `tokenizer.ggml.*` metadata (`convert.gguf_tokenizer`). DeepSeek's `attn_kv_b` is
-written unsplit, the form llama.cpp still loads when `key_length_mla` is absent, so no
-block is re-encoded; Qwen3-Next's `ssm_beta` and `ssm_alpha` are joined by whole rows into
+written unsplit, the form llama.cpp's deepseek2 still loads when `key_length_mla` is absent,
+so no block is re-encoded; for glm-dsa, which loads only the split form, it becomes
+`attn_v_b` (its value rows copied) and `attn_k_b` (its key rows transposed per head, F32:
+their exact values); Qwen3-Next's `ssm_beta` and `ssm_alpha` are joined by whole rows into
 its `ssm_ba` (`Adapter.gguf_joined`).
 
 Everything that could fail is checked before a byte is written. Tensor data is streamed
@@ -34,6 +36,7 @@ from colibri.convert.gguf_arch import (
 )
 from colibri.convert.gguf_source import ByteReader, read_ahead
 from colibri.convert.pipeline import ConvertError, check_free_space
+from colibri.convert.quantize_q4k import dequantize
 from colibri.formats.layout import EXPERT_MATRICES, ModelLayout, fsync_dir
 
 # the llama.cpp file type named by the encoding that holds most of the weights
@@ -68,14 +71,54 @@ class ExportTensor:
             yield from tensor_chunks(reader, file, offset, nbytes, self.shape[0], self.heads, to_gguf=True)
 
 
+@dataclass(frozen=True)
+class TransposedKeys:
+    """MLA's attn_k_b [heads, rank, nope] as llama.cpp stores it: the key rows of each head of
+    attn_kv_b, transposed, in F32 (exactly the stored blocks' values: transposed blocks cannot
+    be copied)."""
+
+    name: str
+    shape: tuple[int, int, int]
+    kv_b: tuple[str, int, int, str]  # attn_kv_b's file, offset, bytes per row and encoding
+    rows_per_head: int  # nope + v rows of attn_kv_b per head
+    encoding: str = "F32"
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.shape[0] * self.shape[1] * self.shape[2]
+
+    def chunks(self, reader: ByteReader):
+        file, offset, row, encoding = self.kv_b
+        heads, rank, nope = self.shape
+        for h in range(heads):
+            data = reader.read(file, offset + h * self.rows_per_head * row, nope * row).reshape(nope, row)
+            yield np.ascontiguousarray(dequantize(data, encoding, rank).T, dtype=np.float32).view(np.uint8).reshape(-1)
+
+
+def split_kv_b(layout: ModelLayout, name: str) -> list:
+    """attn_kv_b as llama.cpp's glm-dsa loads it: attn_k_b (`TransposedKeys`) and attn_v_b
+    [heads, v, rank], each head's value rows copied."""
+    c, t = layout.config, layout.tensors[name]
+    per_head, row, file = c.qk_nope_head_dim + c.v_head_dim, t.nbytes // t.shape[0], str(layout.path(t.file))
+    keys = TransposedKeys(name.replace("attn_kv_b", "attn_k_b"), (c.n_heads, c.kv_lora_rank, c.qk_nope_head_dim),
+                          (file, t.offset, row, t.encoding), per_head)
+    spans = tuple((file, t.offset + (h * per_head + c.qk_nope_head_dim) * row, c.v_head_dim * row) for h in range(c.n_heads))
+    values = ExportTensor(name.replace("attn_kv_b", "attn_v_b"), (c.n_heads, c.v_head_dim, c.kv_lora_rank), t.encoding,
+                          c.n_heads * c.v_head_dim * row, spans)
+    return [keys, values]
+
+
 def export_tensors(layout: ModelLayout) -> list[ExportTensor]:
     """The GGUF's tensors in llama.cpp's order: embeddings, each layer (its experts last), output."""
     c, path = layout.config, lambda file: str(layout.path(file))
     by_layer: dict[int | None, list[ExportTensor]] = defaultdict(list)
-    joined = ADAPTERS[c.architecture].gguf_joined(c)
+    adapter = ADAPTERS[c.architecture]
+    joined = adapter.gguf_joined(c)
     parts = {name for pieces in joined.values() for name, _, _ in pieces}
     for t in layout.tensors.values():
-        if t.name not in parts:
+        if adapter.gguf_split_kv_b and t.name.endswith(".attn_kv_b.weight"):
+            by_layer[layer_of(t.name)] += split_kv_b(layout, t.name)
+        elif t.name not in parts:
             by_layer[layer_of(t.name)].append(
                 ExportTensor(gguf_tensor_name(c, t.name), t.shape, t.encoding, t.nbytes, ((path(t.file), t.offset, t.nbytes),),
                              permuted_heads(c, t.name)))

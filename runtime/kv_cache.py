@@ -15,7 +15,7 @@ starts from zero.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,7 +41,7 @@ class CacheShape:
     n_layers: int
     widths: dict[str, int]
     windows: tuple[int, ...] = ()
-    states: tuple[dict[str, tuple[int, ...]], ...] = field(default=())
+    states: tuple[dict[str, tuple[int, ...]], ...] = ()
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0

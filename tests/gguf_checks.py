@@ -16,9 +16,8 @@ NOT_IN_GGUF = {
 }
 
 
-# exports refused, with the reason's words: llama.cpp's deepseek32 is newer than the gguf package
-# here; its glm-dsa loads MLA only with attn_kv_b split, which the export does not write
-EXPORT_REFUSED = {"deepseek_v32": "rotates halves", "glm_moe_dsa": "split"}
+# exports refused, with the reason's words: llama.cpp's deepseek32 is newer than the gguf package here
+EXPORT_REFUSED = {"deepseek_v32": "rotates halves"}
 NOT_IMPORTABLE = {"deepseek_v32"}  # llama.cpp writes it as deepseek32
 
 

@@ -2,7 +2,8 @@
 
 Every resident tensor's bytes and every expert record of the re-imported model equal the
 first conversion's, the config is the same, and our runtime's logits are identical (not
-close: equal). Split output follows llama.cpp's naming and imports from its first part.
+close: equal); GLM-5's quantized attn_kv_b, which llama.cpp's glm-dsa takes split and
+transposed, comes back as F32 of the same values. Split output follows llama.cpp's naming and imports from its first part.
 """
 
 import json
@@ -15,6 +16,7 @@ import pytest
 from gguf_checks import EXPORT_REFUSED, assert_same_model
 
 from colibri.cli import main
+from colibri.convert.arch import ADAPTERS
 from colibri.convert.colibri_to_gguf import export_gguf
 from colibri.convert.gguf_source import GGUFError
 from colibri.convert.hf_to_colibri import ConvertOptions, convert
@@ -30,7 +32,8 @@ def test_round_trip_is_byte_identical(checkpoint, tmp_path, arch):
             export_gguf(tmp_path / "a", tmp_path / "a.gguf", progress=False)
         assert not (tmp_path / "a.gguf").exists()
         return
-    for quant in ("Q4_K_M", "F32") if arch in ("mixtral", "deepseek_v3") else ("Q4_K_M",):
+    split = ADAPTERS[arch].gguf_split_kv_b  # attn_kv_b comes back F32 (test below): byte-identical at F32
+    for quant in ("Q4_K_M", "F32") if arch in ("mixtral", "deepseek_v3") else ("F32",) if split else ("Q4_K_M",):
         first, gguf_file, again = tmp_path / f"{quant}-a", tmp_path / f"{quant}.gguf", tmp_path / f"{quant}-b"
         convert(str(src), first, ConvertOptions(quant=quant, progress=False))
         export_gguf(first, gguf_file, progress=False)
@@ -41,6 +44,30 @@ def test_round_trip_is_byte_identical(checkpoint, tmp_path, arch):
         assert manifest["quant"]["recipe"] == "GGUF"
         assert manifest["provenance"]["source_files"] == {gguf_file.name: {"size": gguf_file.stat().st_size, "sha256": None}}
         assert {"tokenizer.json", "tokenizer_config.json"} <= set(manifest["tokenizer_files"])
+
+
+def test_a_split_kv_b_comes_back_as_its_values(checkpoint, tmp_path):
+    """GLM-5's attn_kv_b goes out as llama.cpp's attn_k_b (F32, transposed per head) and
+    attn_v_b (its rows copied), and comes back as F32 holding the same values; the other
+    tensors and the experts come back byte for byte."""
+    from gguf_checks import model_bytes
+
+    from colibri.convert.quantize_q4k import dequantize
+
+    convert(str(checkpoint("glm_moe_dsa")), tmp_path / "a", ConvertOptions(quant="Q4_K_M", progress=False))
+    export_gguf(tmp_path / "a", tmp_path / "a.gguf", progress=False)
+    names = {t.name for t in gguf.GGUFReader(tmp_path / "a.gguf").tensors}
+    assert "blk.0.attn_k_b.weight" in names and "blk.0.attn_v_b.weight" in names and "blk.0.attn_kv_b.weight" not in names
+    convert(str(tmp_path / "a.gguf"), tmp_path / "b", ConvertOptions(progress=False))
+    first, again = ModelLayout(tmp_path / "a"), ModelLayout(tmp_path / "b")
+    kv_b = [n for n in first.tensors if n.endswith(".attn_kv_b.weight")]
+    for name in kv_b:
+        t = first.tensors[name]
+        assert t.encoding != "F32" and again.tensors[name].encoding == "F32"
+        values = dequantize(first.tensor_data(name).reshape(t.shape[0], -1), t.encoding, t.shape[1])
+        assert np.array_equal(again.tensor_data(name).view(np.float32).reshape(t.shape), values)
+    a, b = model_bytes(tmp_path / "a"), model_bytes(tmp_path / "b")
+    assert {n: v for n, v in a.items() if n not in kv_b} == {n: v for n, v in b.items() if n not in kv_b}
 
 
 def test_llama_qk_rows_are_permuted_in_the_gguf(checkpoint, tmp_path):

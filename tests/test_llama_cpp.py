@@ -29,8 +29,9 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 TOKENS = [int(t) for t in np.random.default_rng(7).integers(0, 512, 24)]
 # gpt-oss: llama.cpp rounds the YaRN ramp to whole dimensions, gpt-oss (truncate: false) does not;
-# with truncate true the two agree to 1.4e-6
-F32_TOLERANCE = {"kimi_k2": 1e-2, "gpt_oss": 1e-3}
+# with truncate true the two agree to 1.4e-6. GLM-5: llama.cpp's glm-dsa normalizes MLA's q_a and
+# kv_a with rms_norm_eps (1e-5), transformers with 1e-6 (1.2e-4 here; with 1e-5 ours agree within 1e-4)
+F32_TOLERANCE = {"kimi_k2": 1e-2, "gpt_oss": 1e-3, "glm_moe_dsa": 1e-3}
 
 
 @pytest.fixture(autouse=True)

@@ -225,6 +225,7 @@ class Adapter:
     gguf_rope_interleaved = False  # llama.cpp's rope rotates pairs (2i, 2i+1), not halves
     gguf_permuted_qk = False  # Q/K rows permuted per head (LlamaModel.permute)
     gguf_keeps_mtp = False  # multi-token-prediction layers kept, counted in block_count
+    gguf_split_kv_b = False  # MLA's attn_kv_b exported split into attn_k_b and attn_v_b (llama.cpp needs it)
     zero_centred_norms = False  # the checkpoint's RMSNorm weights are w where 1 + w is applied
     skipped_prefixes: tuple[str, ...] = ()  # checkpoint tensors no conversion reads (a separate MTP head)
 

@@ -51,6 +51,7 @@ class DeepseekSparse(Deepseek):
     tiny_models = {"deepseek_v32": TinyModel(TINY_V32, "deepseek"), "glm_moe_dsa": TinyModel(TINY_GLM5, "glm")}
     gguf_arch = gguf.MODEL_ARCH.GLM_DSA
     gguf_keeps_mtp = True
+    gguf_split_kv_b = True  # llama.cpp's glm-dsa loads MLA only so
 
     def normalize(self, hf: dict) -> ModelConfig:
         topk, heads, width = require(hf, "index_topk", "index_n_heads", "index_head_dim")
@@ -79,11 +80,17 @@ class DeepseekSparse(Deepseek):
                 "index_head_dim": int(meta.require(INDEXER + "key_length")), "index_rope_interleaved": True,
                 "index_layers": layers}
 
+    def to_gguf(self, writer: gguf.GGUFWriter, c: ModelConfig) -> None:
+        super().to_gguf(writer, c)
+        keys = INDEXER.format(arch=self.gguf_arch_name)
+        writer.add_uint32(keys + "head_count", c.index_heads)
+        writer.add_uint32(keys + "key_length", c.index_head_dim)
+        writer.add_uint32(keys + "top_k", c.index_topk)
+        writer.add_array(keys + "types", [layer in c.index_layers for layer in range(c.n_layers)])
+
     def gguf_problems(self, c: ModelConfig) -> list[str]:
         problems = super().gguf_problems(c)
         if not c.index_rope_interleaved:
             problems.append("its indexer rotates halves (DeepSeek-V3.2), llama.cpp's glm-dsa pairs; llama.cpp's "
                             "deepseek32 architecture is newer than the gguf package colibri uses")
-        problems.append("llama.cpp's glm-dsa loads MLA only with attn_kv_b split into attn_k_b and attn_v_b, "
-                        "which colibri's export does not write (a GGUF with them imports)")
         return problems
