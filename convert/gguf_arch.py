@@ -60,7 +60,8 @@ def expert_tensor_name(layer: int, matrix: str) -> str:
 
 
 def gguf_arch_name(config: ModelConfig) -> str:
-    return gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[config.gguf_architecture]]
+    """llama.cpp's `general.architecture` for `config`."""
+    return ADAPTERS[config.architecture].gguf_arch_name
 
 
 def gguf_tensor_name(config: ModelConfig, name: str) -> str:

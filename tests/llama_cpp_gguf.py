@@ -145,11 +145,12 @@ def minimaxm2_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
 
 
 def glm_dsa_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
-    """GlmMoeDsaModel: DeepseekV2Model's keys, the MTP layers kept, the indexer's (gguf-py's
-    add_indexer_* helpers are newer than the gguf package here: the same keys by name)."""
+    """GlmMoeDsaModel and DeepseekV32Model: DeepseekV2Model's keys, the MTP layers kept, the
+    indexer's (gguf-py's add_indexer_* helpers are newer than the gguf package here: the same
+    keys by name)."""
     deepseek2_keys(w, hp, rope)
     w.add_nextn_predict_layers(hp["num_nextn_predict_layers"])
-    keys = "glm-dsa.attention.indexer."
+    keys = f"{w.arch}.attention.indexer."
     w.add_uint32(keys + "head_count", hp["index_n_heads"])
     w.add_uint32(keys + "key_length", hp["index_head_dim"])
     w.add_uint32(keys + "top_k", hp["index_topk"])

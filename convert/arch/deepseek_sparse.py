@@ -1,6 +1,7 @@
 """DeepSeek-V3.2 and GLM-5 (GLM-MoE-DSA): DeepSeek-V3's MLA and MoE, plus DeepSeek's sparse
 attention indexer in each layer (GLM-5: in the layers `indexer_types` calls "full"; the others
-reuse the last one's choice). GLM-5's indexer rotates pairs, DeepSeek-V3.2's halves."""
+reuse the last one's choice). GLM-5's indexer rotates pairs, DeepSeek-V3.2's halves. llama.cpp
+stores them as `glm-dsa` and `deepseek32`, with the same tensor names."""
 
 import dataclasses
 
@@ -47,16 +48,18 @@ def indexer_layers(hf: dict, n_layers: int) -> list[int]:
 
 
 class DeepseekSparse(Deepseek):
-    model_types = ("deepseek_v32", "glm_moe_dsa")
-    tiny_models = {"deepseek_v32": TinyModel(TINY_V32, "deepseek"), "glm_moe_dsa": TinyModel(TINY_GLM5, "glm")}
+    """What DeepSeek-V3.2 and GLM-5 share; llama.cpp names both's tensors as its glm-dsa."""
+
+    model_types, tiny_models = (), {}  # not DeepSeek-V3's: only its subclasses are architectures
     gguf_arch = gguf.MODEL_ARCH.GLM_DSA
     gguf_keeps_mtp = True
-    gguf_split_kv_b = True  # llama.cpp's glm-dsa loads MLA only so
+    gguf_split_kv_b = True  # llama.cpp's glm-dsa and deepseek32 load MLA only so
+    index_rope_interleaved: bool  # the indexer rotates pairs, not halves
 
     def normalize(self, hf: dict) -> ModelConfig:
         topk, heads, width = require(hf, "index_topk", "index_n_heads", "index_head_dim")
         c = super().normalize(hf)
-        glm = hf["model_type"] == "glm_moe_dsa"
+        glm = self.index_rope_interleaved
         return dataclasses.replace(c, index_topk=topk, index_heads=heads, index_head_dim=width, index_rope_interleaved=glm,
                                    index_layers=indexer_layers(hf, c.n_layers) if glm else list(range(c.n_layers)))
 
@@ -75,10 +78,10 @@ class DeepseekSparse(Deepseek):
         if full is not None and not (isinstance(full, list) and len(full) == n_layers):
             raise GGUFError(f"{meta.file}: {INDEXER.format(arch=meta.arch)}types is not one flag per layer")
         layers = [i for i, own_indexer in enumerate(full) if own_indexer] if full is not None else list(range(n_layers))
-        return {**own, "architecture": "glm_moe_dsa", "index_topk": int(meta.require(INDEXER + "top_k")),
+        return {**own, "architecture": self.model_types[0], "index_topk": int(meta.require(INDEXER + "top_k")),
                 "index_heads": int(meta.require(INDEXER + "head_count")),
-                "index_head_dim": int(meta.require(INDEXER + "key_length")), "index_rope_interleaved": True,
-                "index_layers": layers}
+                "index_head_dim": int(meta.require(INDEXER + "key_length")),
+                "index_rope_interleaved": self.index_rope_interleaved, "index_layers": layers}
 
     def to_gguf(self, writer: gguf.GGUFWriter, c: ModelConfig) -> None:
         super().to_gguf(writer, c)
@@ -90,7 +93,23 @@ class DeepseekSparse(Deepseek):
 
     def gguf_problems(self, c: ModelConfig) -> list[str]:
         problems = super().gguf_problems(c)
-        if not c.index_rope_interleaved:
-            problems.append("its indexer rotates halves (DeepSeek-V3.2), llama.cpp's glm-dsa pairs; llama.cpp's "
-                            "deepseek32 architecture is newer than the gguf package colibri uses")
+        if c.index_rope_interleaved != self.index_rope_interleaved:
+            problems.append(f"its indexer rotates {'pairs' if c.index_rope_interleaved else 'halves'}, llama.cpp's "
+                            f"{self.gguf_arch_name} does not")
         return problems
+
+
+class DeepseekV32(DeepseekSparse):
+    model_types = ("deepseek_v32",)
+    tiny_models = {"deepseek_v32": TinyModel(TINY_V32, "deepseek")}
+    index_rope_interleaved = False  # its indexer rotates halves
+
+    @property
+    def gguf_arch_name(self) -> str:
+        return "deepseek32"  # llama.cpp's, newer than the gguf package's MODEL_ARCH (its tensors glm-dsa's)
+
+
+class GlmMoeDsa(DeepseekSparse):
+    model_types = ("glm_moe_dsa",)
+    tiny_models = {"glm_moe_dsa": TinyModel(TINY_GLM5, "glm")}
+    index_rope_interleaved = True
