@@ -38,13 +38,16 @@ def test_mla_cache_kinds_agree_with_f32(mla_model, kv_quant):
     assert np.abs(got - want).mean() <= TOLERANCE[kv_quant] * want.std()
 
 
+def f32_model(tmp_path_factory, arch):
+    root = tmp_path_factory.mktemp(f"kv-{arch}")
+    convert(str(write_checkpoint(root / "src", arch, dtype="f32")), root / "model", ConvertOptions(quant="F32", progress=False))
+    return root / "model"
+
+
 @pytest.fixture(scope="module")
 def windowed_model(tmp_path_factory):
     """gpt-oss's tiny model: layer 0 sees 8 positions, layer 1 all of them."""
-    root = tmp_path_factory.mktemp("kv-window")
-    convert(str(write_checkpoint(root / "src", "gpt_oss", dtype="f32")), root / "model",
-            ConvertOptions(quant="F32", progress=False))
-    return root / "model"
+    return f32_model(tmp_path_factory, "gpt_oss")
 
 
 @pytest.mark.parametrize("kv_quant", ["f32", "f16", "q8_0"])
@@ -77,10 +80,7 @@ def test_a_windowed_cache_refuses_a_position_before_its_window():
 @pytest.fixture(scope="module")
 def hybrid_model(tmp_path_factory):
     """Qwen3-Next's tiny model: layer 0 a gated DeltaNet, layer 1 attention."""
-    root = tmp_path_factory.mktemp("kv-hybrid")
-    convert(str(write_checkpoint(root / "src", "qwen3_next", dtype="f32")), root / "model",
-            ConvertOptions(quant="F32", progress=False))
-    return root / "model"
+    return f32_model(tmp_path_factory, "qwen3_next")
 
 
 @pytest.mark.parametrize("kv_quant", ["f32", "q8_0"])

@@ -12,7 +12,8 @@ import numpy as np
 
 import gguf
 
-from colibri.convert.arch.base import Adapter, ConfigError, ResidentView, TinyModel, common_fields, require
+from colibri.convert.arch.base import ConfigError, ResidentView, TinyModel, common_fields, require
+from colibri.convert.arch.qwen_moe import Qwen2Moe, sparse_layers
 from colibri.convert.gguf_source import GGUFError
 from colibri.formats.model_config import ModelConfig
 
@@ -97,11 +98,12 @@ def layer_kinds(hf: dict, layers: int) -> list[str]:
     return kinds
 
 
-class Qwen3Next(Adapter):
+class Qwen3Next(Qwen2Moe):
+    """Qwen2-MoE's gated shared expert and GGUF keys for it, the rest its own."""
+
     model_types = ("qwen3_next",)
     tiny_models = {"qwen3_next": TinyModel(TINY_NEXT, "chatml")}
     gguf_arch = gguf.MODEL_ARCH.QWEN3NEXT
-    shared_block = "shared_expert"
     gguf_names = {"ffn_norm": "post_attention_norm"}
     gguf_norm_topk = True
     zero_centred_norms = True  # but the DeltaNet's gated norm's
@@ -130,7 +132,7 @@ class Qwen3Next(Adapter):
             linear_k_head_dim=k_dim,
             linear_v_head_dim=v_dim,
             dense_ffn=hf.get("intermediate_size", 0),
-            moe_layers=self.sparse_layers(hf, layers),
+            moe_layers=sparse_layers(hf, layers),
             n_experts=experts,
             n_experts_used=used,
             expert_ffn=ffn,
@@ -140,12 +142,6 @@ class Qwen3Next(Adapter):
             shared_expert_ffn=shared,
             shared_expert_gate=bool(shared),
         )
-
-    @staticmethod
-    def sparse_layers(hf: dict, layers: int) -> list[int]:
-        step = hf.get("decoder_sparse_step") or 1
-        dense = set(hf.get("mlp_only_layers") or [])
-        return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
 
     # --- tensors ----------------------------------------------------------------------
 
@@ -208,24 +204,21 @@ class Qwen3Next(Adapter):
         v_heads, inner = meta.require(SSM.TIME_STEP_RANK), meta.require(SSM.INNER_SIZE)
         if not (isinstance(v_heads, int) and isinstance(inner, int) and v_heads > 0 and inner % v_heads == 0):
             raise GGUFError(f"{file}: {meta.arch}.ssm.inner_size {inner!r} is not a multiple of ssm.time_step_rank {v_heads!r}")
-        first_moe = fields["moe_layers"][0] if fields["moe_layers"] else 0
-        shared = meta.get(gguf.Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH) or \
-            shapes.get(f"blk.{first_moe}.ffn_up_shexp.weight", (0,))[0]
-        return {"qk_norm": "head", "attn_output_gate": True, "linear_layers": linear,
+        shared = super().from_gguf(meta, shapes, fields)
+        return {**shared, "shared_expert_gate": bool(shared["n_shared_experts"]),
+                "qk_norm": "head", "attn_output_gate": True, "linear_layers": linear,
                 "linear_conv_kernel": meta.require(SSM.CONV_KERNEL), "linear_k_heads": meta.require(SSM.GROUP_COUNT),
                 "linear_v_heads": v_heads, "linear_k_head_dim": meta.require(SSM.STATE_SIZE),
-                "linear_v_head_dim": inner // v_heads, "linear_v_tiled": self.gguf_arch == gguf.MODEL_ARCH.QWEN35MOE,
-                "n_shared_experts": 1 if shared else 0, "shared_expert_ffn": shared, "shared_expert_gate": bool(shared)}
+                "linear_v_head_dim": inner // v_heads, "linear_v_tiled": self.gguf_arch == gguf.MODEL_ARCH.QWEN35MOE}
 
     def to_gguf(self, writer: gguf.GGUFWriter, c: ModelConfig) -> None:
+        super().to_gguf(writer, c)
         writer.add_ssm_conv_kernel(c.linear_conv_kernel)
         writer.add_ssm_state_size(c.linear_k_head_dim)
         writer.add_ssm_group_count(c.linear_k_heads)
         writer.add_ssm_time_step_rank(c.linear_v_heads)
         writer.add_ssm_inner_size(c.linear_v_heads * c.linear_v_head_dim)
         writer.add_array(RECURRENT_LAYERS.format(arch=self.gguf_arch_name), [c.is_linear_layer(i) for i in range(c.n_layers)])
-        if c.n_shared_experts:
-            writer.add_expert_shared_feed_forward_length(c.shared_expert_ffn)
 
     def gguf_problems(self, c: ModelConfig) -> list[str]:
         problems = []
