@@ -40,7 +40,7 @@ class GatedDeltaNet:
         self.conv = w.array(p + "ssm_conv1d.weight")  # [channels, kernel]
         self.a, self.dt_bias = w.vector(p + "ssm_a"), w.vector(p + "ssm_dt.bias")  # A = -exp(A_log)
         self.norm = w.vector(p + "ssm_norm.weight")
-        self.out = w.linear(p + "ssm_out.weight")
+        self.o = w.linear(p + "ssm_out.weight")
         self.q_scale = np.float32(c.linear_k_head_dim**-0.5)
         self.key_heads = np.array(c.linear_key_heads_of(), np.int64)
 
@@ -52,22 +52,27 @@ class GatedDeltaNet:
 
     def __call__(self, h: np.ndarray, positions: np.ndarray, segments) -> np.ndarray:
         """h [n, hidden]; each segment's rows continue its own sequence's states."""
+        return self.o(self.mixed(h, [(s.rows, s.start, s.cache) for s in segments]))
+
+    def mixed(self, h: np.ndarray, spans) -> np.ndarray:
+        """The heads' gated outputs [n, value heads × width], before `o` (ssm_out): `spans`
+        (rows, first position, cache) of h, each continuing its own sequence's states."""
         c, n = self.c, h.shape[0]
         mixed, z, b, a = kernels.products(h, (self.qkv, self.z, self.beta, self.alpha))
         beta = sigmoid(b)
         decay = np.exp(self.a * softplus(a + self.dt_bias)).astype(np.float32)
         out = np.empty((n, c.linear_v_heads, c.linear_v_head_dim), np.float32)
         keys = c.linear_k_heads * c.linear_k_head_dim
-        for s in segments:
-            states = s.cache.states_from(self.layer, s.start)
-            x = self.convolved(mixed[s.rows], states["conv"])
-            q = l2_normalized(x[:, :keys].reshape(s.count, c.linear_k_heads, -1)) * self.q_scale
-            k = l2_normalized(x[:, keys:2 * keys].reshape(s.count, c.linear_k_heads, -1))
-            v = np.ascontiguousarray(x[:, 2 * keys:].reshape(s.count, c.linear_v_heads, -1))
-            kernels.gated_delta_rule(q, k, v, decay[s.rows], beta[s.rows], self.key_heads, states["recurrent"],
-                                     out[s.rows])
+        for rows, start, cache in spans:
+            states = cache.states_from(self.layer, start)
+            x = self.convolved(mixed[rows], states["conv"])
+            count = x.shape[0]
+            q = l2_normalized(x[:, :keys].reshape(count, c.linear_k_heads, -1)) * self.q_scale
+            k = l2_normalized(x[:, keys:2 * keys].reshape(count, c.linear_k_heads, -1))
+            v = np.ascontiguousarray(x[:, 2 * keys:].reshape(count, c.linear_v_heads, -1))
+            kernels.gated_delta_rule(q, k, v, decay[rows], beta[rows], self.key_heads, states["recurrent"], out[rows])
         gated = kernels.rms_norm(out, self.norm, c.norm_eps) * (z * sigmoid(z)).reshape(out.shape)
-        return self.out(gated.reshape(n, -1))
+        return gated.reshape(n, -1)
 
     def convolved(self, x: np.ndarray, state: np.ndarray) -> np.ndarray:
         """silu of the causal depthwise convolution of x [n, channels] after the inputs `state`

@@ -4,12 +4,14 @@ A decoded token runs each layer's projections, router and experts on one activat
 Called one at a time from Python, with the norms, bias, clip, rotary, attention, residual and
 top-k steps between them, every step of a layer is a numba or numpy call of its own. The steps
 here do the same work for every layer the decoder builds (GQA `DecodeLayer`, MLA
-`LatentDecodeLayer`; a routed MoE or a dense FFN after either):
+`LatentDecodeLayer`, a gated DeltaNet's `DeltaNetDecodeLayer`; a routed MoE or a dense FFN
+after each):
 
 1. one call for the attention norm and the projections into what attention takes: q, k, v
    with their bias, q/k norms, clip and rotation (`_qkv_kernel`); for MLA q_a / kv_a, their
    norms, q_b, the rotation and the query absorbed into the latent space (`_latent_query_kernel`);
-2. the KV cache write and the attention (`kernels.attention`), as the general path;
+2. the KV cache write and the attention (`kernels.attention`), as the general path, and an
+   output gate's product (a DeltaNet layer: its whole mixer, `GatedDeltaNet.mixed`);
 3. one call for the output projection (MLA: each head's slice of kv_b first), the residual,
    the FFN norm and, before a routed MoE, the router and its top-k choice (`_output_kernel`);
 4. the FFN: the routed experts (`MoE.routed`), and a dense FFN or an ungated shared expert in
@@ -244,15 +246,15 @@ class FFNStep:
 
 
 class _LayerStep:
-    """What the GQA and MLA steps share: the output kernel after attention, and the FFN.
-    `attended` [1, heads, v width] is what the attention (MLA: kv_b per head) writes."""
+    """What the GQA, MLA and DeltaNet steps share: the output kernel after the token mixer, and
+    the FFN. `attended` [1, heads, width] is what the mixer (MLA: kv_b per head) writes."""
 
-    def __init__(self, attention, attn_norm: np.ndarray, ffn_norm: np.ndarray, ffn):
+    def __init__(self, attention, attn_norm: np.ndarray, ffn_norm: np.ndarray, ffn, heads: int = 0, width: int = 0):
         c = self.c = attention.c
         self.attention, self.attn_norm, self.ffn_norm, self.ffn = attention, attn_norm, ffn_norm, ffn
         self.h = np.empty((1, c.hidden_size), F32)
         self.positions = np.empty(1, np.int64)
-        self.attended = np.empty((1, c.n_heads, c.v_head_dim), F32)
+        self.attended = np.empty((1, heads or c.n_heads, width or c.v_head_dim), F32)
         self.o = _parts(attention.o)
         self.o_act = _activation_for(attention.o, self.attended.reshape(1, -1))
         self.o_out = np.empty((1, c.hidden_size), F32)
@@ -327,6 +329,23 @@ class DecodeLayer(_LayerStep):
         # loops could be vectorized differently, and the two paths would part by a few ulps
         self.attended[:] = kernels.attention(q.reshape(1, c.n_heads, c.head_dim), keys, values, position, a.scale,
                                              a.window, a.sinks, first)
+        if a.gate is not None:  # Qwen3-Next's output gate, as model.Attention applies it
+            gate = a.gate(self.h).reshape(self.attended.shape)
+            self.attended[:] = self.attended / (F32(1) + np.exp(-gate))
+        return self.finish(x, False, self.attended[0], self.o, self.o_act, 0, 0)
+
+
+class DeltaNetDecodeLayer(_LayerStep):
+    """One token through a `deltanet.GatedDeltaNet` layer and the FFN after it: the mixer as the
+    general path runs it, then the output kernel (ssm_out, the residual, the FFN norm and the
+    router) and the FFN as the attention steps run them."""
+
+    def __init__(self, mixer, attn_norm: np.ndarray, ffn_norm: np.ndarray, ffn):
+        super().__init__(mixer, attn_norm, ffn_norm, ffn, mixer.c.linear_v_heads, mixer.c.linear_v_head_dim)
+
+    def __call__(self, x: np.ndarray, position: int, cache) -> np.ndarray:
+        rms_norm_into(x, self.attn_norm, F32(self.c.norm_eps), self.h)
+        self.attended[:] = self.attention.mixed(self.h, [(slice(0, 1), position, cache)]).reshape(self.attended.shape)
         return self.finish(x, False, self.attended[0], self.o, self.o_act, 0, 0)
 
 

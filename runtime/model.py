@@ -112,6 +112,10 @@ class Attention:
         p = f"blk.{layer}."
         self.c, self.layer, self.rope = c, layer, rope
         self.q, self.k, self.v = (w.linear(p + f"attn_{x}.weight") for x in "qkv")
+        self.gate = None  # Qwen3-Next's output gate: its rows of attn_q, held apart from the query's
+        if c.attn_output_gate:
+            self.q, self.gate = query_and_gate(self.q, c.n_heads, c.head_dim)
+            w.matrices[p + "attn_q.weight"] = self.q  # what an importance matrix observes of attn_q (its input)
         self.o = w.linear(p + "attn_output.weight")
         self.o_bias = w.vector(p + "attn_output.bias") if c.attn_output_bias else None
         self.sinks = w.vector(p + "attn_sinks.weight") if c.attn_sinks else None
@@ -144,11 +148,8 @@ class Attention:
         """q [n, heads, width], k [n, kv heads, width] and v [n, kv heads * v width] of h with
         their bias, norms, clip and rotation; the output gate [n, heads * width] (None without)."""
         c, n = self.c, h.shape[0]
-        q, k, v = kernels.products(h, (self.q, self.k, self.v))
-        gate = None
-        if c.attn_output_gate:  # [query | gate] per head
-            both = q.reshape(n, c.n_heads, 2, c.head_dim)
-            q, gate = both[:, :, 0].reshape(n, -1), both[:, :, 1].reshape(n, -1)
+        q, k, v, *gate = kernels.products(h, (self.q, self.k, self.v) + ((self.gate,) if self.gate else ()))
+        gate = gate[0] if gate else None
         if self.bias:
             q, k, v = q + self.bias[0], k + self.bias[1], v + self.bias[2]
         if c.qk_norm == "full":
@@ -233,6 +234,14 @@ class LatentAttention:
             chosen = self.indexer.choose(q_resid, h, positions, cache.read(self.layer, "index_k", end), start)
         self.choices[id(cache)] = chosen
         return chosen
+
+
+def query_and_gate(q: kernels.Matrix, heads: int, width: int) -> tuple[kernels.Matrix, kernels.Matrix]:
+    """attn_q's rows [query | gate] per head as two matrices, each head's `width` rows of each
+    in order (whole rows of blocks, moved not re-encoded)."""
+    rows = q.data[:q.rows * q.row_nbytes].reshape(heads, 2, width, q.row_nbytes)
+    return tuple(kernels.Matrix(np.ascontiguousarray(rows[:, part]).reshape(-1), q.encoding, heads * width, q.cols)
+                 for part in (0, 1))
 
 
 def absorbed_keys(kv_b: kernels.Matrix, c: ModelConfig) -> kernels.Matrix:
@@ -393,10 +402,10 @@ class Decoder:
                 attention.shares = next(a for _, a, _, _ in reversed(self.layers) if a.indexer is not None)
             ffn = MoE(c, w, i, store) if c.is_moe_layer(i) else DenseFFN(w, i)
             self.layers.append((w.vector(f"blk.{i}.attn_norm.weight"), attention, w.vector(f"blk.{i}.ffn_norm.weight"), ffn))
-        # a decoded token through each layer in a few numba calls (not yet Qwen3-Next's layers)
-        self.decode_layers = [None if c.linear_layers else
-                              (fused.LatentDecodeLayer if isinstance(attention, LatentAttention) else fused.DecodeLayer)
-                              (attention, attn_norm, ffn_norm, ffn) for attn_norm, attention, ffn_norm, ffn in self.layers]
+        # a decoded token through each layer in a few numba calls
+        steps = {LatentAttention: fused.LatentDecodeLayer, Attention: fused.DecodeLayer, GatedDeltaNet: fused.DeltaNetDecodeLayer}
+        self.decode_layers = [steps[type(attention)](attention, attn_norm, ffn_norm, ffn)
+                              for attn_norm, attention, ffn_norm, ffn in self.layers]
         moe = [(ffn, ffn_norm) for _, _, ffn_norm, ffn in self.layers if isinstance(ffn, MoE)]
         for (this, this_norm), (following, following_norm) in zip(moe, moe[1:]):
             ratio = np.divide(following_norm, this_norm, out=np.zeros_like(this_norm), where=this_norm != 0)
