@@ -94,6 +94,7 @@ def main() -> None:
     args = parser.parse_args()
     args.model = reference_model(args.model)
 
+    args.checkouts = [checkout.resolve() for checkout in args.checkouts]  # importable() links to them from elsewhere
     results = {checkout: {"prompt": [], "decode": [], "tokens": None} for checkout in args.checkouts}
     for round_ in range(args.rounds):
         for checkout in args.checkouts:
