@@ -238,10 +238,13 @@ class LatentAttention:
 
 def query_and_gate(q: kernels.Matrix, heads: int, width: int) -> tuple[kernels.Matrix, kernels.Matrix]:
     """attn_q's rows [query | gate] per head as two matrices, each head's `width` rows of each
-    in order (whole rows of blocks, moved not re-encoded)."""
-    rows = q.data[:q.rows * q.row_nbytes].reshape(heads, 2, width, q.row_nbytes)
-    return tuple(kernels.Matrix(np.ascontiguousarray(rows[:, part]).reshape(-1), q.encoding, heads * width, q.cols)
-                 for part in (0, 1))
+    in order: whole rows of blocks, moved within q's own memory (the resident bytes stay what
+    the budget counted), not re-encoded."""
+    data = q.data[:q.rows * q.row_nbytes]
+    rows = data.reshape(heads, 2, width, q.row_nbytes)
+    data[:] = np.concatenate([rows[:, 0], rows[:, 1]]).reshape(-1)  # every query row, then every gate row
+    half = heads * width * q.row_nbytes
+    return tuple(kernels.Matrix(part, q.encoding, heads * width, q.cols) for part in (data[:half], data[half:]))
 
 
 def absorbed_keys(kv_b: kernels.Matrix, c: ModelConfig) -> kernels.Matrix:

@@ -52,3 +52,16 @@ def test_qwen3_next_skips_its_multi_token_prediction_head(checkpoint, tmp_path):
     convert(str(source), tmp_path / "b", ConvertOptions(progress=False))
     assert model_bytes(tmp_path / "a") == model_bytes(tmp_path / "b")
     assert summary["skipped_tensors"] == 2
+
+
+def test_the_output_gate_rows_stay_in_the_resident_bytes_the_budget_counts(checkpoint, tmp_path):
+    """Gated attention holds its query rows and its gate rows as two matrices, moved within
+    attn_q's own memory: nothing beside the resident weights the RAM budget counted."""
+    from colibri.runtime import open_model
+
+    convert(str(checkpoint("qwen3_next")), tmp_path / "m", ConvertOptions(quant="Q8_0", progress=False))
+    model = open_model(tmp_path / "m", ctx=64, ram_budget="4G")
+    attention, raw = model.decoder.layers[1][1], model.decoder.weights.raw["blk.1.attn_q.weight"]
+    assert np.shares_memory(attention.q.data, raw) and np.shares_memory(attention.gate.data, raw)
+    assert attention.q.data.nbytes + attention.gate.data.nbytes == raw.nbytes
+    assert model.budget.resident == model.decoder.weights.nbytes
