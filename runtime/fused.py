@@ -330,8 +330,7 @@ class DecodeLayer(_LayerStep):
         self.attended[:] = kernels.attention(q.reshape(1, c.n_heads, c.head_dim), keys, values, position, a.scale,
                                              a.window, a.sinks, first)
         if a.gate is not None:  # Qwen3-Next's output gate, as model.Attention applies it
-            gate = a.gate(self.h).reshape(self.attended.shape)
-            self.attended[:] = self.attended / (F32(1) + np.exp(-gate))
+            self.attended[:] = kernels.sigmoid_gated(self.attended, a.gate(self.h).reshape(self.attended.shape))
         return self.finish(x, False, self.attended[0], self.o, self.o_act, 0, 0)
 
 

@@ -140,7 +140,7 @@ class Attention:
             out[s.rows] = kernels.attention(q[s.rows], keys, values, s.start, self.scale, self.window, self.sinks, first)
         out = out.reshape(n, c.n_heads * c.v_head_dim)
         if gate is not None:  # Qwen3-Next's output gate
-            out = out / (np.float32(1) + np.exp(-gate))
+            out = kernels.sigmoid_gated(out, gate)
         out = self.o(out)
         return out if self.o_bias is None else out + self.o_bias
 
@@ -379,7 +379,7 @@ class SharedExpert(DenseFFN):
     def __call__(self, h: np.ndarray) -> np.ndarray:
         y = super().__call__(h)
         if self.sigmoid_gate is not None:
-            y = y / (np.float32(1) + np.exp(-self.sigmoid_gate(h)))
+            y = kernels.sigmoid_gated(y, self.sigmoid_gate(h))
         return y
 
 

@@ -11,7 +11,7 @@ The package re-exports the public names of its modules, one job each:
 - `attention`: causal softmax attention over the KV cache;
 - `routing`: `route`, the router's top-k choice;
 - `recurrence`: `gated_delta_rule`, a DeltaNet layer's recurrence;
-- `numerics`: softmax, silu and `rms_norm`;
+- `numerics`: softmax, silu, `rms_norm` and `sigmoid_gated`;
 - `activations`: the activation formats (`DOT_TYPES`) and their int8 quantization;
 - `rows`: a row of weights times activations, the building block of every kernel;
 - `blocks`: each quantized block type as LLVM IR (unpacker, dot, dequantizer);
@@ -44,7 +44,7 @@ from colibri.runtime.kernels.attention import (
 from colibri.runtime.kernels.blocks import BLOCK_TAGS, CACHE_LINE, PREFETCH_BYTES
 from colibri.runtime.kernels.experts import ExpertKernel, add_weighted_rows, moe_experts, moe_experts_batch, silu_times
 from colibri.runtime.kernels.matrices import Matrix, dequantize_rows, kernel_paths, matmul, matvec, products
-from colibri.runtime.kernels.numerics import rms_norm
+from colibri.runtime.kernels.numerics import rms_norm, sigmoid_gated
 from colibri.runtime.kernels.recurrence import gated_delta_rule
 from colibri.runtime.kernels.routing import route
 from colibri.runtime.kernels.rows import CHUNK, GROUP, ROW_TILE
@@ -57,7 +57,7 @@ __all__ = [
     "BLOCK_TAGS", "CACHE_LINE", "PREFETCH_BYTES",
     "ExpertKernel", "add_weighted_rows", "moe_experts", "moe_experts_batch", "silu_times",
     "Matrix", "dequantize_rows", "kernel_paths", "matmul", "matvec", "products",
-    "rms_norm",
+    "rms_norm", "sigmoid_gated",
     "gated_delta_rule",
     "route",
     "CHUNK", "GROUP", "ROW_TILE",

@@ -81,6 +81,12 @@ def rms_norm_into(x, weight, eps, out):
             out[i, j] = x[i, j] * inverse * weight[j]
 
 
+def sigmoid_gated(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    """x times sigmoid(gate), elementwise (float32), as x / (1 + exp(-gate)): the output gates
+    of gated attention and of Qwen2-MoE's shared expert, one expression for every path."""
+    return x / (F32(1) + np.exp(-gate))
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x / rms(x) * weight over the last axis (float32)."""
     rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
