@@ -274,8 +274,8 @@ def resident_shapes(c: ModelConfig) -> dict[str, tuple]:
     source = dict(adapter.global_tensors(c))
     for layer in range(c.n_layers):
         source.update(adapter.layer_tensors(c, layer))
-    return {canonical: tuple(part) for name, shape in source.items()
-            for canonical, _, part, *_ in adapter.resident_views(name, tuple(shape), c)}
+    return {view.name: tuple(view.shape) for name, shape in source.items()
+            for view in adapter.resident_views(name, tuple(shape), c)}
 
 
 def expert_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:

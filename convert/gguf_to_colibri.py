@@ -183,11 +183,13 @@ class ImportPlan:
         self.rebuilt: list[str] = []
         # colibri's tensors that are rows of one of llama.cpp's: name → [(GGUF name, first row, rows)]
         self.parts: dict[str, list[tuple[str, int, int]]] = {}
+        self.joined_rows: dict[str, int] = {}  # each such GGUF tensor's rows
         for joined, pieces in ADAPTERS[config.architecture].gguf_joined(config).items():
             at = 0
             for part, first, count in pieces:
                 self.parts.setdefault(part, []).append((joined, at, count))
                 at += count
+            self.joined_rows[joined] = at
         resident = [t for name, shape in resident_shapes(config).items() if (t := self._resident(name, shape))]
         experts = [self._experts(layer) for layer in config.moe_layers]
         self._refuse_inconsistent()
@@ -222,7 +224,7 @@ class ImportPlan:
     def _gathered(self, name: str, shape: tuple) -> GatheredRows | None:
         """Tensor `name` from its rows in llama.cpp's joined tensors (`Adapter.gguf_joined`)."""
         joined = self.parts[name][0][0]
-        rows = sum(count for _, _, count in ADAPTERS[self.config.architecture].gguf_joined(self.config)[joined])
+        rows = self.joined_rows[joined]
         t = self._tensor(joined, (rows, *shape[1:]))
         if t is None:
             return None
