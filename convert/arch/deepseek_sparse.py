@@ -55,13 +55,14 @@ class DeepseekSparse(Deepseek):
     gguf_keeps_mtp = True
     gguf_split_kv_b = True  # llama.cpp's glm-dsa and deepseek32 load MLA only so
     index_rope_interleaved: bool  # the indexer rotates pairs, not halves
+    shared_indexers: bool  # config.json's indexer_types say which layers reuse the last one's choice
 
     def normalize(self, hf: dict) -> ModelConfig:
         topk, heads, width = require(hf, "index_topk", "index_n_heads", "index_head_dim")
         c = super().normalize(hf)
-        glm = self.index_rope_interleaved
-        return dataclasses.replace(c, index_topk=topk, index_heads=heads, index_head_dim=width, index_rope_interleaved=glm,
-                                   index_layers=indexer_layers(hf, c.n_layers) if glm else list(range(c.n_layers)))
+        layers = indexer_layers(hf, c.n_layers) if self.shared_indexers else list(range(c.n_layers))
+        return dataclasses.replace(c, index_topk=topk, index_heads=heads, index_head_dim=width,
+                                   index_rope_interleaved=self.index_rope_interleaved, index_layers=layers)
 
     def layer_tensors(self, c: ModelConfig, layer: int) -> dict[str, tuple]:
         tensors = super().layer_tensors(c, layer)
@@ -103,6 +104,7 @@ class DeepseekV32(DeepseekSparse):
     model_types = ("deepseek_v32",)
     tiny_models = {"deepseek_v32": TinyModel(TINY_V32, "deepseek")}
     index_rope_interleaved = False  # its indexer rotates halves
+    shared_indexers = False  # one in every layer
 
     @property
     def gguf_arch_name(self) -> str:
@@ -113,3 +115,4 @@ class GlmMoeDsa(DeepseekSparse):
     model_types = ("glm_moe_dsa",)
     tiny_models = {"glm_moe_dsa": TinyModel(TINY_GLM5, "glm")}
     index_rope_interleaved = True
+    shared_indexers = True
