@@ -324,32 +324,48 @@ def int8_dot(e, block, xq, xd, xs, total):
 def k_int8_dot(e, block, xq, xd, xs, total):
     """IR: `total` (<8 x float>, <16 x float> with AVX-512) plus lanes that sum to the dot of
     an unpacked K-quant block with a Q8_K activation block: 256 int8 levels at xq, one
-    float32 scale at xd, the scaled sums of each 16 levels at xs. Sub-block products stay
-    integer to the end of the block; with AVX-512 two sub-blocks are multiplied at a time."""
+    float32 scale at xd, the scaled sums of each 16 levels at xs."""
+    return k_int8_dots(e, block, [(xq, xd, xs)], [total])[0]
+
+
+def k_int8_dots(e, block, activations, totals):
+    """IR: k_int8_dot of one unpacked K-quant block with each of the (xq, xd, xs) `activations`,
+    added to its `totals`. Sub-block products stay integer to the end of the block; with
+    AVX-512 two sub-blocks are multiplied at a time. Each sub-block's levels and scales are
+    multiplied by every activation before the next sub-block's are taken. With AVX2's 16
+    vector registers that order is pinned (`Emitter.pinned`): left free, LLVM's scheduler
+    takes the activations one at a time and spills the levels and scales of the whole block."""
     b, width = e.b, e.multiply_bytes
     per, lanes = width // 32, width // 4  # sub-blocks per multiply, int32 lanes of the sum
-    acc = e.const(I32, lanes, 0)
+    accs = [e.const(I32, lanes, 0) for _ in activations]
     for c in range(len(block.levels) // per):
         levels = block.levels[per * c]
         if per == 2:
             levels = e.shuffle(levels, block.levels[per * c + 1], range(64))
         scales = e.pick(block.int_scales, [(c * width // 2 + m) // block.pairs_per_scale for m in range(width // 2)])
-        x = e.load(xq, width * c, I8, width)
-        if block.signed:  # vpmaddubsw takes unsigned weights: move their signs to the activations
-            levels, x = e.abs_bytes(levels), e.signed_like(x, levels)
-        acc = e.add_pair_products(acc, e.pair_products(levels, x), scales)
-    sums = e.load(xs, 0, FLOAT, 16)
-    if block.offsets16 is None:
-        pass
-    elif lanes == 8:
-        total = e.fma(e.pick(block.offsets16, range(8)), e.pick(sums, range(8)), total)
-        total = e.fma(e.pick(block.offsets16, range(8, 16)), e.pick(sums, range(8, 16)), total)
-    else:
-        total = e.fma(block.offsets16, sums, total)
-    # (acc * d) * xd rather than acc * (d * xd): a vector multiply by the block's d, which
-    # all activations share, and xd broadcast from memory into the FMA
-    return e.fma(b.fmul(e.to_float(acc), e.splat(block.d, lanes), flags=CONTRACT), e.splat(e.load(xd, 0, FLOAT), lanes),
-                 total)
+        weights = e.abs_bytes(levels) if block.signed else levels  # vpmaddubsw takes unsigned weights
+        for k, (xq, _, _) in enumerate(activations):
+            x = e.load(xq, width * c, I8, width)
+            if block.signed:  # the weights' signs moved to the activations
+                x = e.signed_like(x, levels)
+            accs[k] = e.add_pair_products(accs[k], e.pair_products(weights, x), scales)
+        if e.avx2 and not e.avx512 and len(accs) > 1:
+            accs = e.pinned(accs)
+    d = e.splat(block.d, lanes)
+    results = []
+    for acc, (_, xd, xs), total in zip(accs, activations, totals):
+        sums = e.load(xs, 0, FLOAT, 16)
+        if block.offsets16 is None:
+            pass
+        elif lanes == 8:
+            total = e.fma(e.pick(block.offsets16, range(8)), e.pick(sums, range(8)), total)
+            total = e.fma(e.pick(block.offsets16, range(8, 16)), e.pick(sums, range(8, 16)), total)
+        else:
+            total = e.fma(block.offsets16, sums, total)
+        # (acc * d) * xd rather than acc * (d * xd): a vector multiply by the block's d, which
+        # all activations share, and xd broadcast from memory into the FMA
+        results.append(e.fma(b.fmul(e.to_float(acc), d, flags=CONTRACT), e.splat(e.load(xd, 0, FLOAT), lanes), total))
+    return results
 
 
 def dequantized_sub_block(e, block, j):

@@ -231,6 +231,15 @@ class Emitter:
         products = b.mul(b.zext(unsigned, wide), b.sext(signed, wide))
         return b.add(self.pick(products, range(0, n, 2)), self.pick(products, range(1, n, 2)))
 
+    def pinned(self, values):
+        """`values` (vectors of one type) through an empty inline-assembly statement with side
+        effects: code that makes them is emitted before it and code that uses them after, so
+        the machine scheduler cannot interleave the two (it keeps a loop's order)."""
+        n, kind = len(values), values[0].type
+        constraints = ",".join(["=x"] * n + [str(i) for i in range(n)])
+        result = self.b.asm(ir.FunctionType(ir.LiteralStructType([kind] * n), [kind] * n), "", constraints, values, True)
+        return [self.b.extract_value(result, i) for i in range(n)]
+
     def add_pair_products(self, acc, left, right):
         """acc <n/2 x i32> plus, in lane m, left[2m] * right[2m] + left[2m + 1] * right[2m + 1]
         (<n x i16> each, n = 16 or 32): one vpdpwssd with VNNI, vpmaddwd + vpaddd otherwise.

@@ -20,7 +20,7 @@ from numba.extending import intrinsic, overload
 from colibri.formats.encodings import block_size
 from colibri.runtime.kernels.activations import ACT_BLOCKS, DOT_TYPES, activation_dot_type, activation_row
 from colibri.runtime.kernels.blocks import (
-    CACHE_LINE, PREFETCH_BYTES, UNPACKERS, block_loop, dequantized_sub_block, encoding_of, int8_dot, k_int8_dot,
+    CACHE_LINE, PREFETCH_BYTES, UNPACKERS, block_loop, dequantized_sub_block, encoding_of, int8_dot, k_int8_dots,
     quantized_encoding,
 )
 from colibri.runtime.kernels.emitter import Emitter, FLOAT, I64, bf16_to_float, half_to_float, prefetch_line, vec
@@ -49,7 +49,6 @@ def _int8_rows_codegen(encoding, count):
     k_quant = DOT_TYPES[encoding] == "Q8_K"
     # bytes per block of an activation's int8 values, scales and sums (per 16)
     strides = (weights, weights // ACT_BLOCKS[DOT_TYPES[encoding]] * 4, weights // 16 * 4)
-    dot = k_int8_dot if k_quant else int8_dot
 
     def codegen(context, builder, sig, args):
         e = Emitter(context, builder)
@@ -60,11 +59,16 @@ def _int8_rows_codegen(encoding, count):
         totals = [cgutils.alloca_once_value(builder, ir.Constant(vec(FLOAT, lanes), [0.0] * lanes)) for _ in range(count)]
 
         def body(index, block):
-            for k, total in enumerate(totals):
-                q, d, s = (e.at(base, builder.add(builder.mul(ir.Constant(I64, k), size),
-                                                  builder.mul(index, ir.Constant(I64, stride))))
-                           for base, size, stride in zip(bases, row_bytes, strides))
-                builder.store(dot(e, block, q, d, s, builder.load(total)), total)
+            activations = [tuple(e.at(base, builder.add(builder.mul(ir.Constant(I64, k), size),
+                                                        builder.mul(index, ir.Constant(I64, stride))))
+                                 for base, size, stride in zip(bases, row_bytes, strides))
+                           for k in range(count)]
+            if k_quant:  # each sub-block multiplied by all activations at once
+                sums = k_int8_dots(e, block, activations, [builder.load(total) for total in totals])
+            else:
+                sums = [int8_dot(e, block, *act, builder.load(total)) for act, total in zip(activations, totals)]
+            for total, value in zip(totals, sums):
+                builder.store(value, total)
 
         block_loop(e, encoding, e.pointer(sig.args[1], args[1], start), nblocks, body)
         dots = [e.hsum(e.fold8(builder.load(total))) for total in totals]
