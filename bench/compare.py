@@ -8,7 +8,9 @@ agree with the first's (they need not when a change alters the arithmetic on pur
 passes are this tree's `bench/decode.py` `run`, so a checkout needs the runtime API it uses.
 
     git worktree add /tmp/before HEAD~3
-    python bench/compare.py /tmp/before . [--model DIR] [--prompt-tokens 512] [--rounds 3]
+    python bench/compare.py /tmp/before . [--model DIR] [--prompt-tokens 512] [--rounds 3] [--isa avx2]
+
+`--isa avx2` compiles every checkout's kernels for an AVX2-only CPU (as bench/decode.py's).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.decode import reference_model  # noqa: E402
+from colibri.runtime.kernels.emitter import TARGET_CPUS, target_environment  # noqa: E402
 
 # Runs on a checkout's code (`importable`), timing with this tree's
 # bench/decode.py `run`, and prints one JSON line.
@@ -74,6 +77,8 @@ def importable(checkout: Path) -> Path:
 def measure(checkout: Path, args) -> dict:
     root = importable(checkout)
     env = dict(os.environ, PYTHONPATH=str(root))
+    if args.isa != "native":
+        env.update(target_environment(args.isa))
     command = [sys.executable, "-c", MEASURE, str(ROOT / "bench" / "decode.py"), str(args.model),
                str(args.prompt_tokens), str(args.tokens), str(args.passes), str(args.threads)]
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
@@ -91,6 +96,8 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=2, help="timed passes per process")
     parser.add_argument("--rounds", type=int, default=3, help="processes per checkout, interleaved")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--isa", choices=("native", *TARGET_CPUS), default="native",
+                        help="the CPU the kernels are compiled for (default: this one)")
     args = parser.parse_args()
     args.model = reference_model(args.model)
 
@@ -107,8 +114,8 @@ def main() -> None:
                   f"decode {', '.join(f'{v:.1f}' for v in run['decode'])} tok/s", flush=True)
 
     base = results[args.checkouts[0]]
-    print(f"\n{args.prompt_tokens}-token prompt, {args.tokens} decoded, in RAM, {args.threads} threads; medians of "
-          f"{args.rounds} x {args.passes} passes")
+    print(f"\n{args.prompt_tokens}-token prompt, {args.tokens} decoded, in RAM, {args.threads} threads, kernels for "
+          f"{args.isa}; medians of {args.rounds} x {args.passes} passes")
     print(f"{'checkout':<40}{'prompt tok/s':>14}{'ratio':>8}{'decode tok/s':>14}{'ratio':>8}  same tokens")
     for checkout, r in results.items():
         prompt, decode = statistics.median(r["prompt"]), statistics.median(r["decode"])

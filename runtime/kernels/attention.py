@@ -11,7 +11,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from colibri.runtime.kernels.emitter import half_to_float
+from colibri.runtime.kernels.emitter import half_to_float, halves_into
 from colibri.runtime.kernels.numerics import softmax_in_place
 from colibri.runtime.kernels.threads import part_range
 
@@ -28,6 +28,27 @@ def _as_f32_overload(v):
     if isinstance(v, types.Integer):
         return lambda v: half_to_float(v)
     return lambda v: F32(v)
+
+
+def _float_row(row, buffer):
+    """A cached key or value row as float32: the row itself, or float16 bits converted into
+    `buffer`."""
+
+
+@overload(_float_row)
+def _float_row_overload(row, buffer):
+    if row.dtype == types.uint16 and row.layout == "C":
+        def converted(row, buffer):
+            halves_into(row, buffer)
+            return buffer
+        return converted
+    if row.dtype == types.uint16:  # a strided view of the cache (MLA's latent part)
+        def converted_one_by_one(row, buffer):
+            for d in range(row.size):
+                buffer[d] = half_to_float(row[d])
+            return buffer
+        return converted_one_by_one
+    return lambda row, buffer: row
 
 
 @njit(cache=True, nogil=True)
@@ -60,32 +81,33 @@ def _attention_loops(q, keys, values, start, first_key, window, sinks, chosen, s
         first, stop = part_range(n * kv_heads, nthreads, t, 1)
         scores = np.empty((group, start + n - first_key), np.float32)
         key, value = np.empty(width, np.float32), np.empty(v_width, np.float32)
+        sums = np.empty((group, v_width), np.float32)
         for work in range(first, stop):
             i, kv = work // kv_heads, work % kv_heads
             end, h0 = start + i + 1 - first_key, kv * group  # causal: query i sees rows ..end-1
             lo = max(0, end - window)
+            queries = q[i, h0:h0 + group]
             for pos in range(lo, end):
-                for d in range(width):
-                    key[d] = _as_f32(keys[pos, kv, d])
+                k = _float_row(keys[pos, kv], key)
                 for g in range(group):
-                    score = F32(0.0)
+                    query, score = queries[g], F32(0.0)
                     for d in range(width):
-                        score += q[i, h0 + g, d] * key[d]
+                        score += query[d] * k[d]
                     scores[g, pos] = score * scale
             if chosen.shape[0]:
                 _leave_out(scores, chosen[i], lo, end)
             for g in range(group):
                 softmax_in_place(scores, g, lo, end, sinks[h0 + g])
-                out[i, h0 + g, :] = 0.0
             if chosen.shape[0]:
                 _weigh_none(scores, chosen[i], lo, end)
+            sums[:] = 0.0
             for pos in range(lo, end):
-                for d in range(v_width):
-                    value[d] = _as_f32(values[pos, kv, d])
+                v = _float_row(values[pos, kv], value)
                 for g in range(group):
-                    weight = scores[g, pos]
+                    weight, total = scores[g, pos], sums[g]
                     for d in range(v_width):
-                        out[i, h0 + g, d] += weight * value[d]
+                        total[d] += weight * v[d]
+            out[i, h0:h0 + group] = sums
 
 
 # A decode step's attention is too small to pay for waking the threads; long contexts and

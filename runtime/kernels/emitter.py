@@ -150,6 +150,18 @@ class Emitter:
         sign = b.shl(b.and_(wide, ir.Constant(I32, 0x8000)), ir.Constant(I32, 16))
         return b.bitcast(b.or_(magnitude, sign), FLOAT)
 
+    def halves_to_floats(self, bits):
+        """<n x float> of a vector of IEEE half bits (<n x i16>): vcvtph2ps with F16C, else
+        the integer steps of `half_to_float` on every lane; exact for every finite half."""
+        b, n = self.b, bits.type.count
+        if self.f16c or not self.x86:
+            return b.fpext(b.bitcast(bits, vec(_HALF, n)), vec(FLOAT, n))
+        wide = b.zext(bits, vec(I32, n))
+        magnitude = b.bitcast(b.shl(b.and_(wide, self.const(I32, n, 0x7FFF)), self.const(I32, n, 13)), vec(FLOAT, n))
+        magnitude = b.bitcast(b.fmul(magnitude, self.const(FLOAT, n, 2.0**112)), vec(I32, n))
+        sign = b.shl(b.and_(wide, self.const(I32, n, 0x8000)), self.const(I32, n, 16))
+        return b.bitcast(b.or_(magnitude, sign), vec(FLOAT, n))
+
     def call(self, name, result, *args):
         fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(result, [a.type for a in args]), name)
         return self.b.call(fn, args)
@@ -340,6 +352,36 @@ def half_to_float(typingctx, bits):
         return Emitter(context, builder).half_to_float(builder.trunc(args[0], I16))
 
     return types.float32(bits), codegen
+
+
+HALVES_PER_STEP = 16
+
+
+@intrinsic
+def halves_into(typingctx, src, dst):
+    """dst[:] <- float32 of the IEEE halves whose bits are src[:dst.size] (contiguous uint16 and
+    float32 rows; as many as the shorter holds), HALVES_PER_STEP at a time."""
+    if not (isinstance(src, types.Array) and isinstance(dst, types.Array) and src.ndim == dst.ndim == 1
+            and src.layout == dst.layout == "C" and src.dtype == types.uint16 and dst.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        e = Emitter(context, builder)
+        source, target = (context.make_array(kind)(context, builder, value) for kind, value in zip(sig.args, args))
+        count = builder.select(builder.icmp_signed("<", source.nitems, target.nitems), source.nitems, target.nitems)
+        halves, floats = e.pointer(sig.args[0], args[0]), e.pointer(sig.args[1], args[1])
+        step = ir.Constant(I64, HALVES_PER_STEP)
+        with cgutils.for_range(builder, builder.udiv(count, step)) as loop:
+            first = builder.mul(loop.index, step)
+            converted = e.halves_to_floats(e.load(halves, builder.mul(first, ir.Constant(I64, 2)), I16, HALVES_PER_STEP))
+            target_at = builder.bitcast(e.at(floats, builder.mul(first, ir.Constant(I64, 4))), converted.type.as_pointer())
+            builder.store(converted, target_at, align=4)
+        with cgutils.for_range_slice(builder, builder.mul(builder.udiv(count, step), step), count, ir.Constant(I64, 1)) as (index, _):
+            value = e.half_to_float(e.load(halves, builder.mul(index, ir.Constant(I64, 2)), I16))
+            builder.store(value, builder.bitcast(e.at(floats, builder.mul(index, ir.Constant(I64, 4))), FLOAT.as_pointer()))
+        return context.get_dummy_value()
+
+    return types.void(src, dst), codegen
 
 
 @intrinsic
