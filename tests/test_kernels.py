@@ -20,7 +20,7 @@ from colibri.convert.quantize_q4k import quantize
 from colibri.formats.encodings import ENCODINGS, READ_ONLY_ENCODINGS, block_size
 from colibri.runtime import kernels
 from colibri.runtime.kernels import threads
-from colibri.runtime.kernels.emitter import target_environment
+from colibri.runtime.kernels.emitter import halves_into, target_environment
 
 EXACT_TOLERANCE = 1e-5
 ROWS = 37  # not a multiple of the thread count
@@ -182,11 +182,39 @@ def test_set_threads_warns_once_about_workqueue(monkeypatch):
         kernels.set_threads(numba.get_num_threads())
 
 
+def every_half() -> np.ndarray:
+    """The bits of every finite IEEE half, subnormals and both zeros included."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    return bits[np.isfinite(bits.view(np.float16))]
+
+
+@numba.njit(cache=True)
+def _halves_into(src, dst):
+    halves_into(src, dst)
+
+
+def test_halves_convert_exactly_in_steps_and_remainders():
+    bits = every_half()
+    got = np.full(bits.size, np.nan, np.float32)
+    _halves_into(bits, got)
+    assert np.array_equal(got.view(np.uint32), bits.view(np.float16).astype(np.float32).view(np.uint32))
+    for n in (0, 1, 15, 16, 17, 131):
+        row = np.full(n + 2, 7.0, np.float32)
+        _halves_into(bits[:n], row)  # the shorter row decides how many
+        assert np.array_equal(row[:n], bits[:n].view(np.float16).astype(np.float32)) and (row[n:] == 7.0).all()
+
+
 PRODUCTS_FOR_CPU = """
 import sys
+import numba
 import numpy as np
 from colibri.runtime import kernels
+from colibri.runtime.kernels.emitter import halves_into
 x = np.load("x.npy")
+halves = np.load("halves.npy")
+floats = np.empty(halves.size, np.float32)
+numba.njit(lambda src, dst: halves_into(src, dst))(halves, floats)
+np.save("floats.npy", floats)
 for encoding in sys.argv[1:]:
     w = np.load(f"{encoding}.npy")
     np.save(f"{encoding}-product.npy", kernels.matmul(w, encoding, w.shape[0], x.shape[1], x))
@@ -204,9 +232,11 @@ def test_kernels_built_for_other_cpus_match_the_native_ones(tmp_path, target):
     only (no AVX-512: most users' CPUs), and with AVX-VNNI but no AVX-512 give the same
     products as the native ones: the
     unsigned x signed, signed x signed and K-quant integer dot products, table lookups and
-    signed levels in Q8_K dots, for whole groups, a half group and single activations."""
+    signed levels in Q8_K dots, for whole groups, a half group and single activations; and
+    they convert every finite half exactly (vcvtph2ps, or integer steps without F16C)."""
     x = np.random.default_rng(1).standard_normal((13, 512)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "halves.npy", every_half())
     encodings = ("Q4_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0", "IQ2_XXS", "IQ2_S", "IQ3_S", "IQ1_M")
     weights = {encoding: random_weights(encoding, 37, 512)[0] for encoding in encodings}
     for encoding, w in weights.items():
@@ -219,6 +249,8 @@ def test_kernels_built_for_other_cpus_match_the_native_ones(tmp_path, target):
     for encoding, w in weights.items():
         native = kernels.matmul(w, encoding, 37, 512, x)
         assert relative_error(np.load(tmp_path / f"{encoding}-product.npy"), native) <= EXACT_TOLERANCE
+    want = every_half().view(np.float16).astype(np.float32)
+    assert np.array_equal(np.load(tmp_path / "floats.npy").view(np.uint32), want.view(np.uint32))
 
 
 def reference_attention(q, keys, values, start):
