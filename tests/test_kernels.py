@@ -341,6 +341,23 @@ def test_attention_over_chosen_positions_matches_float64(start, n):
         kernels.attention(q, keys.view(np.uint16), keys.view(np.uint16), start, 0.1, chosen=chosen[:, 1:])
 
 
+@pytest.mark.parametrize("stored", [np.float32, np.float16])
+def test_decode_attention_gives_the_same_bits_on_one_thread_and_on_all(stored, monkeypatch):
+    """A query's attention does not depend on whether its work was large enough for all
+    threads (the serial and the parallel kernel are two functions sharing one body)."""
+    rng = np.random.default_rng(4)
+    rows, q = 700, rng.standard_normal((2, 8, 64)).astype(np.float32)
+    keys, values = (rng.standard_normal((rows, 2, 64)).astype(stored) for _ in range(2))
+    if stored == np.float16:
+        keys, values = keys.view(np.uint16), values.view(np.uint16)
+    attention_module = sys.modules[kernels.attention.__module__]
+    monkeypatch.setattr(attention_module, "PARALLEL_ATTENTION_WORK", 1)
+    threaded = kernels.attention(q, keys, values, rows - 2, 0.125)
+    monkeypatch.setattr(attention_module, "PARALLEL_ATTENTION_WORK", 1 << 62)
+    alone = kernels.attention(q, keys, values, rows - 2, 0.125)
+    assert np.array_equal(threaded.view(np.uint32), alone.view(np.uint32))
+
+
 def test_attention_refuses_a_cache_that_lacks_positions_the_window_sees():
     q = np.zeros((1, 4, 16), np.float32)
     with pytest.raises(ValueError, match="after the first one"):

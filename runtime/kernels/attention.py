@@ -69,51 +69,63 @@ def _weigh_none(scores, chosen, lo, end):
                 scores[g, pos] = 0.0
 
 
-def _attention_loops(q, keys, values, start, first_key, window, sinks, chosen, scale, out, nthreads):
-    """Each thread takes (query, kv head) pairs and does the query heads that share the kv
-    head together: each cached key and value is converted to float32 once for all of them.
-    Cache row r holds position first_key + r; query i (position start + i) sees the `window`
-    positions up to its own, and of them only rows r with chosen[i, r] when `chosen` has rows."""
+@njit(cache=True, nogil=True, fastmath=True)
+def _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out, first, stop):
+    """Work items first..stop-1 of `attention`: (query, kv head) pairs, the query heads that
+    share the kv head together, so that each cached key and value is converted to float32
+    once for all of them. Cache row r holds position first_key + r; query i (position
+    start + i) sees the `window` positions up to its own, and of them only rows r with
+    chosen[i, r] when `chosen` has rows."""
     n, heads, width = q.shape
     kv_heads, v_width = keys.shape[1], values.shape[2]
     group = heads // kv_heads
-    for t in prange(nthreads):
-        first, stop = part_range(n * kv_heads, nthreads, t, 1)
-        scores = np.empty((group, start + n - first_key), np.float32)
-        key, value = np.empty(width, np.float32), np.empty(v_width, np.float32)
-        sums = np.empty((group, v_width), np.float32)
-        for work in range(first, stop):
-            i, kv = work // kv_heads, work % kv_heads
-            end, h0 = start + i + 1 - first_key, kv * group  # causal: query i sees rows ..end-1
-            lo = max(0, end - window)
-            queries = q[i, h0:h0 + group]
-            for pos in range(lo, end):
-                k = _float_row(keys[pos, kv], key)
-                for g in range(group):
-                    query, score = queries[g], F32(0.0)
-                    for d in range(width):
-                        score += query[d] * k[d]
-                    scores[g, pos] = score * scale
-            if chosen.shape[0]:
-                _leave_out(scores, chosen[i], lo, end)
+    scores = np.empty((group, start + n - first_key), np.float32)
+    key, value = np.empty(width, np.float32), np.empty(v_width, np.float32)
+    sums = np.empty((group, v_width), np.float32)
+    for work in range(first, stop):
+        i, kv = work // kv_heads, work % kv_heads
+        end, h0 = start + i + 1 - first_key, kv * group  # causal: query i sees rows ..end-1
+        lo = max(0, end - window)
+        queries = q[i, h0:h0 + group]
+        for pos in range(lo, end):
+            k = _float_row(keys[pos, kv], key)
             for g in range(group):
-                softmax_in_place(scores, g, lo, end, sinks[h0 + g])
-            if chosen.shape[0]:
-                _weigh_none(scores, chosen[i], lo, end)
-            sums[:] = 0.0
-            for pos in range(lo, end):
-                v = _float_row(values[pos, kv], value)
-                for g in range(group):
-                    weight, total = scores[g, pos], sums[g]
-                    for d in range(v_width):
-                        total[d] += weight * v[d]
-            out[i, h0:h0 + group] = sums
+                query, score = queries[g], F32(0.0)
+                for d in range(width):
+                    score += query[d] * k[d]
+                scores[g, pos] = score * scale
+        if chosen.shape[0]:
+            _leave_out(scores, chosen[i], lo, end)
+        for g in range(group):
+            softmax_in_place(scores, g, lo, end, sinks[h0 + g])
+        if chosen.shape[0]:
+            _weigh_none(scores, chosen[i], lo, end)
+        sums[:] = 0.0
+        for pos in range(lo, end):
+            v = _float_row(values[pos, kv], value)
+            for g in range(group):
+                weight, total = scores[g, pos], sums[g]
+                for d in range(v_width):
+                    total[d] += weight * v[d]
+        out[i, h0:h0 + group] = sums
 
 
-# A decode step's attention is too small to pay for waking the threads; long contexts and
-# prompts are not.
-_attention_serial = njit(cache=True, nogil=True, fastmath=True)(_attention_loops)
-_attention_parallel = njit(cache=True, nogil=True, parallel=True, fastmath=True)(_attention_loops)
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _attention_parallel(q, keys, values, start, first_key, window, sinks, chosen, scale, out, nthreads):
+    """`attention` on all threads, each taking a share of the (query, kv head) pairs. A
+    function of its own, not the serial one compiled twice: numba's cache keeps one entry per
+    function and signature, so the two would load each other's code."""
+    for t in prange(nthreads):
+        first, stop = part_range(q.shape[0] * keys.shape[1], nthreads, t, 1)
+        _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out, first, stop)
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _attention_serial(q, keys, values, start, first_key, window, sinks, chosen, scale, out):
+    """`attention` on this thread: a decode step's is too small to pay for waking the others."""
+    _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out, 0, q.shape[0] * keys.shape[1])
+
+
 PARALLEL_ATTENTION_WORK = 1 << 20  # multiply-adds from which attention runs on all threads
 PROMPT_ATTENTION_QUERIES = 32  # queries from which attention converts the cache once (a prompt) ...
 PROMPT_ATTENTION_BYTES = 32 << 20  # ... when the float32 copy of the cache takes at most this
@@ -212,5 +224,5 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     elif work >= PARALLEL_ATTENTION_WORK:
         _attention_parallel(*args, numba.get_num_threads())
     else:
-        _attention_serial(*args, 1)
+        _attention_serial(*args)
     return out
