@@ -249,7 +249,8 @@ class Emitter:
         the machine scheduler cannot interleave the two (it keeps a loop's order)."""
         n, kind = len(values), values[0].type
         constraints = ",".join(["=x"] * n + [str(i) for i in range(n)])
-        result = self.b.asm(ir.FunctionType(ir.LiteralStructType([kind] * n), [kind] * n), "", constraints, values, True)
+        signature = ir.FunctionType(ir.LiteralStructType([kind] * n), [kind] * n)
+        result = self.b.asm(signature, "", constraints, values, True)
         return [self.b.extract_value(result, i) for i in range(n)]
 
     def add_pair_products(self, acc, left, right):
@@ -370,15 +371,19 @@ def halves_into(typingctx, src, dst):
         source, target = (context.make_array(kind)(context, builder, value) for kind, value in zip(sig.args, args))
         count = builder.select(builder.icmp_signed("<", source.nitems, target.nitems), source.nitems, target.nitems)
         halves, floats = e.pointer(sig.args[0], args[0]), e.pointer(sig.args[1], args[1])
+
+        def convert(index, n=None):  # the n halves (or the one) from `index`
+            bits = e.load(halves, builder.shl(index, ir.Constant(I64, 1)), I16, n)
+            value = e.halves_to_floats(bits) if n else e.half_to_float(bits)
+            target_at = e.at(floats, builder.shl(index, ir.Constant(I64, 2)))
+            builder.store(value, builder.bitcast(target_at, value.type.as_pointer()), align=4)
+
         step = ir.Constant(I64, HALVES_PER_STEP)
-        with cgutils.for_range(builder, builder.udiv(count, step)) as loop:
-            first = builder.mul(loop.index, step)
-            converted = e.halves_to_floats(e.load(halves, builder.mul(first, ir.Constant(I64, 2)), I16, HALVES_PER_STEP))
-            target_at = builder.bitcast(e.at(floats, builder.mul(first, ir.Constant(I64, 4))), converted.type.as_pointer())
-            builder.store(converted, target_at, align=4)
-        with cgutils.for_range_slice(builder, builder.mul(builder.udiv(count, step), step), count, ir.Constant(I64, 1)) as (index, _):
-            value = e.half_to_float(e.load(halves, builder.mul(index, ir.Constant(I64, 2)), I16))
-            builder.store(value, builder.bitcast(e.at(floats, builder.mul(index, ir.Constant(I64, 4))), FLOAT.as_pointer()))
+        steps = builder.udiv(count, step)
+        with cgutils.for_range(builder, steps) as loop:
+            convert(builder.mul(loop.index, step), HALVES_PER_STEP)
+        with cgutils.for_range_slice(builder, builder.mul(steps, step), count, ir.Constant(I64, 1)) as (index, _):
+            convert(index)
         return context.get_dummy_value()
 
     return types.void(src, dst), codegen
