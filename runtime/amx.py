@@ -37,6 +37,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from colibri.runtime.kernels.threads import thread_count
+
 BLOCK = 32  # weight rows and tokens of one output block (2 x 2 tiles)
 COLUMNS = 32  # columns of one tile step (16 bfloat16 pairs)
 K_BLOCK = 512  # columns of weights kept in L1 while every token passes over them
@@ -194,7 +196,7 @@ class TileActivation:
     @property
     def packed(self) -> np.ndarray:
         if self._packed is None:
-            self._packed = _pack(np.ascontiguousarray(self.rows), numba.get_num_threads())
+            self._packed = _pack(np.ascontiguousarray(self.rows), thread_count())
         return self._packed
 
 

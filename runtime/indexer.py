@@ -12,12 +12,11 @@ layer before it that has one.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import njit, prange
 
 from colibri.formats.model_config import ModelConfig
-from colibri.runtime.kernels.threads import part_range
+from colibri.runtime.kernels.threads import part_range, thread_count
 
 F32 = np.float32
 LAYER_NORM_EPS = 1e-6
@@ -81,7 +80,7 @@ class Indexer:
         weights = (self.proj(h) * F32(c.index_heads ** -0.5)).astype(F32)
         scores = np.empty((n, keys.shape[0]), F32)
         _index_scores(np.ascontiguousarray(q), np.ascontiguousarray(keys, dtype=F32), np.ascontiguousarray(weights),
-                      start, F32(c.index_head_dim ** -0.5), scores, numba.get_num_threads())
+                      start, F32(c.index_head_dim ** -0.5), scores, thread_count())
         chosen = np.zeros(scores.shape, np.uint8)
         for i, row in enumerate(scores):
             seen = start + i + 1

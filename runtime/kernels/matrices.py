@@ -20,7 +20,6 @@ paths, chosen per call by `exact`, the number of rows and the CPU:
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import njit, prange
 
@@ -32,7 +31,7 @@ from colibri.runtime.kernels.activations import (
 from colibri.runtime.kernels.blocks import BLOCK_TAGS
 from colibri.runtime.kernels.emitter import target_isa
 from colibri.runtime.kernels.rows import dequantize_into, rows_per_head, rows_times
-from colibri.runtime.kernels.threads import part_range
+from colibri.runtime.kernels.threads import part_range, thread_count
 
 _parallel = njit(cache=True, nogil=True, parallel=True)
 
@@ -100,9 +99,9 @@ def matrix_times(tag, w: np.ndarray, rows: int, cols: int, row_nbytes: int, act,
     n rows -> float32 [n, rows]."""
     out = np.empty((n, rows), np.float32)
     if isinstance(act, amx.TileActivation):
-        _tile_matmul_kernel(tag, w, rows, cols, row_nbytes, act.packed, out, numba.get_num_threads())
+        _tile_matmul_kernel(tag, w, rows, cols, row_nbytes, act.packed, out, thread_count())
     else:
-        _matmul_kernel(tag, w, rows, cols, row_nbytes, act, out, numba.get_num_threads())
+        _matmul_kernel(tag, w, rows, cols, row_nbytes, act, out, thread_count())
     return out
 
 
@@ -148,7 +147,7 @@ class Matrix:
         out = np.empty((heads, n, rows), np.float32)
         act = self.activation(by_head.reshape(heads * n, self.cols), tiles=False)
         _per_head_kernel(self.tag, self.data, self.cols, self.row_nbytes, act, heads, stride, first, out,
-                         numba.get_num_threads())
+                         thread_count())
         return out.transpose(1, 0, 2).reshape(n * heads, rows)
 
     def rows_f32(self, first: int, count: int) -> np.ndarray:
@@ -194,5 +193,5 @@ def dequantize_rows(w: np.ndarray, encoding: str, cols: int, first: int, count: 
         raise ValueError(f"bad row range: first={first}, count={count}")
     w, nbytes = _weights(w, encoding, first + count, cols)
     out = np.empty((count, cols), np.float32)
-    _dequantize_kernel(BLOCK_TAGS[encoding], w, first, cols, nbytes, out, numba.get_num_threads())
+    _dequantize_kernel(BLOCK_TAGS[encoding], w, first, cols, nbytes, out, thread_count())
     return out

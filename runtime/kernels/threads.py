@@ -6,6 +6,7 @@ stream per thread.
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import numba
@@ -16,6 +17,7 @@ _njit = njit(cache=True, nogil=True)
 _parallel = njit(cache=True, nogil=True, parallel=True)
 
 _warned_workqueue = False
+_chosen = threading.local()  # the count set_threads gave this thread (numba's own is per thread too)
 
 
 def set_threads(n: int) -> None:
@@ -23,11 +25,19 @@ def set_threads(n: int) -> None:
     its `workqueue` threading layer, whose fixed cost per parallel call slows decoding down."""
     global _warned_workqueue
     numba.set_num_threads(n)
+    _chosen.count = n
     if numba.threading_layer() == "workqueue" and not _warned_workqueue:
         _warned_workqueue = True
         warnings.warn("numba is using its 'workqueue' threading layer: every kernel call pays for starting its threads. "
                       "Install an OpenMP runtime or tbb (pip install tbb) and set NUMBA_THREADING_LAYER=omp "
                       "or tbb.", RuntimeWarning, stacklevel=2)
+
+
+def thread_count() -> int:
+    """The threads this thread's kernel calls use: what `set_threads` last set here, without
+    numba.get_num_threads()'s lock on every call of a decoded token's many."""
+    count = getattr(_chosen, "count", None)
+    return numba.get_num_threads() if count is None else count
 
 
 @_njit
@@ -63,7 +73,7 @@ def read_seconds(words: np.ndarray, threads: int) -> float:
 def measure_read_bandwidth(nbytes: int = 256 << 20, threads: int | None = None, repeat: int = 3) -> float:
     """Bytes/s that `threads` (default: numba's count) contiguous read streams reach: the
     memory bandwidth a weight-streaming kernel can hope for (median of `repeat`)."""
-    threads = threads or numba.get_num_threads()
+    threads = threads or thread_count()
     words = np.ones(nbytes // 8, np.uint64)
     read_seconds(words, threads)  # compile, and touch the pages
     return nbytes / sorted(read_seconds(words, threads) for _ in range(repeat))[repeat // 2]
