@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import gguf
+import llvmlite.binding
 import numba
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from colibri.convert.quantize_q4k import quantize
 from colibri.formats.encodings import ENCODINGS, READ_ONLY_ENCODINGS, block_size
 from colibri.runtime import kernels
 from colibri.runtime.kernels import threads
-from colibri.runtime.kernels.emitter import halves_into, target_environment
+from colibri.runtime.kernels.emitter import float_dot, float_sum, halves_into, target_environment
 
 EXACT_TOLERANCE = 1e-5
 ROWS = 37  # not a multiple of the thread count
@@ -193,6 +194,11 @@ def _halves_into(src, dst):
     halves_into(src, dst)
 
 
+@numba.njit(cache=True)
+def _halves_of_a_column_slice(src, width, dst):
+    halves_into(src[:, :width][0], dst)  # typed as strided ("A"), its halves adjacent
+
+
 def test_halves_convert_exactly_in_steps_and_remainders():
     bits = every_half()
     got = np.full(bits.size, np.nan, np.float32)
@@ -202,6 +208,69 @@ def test_halves_convert_exactly_in_steps_and_remainders():
         row = np.full(n + 2, 7.0, np.float32)
         _halves_into(bits[:n], row)  # the shorter row decides how many
         assert np.array_equal(row[:n], bits[:n].view(np.float16).astype(np.float32)) and (row[n:] == 7.0).all()
+    expected = bits.view(np.float16).astype(np.float32)
+    every_third = np.empty(45, np.float32)
+    _halves_into(bits[:135:3], every_third)  # strided: one by one
+    assert np.array_equal(every_third, expected[:135:3])
+    for width in (16, 37):
+        row = np.empty(width, np.float32)
+        _halves_of_a_column_slice(bits[:40 * 64].reshape(40, 64), width, row)
+        assert np.array_equal(row, expected[:width])
+
+
+@numba.njit(cache=True)
+def _ordered_sums_serial(a, b, dots, sums):
+    for i in range(a.shape[0]):
+        dots[i], sums[i] = float_dot(a[i], b[i]), float_sum(a[i])
+
+
+@numba.njit(cache=True, parallel=True, fastmath=True)
+def _ordered_sums_parallel(a, b, dots, sums):
+    for i in numba.prange(a.shape[0]):
+        dots[i], sums[i] = float_dot(a[i], b[i]), float_sum(a[i])
+
+
+def test_float_sums_give_the_same_bits_in_any_caller_and_the_float64_sum():
+    """float_dot and float_sum add in one fixed order: compiled into a serial function or a
+    parallel fastmath one, every length (steps, the half step, the tail) gives the same bits."""
+    rng = np.random.default_rng(7)
+    for n in (0, 1, 15, 16, 17, 31, 32, 33, 48, 50, 64, 129, 320):
+        a, b = (rng.standard_normal((5, n)).astype(np.float32) for _ in range(2))
+        results = []
+        for kernel in (_ordered_sums_serial, _ordered_sums_parallel):
+            dots, sums = np.empty(5, np.float32), np.empty(5, np.float32)
+            kernel(a, b, dots, sums)
+            results.append((dots, sums))
+        (dots, sums), (parallel_dots, parallel_sums) = results
+        assert np.array_equal(dots.view(np.uint32), parallel_dots.view(np.uint32))
+        assert np.array_equal(sums.view(np.uint32), parallel_sums.view(np.uint32))
+        scale = np.abs(a).sum(axis=1) * (1 + np.abs(b).max(initial=0)) + 1e-30
+        assert (np.abs(dots - (a.astype(np.float64) * b).sum(axis=1)) <= 1e-6 * scale).all()
+        assert (np.abs(sums - a.astype(np.float64).sum(axis=1)) <= 1e-6 * scale).all()
+
+
+COMPILED_OR_LOADED = """
+import sys
+import numpy as np
+from colibri.runtime import kernels
+rng = np.random.default_rng(3)
+keys, values = (rng.standard_normal((300, 2, 64)).astype(np.float16).view(np.uint16) for _ in range(2))
+q = rng.standard_normal((40, 8, 64)).astype(np.float32)
+np.savez(sys.argv[1], kernels.attention(q[-1:], keys, values, 299, 0.125), kernels.attention(q, keys, values, 260, 0.125),
+         kernels.rms_norm(q.reshape(-1, 64), np.ones(64, np.float32), 1e-6))
+"""
+
+
+def test_a_process_that_compiles_the_kernels_gets_the_bits_of_one_that_loads_them(tmp_path):
+    """numba runs freshly compiled code in the process that compiles it and the cached object
+    code in later ones; decode and prompt attention and the RMS norm give the same bits in both
+    (their sums have one order, whatever the optimizer makes of the functions around them)."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    for name in ("compiled", "loaded"):
+        subprocess.run([sys.executable, "-c", COMPILED_OR_LOADED, str(tmp_path / f"{name}.npz")], env=env, check=True)
+    compiled, loaded = np.load(tmp_path / "compiled.npz"), np.load(tmp_path / "loaded.npz")
+    for key in compiled.files:
+        assert np.array_equal(compiled[key].view(np.uint32), loaded[key].view(np.uint32)), key
 
 
 PRODUCTS_FOR_CPU = """
@@ -234,6 +303,8 @@ def test_kernels_built_for_other_cpus_match_the_native_ones(tmp_path, target):
     unsigned x signed, signed x signed and K-quant integer dot products, table lookups and
     signed levels in Q8_K dots, for whole groups, a half group and single activations; and
     they convert every finite half exactly (vcvtph2ps, or integer steps without F16C)."""
+    if target == "avx2-vnni" and "+avxvnni" not in llvmlite.binding.get_host_cpu_features().flatten().split(","):
+        pytest.skip("this CPU has no AVX-VNNI: kernels built for it cannot run here")
     x = np.random.default_rng(1).standard_normal((13, 512)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
     np.save(tmp_path / "halves.npy", every_half())

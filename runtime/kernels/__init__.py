@@ -16,7 +16,7 @@ The package re-exports the public names of its modules, one job each:
 - `rows`: a row of weights times activations, the building block of every kernel;
 - `blocks`: each quantized block type as LLVM IR (unpacker, dot, dequantizer);
 - `emitter`: the LLVM IR builder those are written with;
-- `threads`: `set_threads`, each thread's rows, `measure_read_bandwidth`.
+- `threads`: `set_threads`, `thread_count`, each thread's rows, `measure_read_bandwidth`.
 
 Threads: each parallel kernel gives thread `t` one contiguous range of rows (one memory
 stream per thread) and prefetches `PREFETCH_BYTES` ahead of the block it multiplies. Numba's
@@ -39,7 +39,8 @@ from colibri.runtime.kernels.activations import (  # noqa: E402
     Q8_KActivation, without_tiles,
 )
 from colibri.runtime.kernels.attention import (
-    PARALLEL_ATTENTION_WORK, PROMPT_ATTENTION_BYTES, PROMPT_ATTENTION_QUERIES, QUERY_BLOCK, attention,
+    NO_SINK, PARALLEL_ATTENTION_WORK, PROMPT_ATTENTION_BYTES, PROMPT_ATTENTION_QUERIES, QUERY_BLOCK, attention,
+    attention_into,
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS, CACHE_LINE, PREFETCH_BYTES
 from colibri.runtime.kernels.experts import ExpertKernel, add_weighted_rows, moe_experts, moe_experts_batch, silu_times
@@ -48,12 +49,13 @@ from colibri.runtime.kernels.numerics import rms_norm, sigmoid_gated
 from colibri.runtime.kernels.recurrence import gated_delta_rule
 from colibri.runtime.kernels.routing import route
 from colibri.runtime.kernels.rows import CHUNK, GROUP, ROW_TILE
-from colibri.runtime.kernels.threads import measure_read_bandwidth, read_seconds, set_threads
+from colibri.runtime.kernels.threads import measure_read_bandwidth, read_seconds, set_threads, thread_count
 
 __all__ = [
     "ACT_BLOCKS", "ACTIVATIONS", "DOT_TYPES", "FAST_ENCODINGS", "FAST_PATH_TOLERANCE", "WIDEST_ACT_BLOCK",
     "Q8_0Activation", "Q8_KActivation", "without_tiles",
-    "PARALLEL_ATTENTION_WORK", "PROMPT_ATTENTION_BYTES", "PROMPT_ATTENTION_QUERIES", "QUERY_BLOCK", "attention",
+    "NO_SINK", "PARALLEL_ATTENTION_WORK", "PROMPT_ATTENTION_BYTES", "PROMPT_ATTENTION_QUERIES", "QUERY_BLOCK", "attention",
+    "attention_into",
     "BLOCK_TAGS", "CACHE_LINE", "PREFETCH_BYTES",
     "ExpertKernel", "add_weighted_rows", "moe_experts", "moe_experts_batch", "silu_times",
     "Matrix", "dequantize_rows", "kernel_paths", "matmul", "matvec", "products",
@@ -61,5 +63,5 @@ __all__ = [
     "gated_delta_rule",
     "route",
     "CHUNK", "GROUP", "ROW_TILE",
-    "measure_read_bandwidth", "read_seconds", "set_threads",
+    "measure_read_bandwidth", "read_seconds", "set_threads", "thread_count",
 ]

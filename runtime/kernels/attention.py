@@ -6,14 +6,13 @@ queries through `_prompt_attention`, which converts the cache to float32 once.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from colibri.runtime.kernels.emitter import half_to_float, halves_into
+from colibri.runtime.kernels.emitter import float_dot, half_to_float, halves_into
 from colibri.runtime.kernels.numerics import softmax_in_place
-from colibri.runtime.kernels.threads import part_range
+from colibri.runtime.kernels.threads import part_range, thread_count
 
 F32 = np.float32
 NO_SINK = np.finfo(np.float32).min  # below softmax_in_place's threshold: no sink (finite, for fastmath)
@@ -37,17 +36,11 @@ def _float_row(row, buffer):
 
 @overload(_float_row)
 def _float_row_overload(row, buffer):
-    if row.dtype == types.uint16 and row.layout == "C":
+    if row.dtype == types.uint16:
         def converted(row, buffer):
             halves_into(row, buffer)
             return buffer
         return converted
-    if row.dtype == types.uint16:  # a strided view of the cache (MLA's latent part)
-        def converted_one_by_one(row, buffer):
-            for d in range(row.size):
-                buffer[d] = half_to_float(row[d])
-            return buffer
-        return converted_one_by_one
     return lambda row, buffer: row
 
 
@@ -90,10 +83,7 @@ def _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out
         for pos in range(lo, end):
             k = _float_row(keys[pos, kv], key)
             for g in range(group):
-                query, score = queries[g], F32(0.0)
-                for d in range(width):
-                    score += query[d] * k[d]
-                scores[g, pos] = score * scale
+                scores[g, pos] = float_dot(queries[g], k) * scale
         if chosen.shape[0]:
             _leave_out(scores, chosen[i], lo, end)
         for g in range(group):
@@ -214,15 +204,24 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     chosen = np.zeros((0, rows), np.uint8) if chosen is None else np.ascontiguousarray(chosen, dtype=np.uint8)
     if chosen.shape[1:] != (rows,) or chosen.shape[0] not in (0, n):
         raise ValueError(f"chosen {chosen.shape} does not fit {n} queries over {rows} cached positions")
-    window = window if window > 0 else rows + 1
     out = np.empty((n, heads, values.shape[2]), np.float32)
+    attention_into(q, keys, values, start, first_key, window, sinks, chosen, F32(scale), out)
+    return out
+
+
+def attention_into(q, keys, values, start, first_key, window, sinks, chosen, scale, out) -> None:
+    """`attention` into out [n, heads, v_width] without its checks: for callers whose arrays
+    are of their own making (a decode step's), with `sinks` [heads] (NO_SINK for none),
+    `chosen` [0 or n, rows] and a float32 `scale`."""
+    n, heads, width = q.shape
+    rows = start + n - first_key
+    window = window if window > 0 else rows + 1
     work = n * heads * min(rows, window) * (width + values.shape[2])
     copy_bytes = 4 * rows * (keys.shape[1] * width + values.shape[1] * values.shape[2])
-    args = (q, keys, values, start, first_key, window, sinks, chosen, F32(scale), out)
+    args = (q, keys, values, start, first_key, window, sinks, chosen, scale, out)
     if n >= PROMPT_ATTENTION_QUERIES and copy_bytes <= PROMPT_ATTENTION_BYTES:
-        _prompt_attention(*args, numba.get_num_threads())
+        _prompt_attention(*args, thread_count())
     elif work >= PARALLEL_ATTENTION_WORK:
-        _attention_parallel(*args, numba.get_num_threads())
+        _attention_parallel(*args, thread_count())
     else:
         _attention_serial(*args)
-    return out

@@ -360,10 +360,11 @@ HALVES_PER_STEP = 16
 
 @intrinsic
 def halves_into(typingctx, src, dst):
-    """dst[:] <- float32 of the IEEE halves whose bits are src[:dst.size] (contiguous uint16 and
-    float32 rows; as many as the shorter holds), HALVES_PER_STEP at a time."""
+    """dst[:] <- float32 of the IEEE halves whose bits are src[:dst.size] (a uint16 row, which
+    may be strided, and a contiguous float32 one; as many as the shorter holds),
+    HALVES_PER_STEP at a time where src is contiguous."""
     if not (isinstance(src, types.Array) and isinstance(dst, types.Array) and src.ndim == dst.ndim == 1
-            and src.layout == dst.layout == "C" and src.dtype == types.uint16 and dst.dtype == types.float32):
+            and dst.layout == "C" and src.dtype == types.uint16 and dst.dtype == types.float32):
         return None
 
     def codegen(context, builder, sig, args):
@@ -371,15 +372,17 @@ def halves_into(typingctx, src, dst):
         source, target = (context.make_array(kind)(context, builder, value) for kind, value in zip(sig.args, args))
         count = builder.select(builder.icmp_signed("<", source.nitems, target.nitems), source.nitems, target.nitems)
         halves, floats = e.pointer(sig.args[0], args[0]), e.pointer(sig.args[1], args[1])
+        stride = builder.extract_value(source.strides, 0)  # bytes between halves
 
         def convert(index, n=None):  # the n halves (or the one) from `index`
-            bits = e.load(halves, builder.shl(index, ir.Constant(I64, 1)), I16, n)
+            bits = e.load(halves, builder.mul(index, stride), I16, n)
             value = e.halves_to_floats(bits) if n else e.half_to_float(bits)
             target_at = e.at(floats, builder.shl(index, ir.Constant(I64, 2)))
             builder.store(value, builder.bitcast(target_at, value.type.as_pointer()), align=4)
 
         step = ir.Constant(I64, HALVES_PER_STEP)
-        steps = builder.udiv(count, step)
+        contiguous = builder.icmp_signed("==", stride, ir.Constant(I64, 2))
+        steps = builder.select(contiguous, builder.udiv(count, step), ir.Constant(I64, 0))
         with cgutils.for_range(builder, steps) as loop:
             convert(builder.mul(loop.index, step), HALVES_PER_STEP)
         with cgutils.for_range_slice(builder, builder.mul(steps, step), count, ir.Constant(I64, 1)) as (index, _):
@@ -387,6 +390,75 @@ def halves_into(typingctx, src, dst):
         return context.get_dummy_value()
 
     return types.void(src, dst), codegen
+
+
+SUM_LANES = 16  # float32 lanes in each of the two partial sums of `float_dot` and `float_sum`
+
+
+def _ordered_sum(products: bool):
+    """codegen of the sum of a[i] (* b[i]) over the shorter row: two vector partial sums over
+    2 * SUM_LANES values a step, one more step of SUM_LANES, the rest one by one, then a fixed
+    tree. Without reassociation, no optimizer choice (vector width, unrolling, the function it
+    is inlined into) can change the order, so every caller gets the same bits."""
+
+    def codegen(context, builder, sig, args):
+        e = Emitter(context, builder)
+        arrays = [context.make_array(kind)(context, builder, value) for kind, value in zip(sig.args, args)]
+        count = arrays[0].nitems
+        for other in arrays[1:]:
+            count = builder.select(builder.icmp_signed("<", other.nitems, count), other.nitems, count)
+        bases = [e.pointer(kind, value) for kind, value in zip(sig.args, args)]
+
+        def terms(index, n=None):  # the n terms (or the one) from `index`
+            offset = builder.shl(index, ir.Constant(I64, 2))
+            values = [e.load(base, offset, FLOAT, n) for base in bases]
+            return builder.fmul(values[0], values[1], flags=CONTRACT) if products else values[0]
+
+        lanes = vec(FLOAT, SUM_LANES)
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * SUM_LANES)) for _ in range(2)]
+
+        def add_to(total, index):
+            builder.store(builder.fadd(builder.load(total), terms(index, SUM_LANES), flags=CONTRACT), total)
+
+        pair = ir.Constant(I64, 2 * SUM_LANES)
+        steps = builder.udiv(count, pair)
+        with cgutils.for_range(builder, steps) as loop:
+            first = builder.mul(loop.index, pair)
+            add_to(sums[0], first)
+            add_to(sums[1], builder.add(first, ir.Constant(I64, SUM_LANES)))
+        done = builder.mul(steps, pair)
+        with builder.if_then(builder.icmp_signed(">=", builder.sub(count, done), ir.Constant(I64, SUM_LANES))):
+            add_to(sums[0], done)
+        tail_start = builder.mul(builder.udiv(count, ir.Constant(I64, SUM_LANES)), ir.Constant(I64, SUM_LANES))
+        tail = cgutils.alloca_once_value(builder, ir.Constant(FLOAT, 0.0))
+        with cgutils.for_range_slice(builder, tail_start, count, ir.Constant(I64, 1)) as (index, _):
+            builder.store(builder.fadd(builder.load(tail), terms(index), flags=CONTRACT), tail)
+        vector = builder.fadd(builder.load(sums[0]), builder.load(sums[1]))
+        return builder.fadd(e.hsum(e.fold8(vector)), builder.load(tail))
+
+    return codegen
+
+
+def _float_rows(*arrays):
+    return all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == types.float32
+               for a in arrays)
+
+
+@intrinsic
+def float_dot(typingctx, a, b):
+    """sum of a[i] * b[i] over the shorter of two contiguous float32 rows, in a fixed order
+    (`_ordered_sum`): the same bits wherever it is compiled."""
+    if not _float_rows(a, b):
+        return None
+    return types.float32(a, b), _ordered_sum(products=True)
+
+
+@intrinsic
+def float_sum(typingctx, a):
+    """sum of a contiguous float32 row, in `float_dot`'s fixed order."""
+    if not _float_rows(a):
+        return None
+    return types.float32(a), _ordered_sum(products=False)
 
 
 @intrinsic

@@ -1,5 +1,6 @@
 """float32 math the kernels share, in loops that vectorize: softmax and silu on an exp without
-libm calls, and the RMS norm.
+libm calls, and the RMS norm. Their sums are `float_sum` / `float_dot`, in one fixed order, so
+that a kernel gives the same bits in whatever function it is compiled into.
 """
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from colibri.runtime.kernels.emitter import int_bits_to_float
+from colibri.runtime.kernels.emitter import float_dot, float_sum, int_bits_to_float
 
 F32 = np.float32
 
@@ -36,14 +37,13 @@ def softmax_in_place(scores, i, lo, end, sink):
     best = F32(-3.0e38)
     for pos in range(row.size):
         best = max(best, row[pos])
-    total = F32(0.0)
+    sink_share = F32(0.0)
     if sink > F32(-3.0e38):
         best = max(best, sink)
-        total = _exp_nonpositive(sink - best)
+        sink_share = _exp_nonpositive(sink - best)
     for pos in range(row.size):
         row[pos] = _exp_nonpositive(row[pos] - best)
-        total += row[pos]
-    inverse = F32(1.0) / total
+    inverse = F32(1.0) / (float_sum(row) + sink_share)
     for pos in range(row.size):
         row[pos] *= inverse
 
@@ -73,10 +73,7 @@ def glu(gate, up, kind, alpha, limit):
 def rms_norm_into(x, weight, eps, out):
     """out[i] = x[i] / rms(x[i]) * weight for each row of x (float32 [n, width])."""
     for i in range(x.shape[0]):
-        total = F32(0.0)
-        for j in range(x.shape[1]):
-            total += x[i, j] * x[i, j]
-        inverse = F32(1.0) / np.sqrt(total / F32(x.shape[1]) + eps)
+        inverse = F32(1.0) / np.sqrt(float_dot(x[i], x[i]) / F32(x.shape[1]) + eps)
         for j in range(x.shape[1]):
             out[i, j] = x[i, j] * inverse * weight[j]
 
