@@ -9,7 +9,6 @@ rows take when they are multiplied on AMX tiles or exactly.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import njit, prange
 
@@ -23,7 +22,7 @@ from colibri.runtime.kernels.blocks import BLOCK_TAGS
 from colibri.runtime.kernels.matrices import matrix_times
 from colibri.runtime.kernels.numerics import GLU_CLAMPED, GLU_SILU, glu
 from colibri.runtime.kernels.rows import row_dot, rows_times
-from colibri.runtime.kernels.threads import part_range
+from colibri.runtime.kernels.threads import part_range, thread_count
 
 F32 = np.float32
 _njit = njit(cache=True, nogil=True)
@@ -32,26 +31,32 @@ _parallel = njit(cache=True, nogil=True, parallel=True)
 
 @_parallel
 def _moe_kernel(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes, ffn, hidden,
-                x, gate_acts, up_acts, up_distinct, h, h_act, weights, out, ids, gate_bias, up_bias, down_bias, glu_kind,
-                alpha, limit, nthreads):
+                x, gate_acts, up_acts, up_distinct, h, up, h_act, weights, out, ids, gate_bias, up_bias, down_bias,
+                glu_kind, alpha, limit, nthreads):
     k, biased = slots.shape[0], gate_bias.shape[0] > 0
     # 0. x [1, hidden] quantized for the gate and (when its dot type differs) the up rows
     fill_activation(gate_acts, x, 0, hidden)
     if up_distinct:
         fill_activation(up_acts, x, 0, hidden)
-    # 1. h[j, i] = glu(gate_j[i] . x, up_j[i] . x), over all k * ffn rows at once; each
-    #    thread then quantizes its own (256-aligned) part of h for the down projection.
+    # 1. h[j, i] = glu(gate_j[i] . x, up_j[i] . x) (up [k, ffn] holds the up products), over
+    #    all k * ffn rows at once; each thread then quantizes its own (256-aligned) part of h
+    #    for the down projection.
     for t in prange(nthreads):
         first, stop = part_range(k * ffn, nthreads, t, WIDEST_ACT_BLOCK)
         gate_act, up_act = activation_row(gate_acts, 0), activation_row(up_acts, 0)
+        gates, ups = h.reshape(-1), up.reshape(-1)
         for index in range(first, stop):
             j, i = index // ffn, index % ffn
             record = records[slots[j]]
-            gate = row_dot(gate_tag, record, offsets[0] + i * row_nbytes[0], hidden, gate_act)
-            up = row_dot(up_tag, record, offsets[1] + i * row_nbytes[1], hidden, up_act)
-            if biased:
-                gate, up = gate + gate_bias[ids[j], i], up + up_bias[ids[j], i]
-            h[j, i] = glu(gate, up, glu_kind, alpha, limit)
+            gates[index] = row_dot(gate_tag, record, offsets[0] + i * row_nbytes[0], hidden, gate_act)
+            ups[index] = row_dot(up_tag, record, offsets[1] + i * row_nbytes[1], hidden, up_act)
+        if biased:
+            for index in range(first, stop):
+                j, i = index // ffn, index % ffn
+                gates[index] += gate_bias[ids[j], i]
+                ups[index] += up_bias[ids[j], i]
+        for index in range(first, stop):  # a loop of its own, which vectorizes (in the dots' loop it did not)
+            gates[index] = glu(gates[index], ups[index], glu_kind, alpha, limit)
         fill_activation(h_act, h, first, stop)
     # 2. out[r] = sum_j weights[j] * (down_j[r] . h[j] (+ its bias)), one expert's rows at a time.
     for t in prange(nthreads):
@@ -92,7 +97,7 @@ def _glu(gate, up, kind, alpha, limit, nthreads):
 def silu_times(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """gate <- silu(gate) * up (float32 [n, ffn] each, C-contiguous), the SwiGLU of the dense
     FFNs and shared experts with the arithmetic of the expert kernels; returns gate."""
-    return _glu(gate, up, GLU_SILU, F32(1.0), F32(0.0), numba.get_num_threads())
+    return _glu(gate, up, GLU_SILU, F32(1.0), F32(0.0), thread_count())
 
 
 @_parallel
@@ -180,14 +185,14 @@ class ExpertKernel:
             acts = {dot_type: None if dot_type is None else empty_activation(1, self.hidden, dot_type)
                     for dot_type in self.dot_types[:2]}
             h = np.empty((k, ffn), np.float32)
-            self.decode_buffers = acts, self.dot_types[0] != self.dot_types[1], h, \
+            self.decode_buffers = acts, self.dot_types[0] != self.dot_types[1], h, np.empty((k, ffn), np.float32), \
                 h if self.dot_types[2] is None else empty_activation(k, ffn, self.dot_types[2])
-        acts, up_distinct, h, h_act = self.decode_buffers
+        acts, up_distinct, h, up, h_act = self.decode_buffers
         gate_act, up_act = (row if acts[dot_type] is None else acts[dot_type] for dot_type in self.dot_types[:2])
         out = np.empty(self.hidden, np.float32)
         _moe_kernel(*self.tags, records, slots, self.offsets, self.sizes, ffn, self.hidden, row, gate_act, up_act,
-                    up_distinct, h, h_act, weights, out, self._bias_ids(ids), *self.biases, *self.glu,
-                    numba.get_num_threads())
+                    up_distinct, h, up, h_act, weights, out, self._bias_ids(ids), *self.biases, *self.glu,
+                    thread_count())
         return out
 
     def _bias_ids(self, ids: np.ndarray) -> np.ndarray:
@@ -208,7 +213,7 @@ class ExpertKernel:
             expert = int(self._bias_ids(np.array([expert]))[0])
             gate += self.biases[0][expert]
             up += self.biases[1][expert]
-        h = _glu(gate, up, *self.glu, numba.get_num_threads())
+        h = _glu(gate, up, *self.glu, thread_count())
         y = self._project(record, 2, self.hidden, self.ffn, make_activation(h, self.dot_types[2]), n)
         return y + self.biases[2][expert] if biased else y
 
