@@ -34,7 +34,7 @@ from colibri.runtime.kernels.experts import silu_times_rows
 from colibri.runtime.kernels.numerics import rms_norm_into
 from colibri.runtime.kernels.routing import route_into
 from colibri.runtime.kernels.rows import rows_per_head, rows_times
-from colibri.runtime.kernels.threads import part_range
+from colibri.runtime.kernels.threads import part_range, thread_count
 from colibri.runtime.rope import rotate_into
 
 F32 = np.float32
@@ -166,7 +166,7 @@ def _latent_query_kernel(x, attn_norm, eps, latent_eps, h, first, first_act, fir
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _output_kernel(per_head, contexts, heads_matrix, heads_act, stride, first, attended, o, o_act, o_out, o_bias, x,
+def _output_kernel(x, per_head, contexts, heads_matrix, heads_act, stride, first, attended, o, o_act, o_out, o_bias,
                    ffn_norm, eps, h, route, router, router_act, logits, logit_bias, bias, sigmoid, groups, topk_groups,
                    top2_sum, norm, route_scale, ids, weights, nthreads):
     """x += o(attended [1, heads, v width]) (+ o_bias, unless empty); h = the FFN norm of x;
@@ -241,7 +241,7 @@ class FFNStep:
     def __call__(self) -> np.ndarray:
         """The FFN of the current `h` [1, hidden] (a buffer, overwritten by the next call)."""
         _ffn_kernel(self.h, self.gate, self.gate_act, self.up, self.up_act, self.up_distinct, self.gate_out,
-                    self.up_out, self.down, self.down_act, self.out, numba.get_num_threads())
+                    self.up_out, self.down, self.down_act, self.out, thread_count())
         return self.out
 
 
@@ -273,24 +273,36 @@ class _LayerStep:
             shared = ffn
         self.ffn_step = FFNStep(shared, self.h) if shared is not None and getattr(shared, "sigmoid_gate", None) is None \
             else None
-
-    def finish(self, x: np.ndarray, per_head: bool, contexts: np.ndarray, heads_matrix: tuple, heads_act,
-               stride: int, first: int) -> np.ndarray:
-        """x with the attention output in `attended` and then the FFN added."""
-        c, ffn = self.c, self.ffn
         k = c.n_experts_used if self.routed else 1
-        ids, weights = np.empty((1, k), np.int64), np.empty((1, k), F32)
-        _output_kernel(per_head, contexts, heads_matrix, heads_act, stride, first, self.attended, self.o, self.o_act,
-                       self.o_out, self.o_bias, x, self.ffn_norm, F32(c.norm_eps), self.h, self.routed, self.router,
-                       self.router_act, self.logits, self.logit_bias, self.bias, c.router == "sigmoid", c.router_groups,
-                       c.router_topk_groups, c.router_group_score == "top2_sum", c.router_norm_topk,
-                       F32(c.routed_scaling_factor), ids, weights, numba.get_num_threads())
+        self.ids, self.weights = np.empty((1, k), np.int64), np.empty((1, k), F32)  # the router's choice
+        self.sinks = np.full(heads or c.n_heads, kernels.NO_SINK, F32)  # attention without sinks
+        self.output_args = self.output_arguments(False, self.attended[0], self.o, self.o_act, 0, 0)
+
+    def output_arguments(self, per_head: bool, contexts: np.ndarray, heads_matrix: tuple, heads_act, stride: int,
+                         first: int) -> tuple:
+        """The output kernel's arguments between x and the thread count, made once; with
+        `per_head` (MLA), kv_b's slice of each head (`heads_matrix` from row `first`, `stride`
+        rows a head) first turns the `contexts` into `attended`."""
+        c = self.c
+        return (per_head, contexts, heads_matrix, heads_act, stride, first, self.attended, self.o, self.o_act,
+                self.o_out, self.o_bias, self.ffn_norm, F32(c.norm_eps), self.h, self.routed, self.router,
+                self.router_act, self.logits, self.logit_bias, self.bias, c.router == "sigmoid", c.router_groups,
+                c.router_topk_groups, c.router_group_score == "top2_sum", c.router_norm_topk,
+                F32(c.routed_scaling_factor), self.ids, self.weights)
+
+    def finish(self, x: np.ndarray) -> np.ndarray:
+        """x with the attention output in `attended` and then the FFN added."""
+        _output_kernel(x, *self.output_args, thread_count())
+        ffn = self.ffn
         if not self.routed:
             return x + self.ffn_step()
-        out = ffn.routed(self.h, ids, weights)
+        out = ffn.routed(self.h, self.ids, self.weights)
         if ffn.shared is not None:
             out = out + (self.ffn_step() if self.ffn_step is not None else ffn.shared(self.h))
         return x + out
+
+
+NO_CHOICE = np.zeros((0, 0), np.uint8)  # attention over every cached position
 
 
 class DecodeLayer(_LayerStep):
@@ -299,39 +311,42 @@ class DecodeLayer(_LayerStep):
 
     def __init__(self, attention, attn_norm: np.ndarray, ffn_norm: np.ndarray, ffn):
         super().__init__(attention, attn_norm, ffn_norm, ffn)
-        c = self.c
-        qkv = (attention.q, attention.k, attention.v)
-        self.qkv = tuple(m.tag for m in qkv), tuple(m.data for m in qkv), tuple(m.row_nbytes for m in qkv)
-        self.outs = tuple(np.empty((1, m.rows), F32) for m in qkv)
+        c, a = self.c, attention
+        qkv = (a.q, a.k, a.v)
+        outs = tuple(np.empty((1, m.rows), F32) for m in qkv)
         shared = {}  # one activation per dot type, as Attention.project
         for m in qkv:
             shared.setdefault(m.dot_type, _activation_for(m, self.h))
-        self.qkv_acts = tuple(shared[m.dot_type] for m in qkv)
-        self.distinct = tuple(all(act is not earlier for earlier in self.qkv_acts[:i])
-                              for i, act in enumerate(self.qkv_acts))  # each quantized once
+        acts = tuple(shared[m.dot_type] for m in qkv)
+        distinct = tuple(all(act is not earlier for earlier in acts[:i]) for i, act in enumerate(acts))  # each quantized once
         empty = np.empty(0, F32)
-        self.biases = tuple(attention.bias) if attention.bias else (empty,) * 3
-        self.norms = (attention.q_norm, attention.k_norm) if c.qk_norm != "none" else (empty, empty)
+        biases = tuple(a.bias) if a.bias else (empty,) * 3
+        norms = (a.q_norm, a.k_norm) if c.qk_norm != "none" else (empty, empty)
+        self.query_args = (self.attn_norm, F32(c.norm_eps), self.h, tuple(m.tag for m in qkv),
+                           tuple(m.data for m in qkv), tuple(m.row_nbytes for m in qkv), *acts, distinct, outs, biases,
+                           norms, QK_NORMS[c.qk_norm], F32(c.clip_qkv or 0), a.rope.cos, a.rope.sin, self.positions,
+                           a.rope.dim, a.rope.interleaved, c.n_heads, c.n_kv_heads)
+        self.q, self.k, self.v = outs[0].reshape(1, c.n_heads, c.head_dim), outs[1], outs[2]
+        if a.sinks is not None:
+            self.sinks = np.ascontiguousarray(a.sinks, dtype=F32)
+        self.scale = F32(a.scale)
 
     def __call__(self, x: np.ndarray, position: int, cache) -> np.ndarray:
         c, a = self.c, self.attention
         self.positions[0] = position
-        _qkv_kernel(x, self.attn_norm, F32(c.norm_eps), self.h, *self.qkv, *self.qkv_acts, self.distinct, self.outs,
-                    self.biases, self.norms, QK_NORMS[c.qk_norm], F32(c.clip_qkv or 0), a.rope.cos, a.rope.sin,
-                    self.positions, a.rope.dim, a.rope.interleaved, c.n_heads, c.n_kv_heads, numba.get_num_threads())
-        q, k, v = self.outs
-        cache.write(a.layer, "k", position, k)
-        cache.write(a.layer, "v", position, v)
+        _qkv_kernel(x, *self.query_args, thread_count())
+        cache.write(a.layer, "k", position, self.k)
+        cache.write(a.layer, "v", position, self.v)
         first = cache.first(a.layer, "k")
         keys = cache.stored(a.layer, "k", position + 1).reshape(position + 1 - first, c.n_kv_heads, c.head_dim)
         values = cache.stored(a.layer, "v", position + 1).reshape(position + 1 - first, c.n_kv_heads, c.v_head_dim)
-        # attention through the general path's own call: compiled inside another kernel, its
+        # attention through the general path's own kernels: compiled inside another kernel, its
         # loops could be vectorized differently, and the two paths would part by a few ulps
-        self.attended[:] = kernels.attention(q.reshape(1, c.n_heads, c.head_dim), keys, values, position, a.scale,
-                                             a.window, a.sinks, first)
+        kernels.attention_into(self.q, keys, values, position, first, a.window, self.sinks, NO_CHOICE, self.scale,
+                               self.attended)
         if a.gate is not None:  # Qwen3-Next's output gate, as model.Attention applies it
             self.attended[:] = kernels.sigmoid_gated(self.attended, a.gate(self.h).reshape(self.attended.shape))
-        return self.finish(x, False, self.attended[0], self.o, self.o_act, 0, 0)
+        return self.finish(x)
 
 
 class DeltaNetDecodeLayer(_LayerStep):
@@ -345,7 +360,7 @@ class DeltaNetDecodeLayer(_LayerStep):
     def __call__(self, x: np.ndarray, position: int, cache) -> np.ndarray:
         rms_norm_into(x, self.attn_norm, F32(self.c.norm_eps), self.h)
         self.attended[:] = self.attention.mixed(self.h, [(slice(0, 1), position, cache)]).reshape(self.attended.shape)
-        return self.finish(x, False, self.attended[0], self.o, self.o_act, 0, 0)
+        return self.finish(x)
 
 
 class LatentDecodeLayer(_LayerStep):
@@ -356,43 +371,40 @@ class LatentDecodeLayer(_LayerStep):
         super().__init__(attention, attn_norm, ffn_norm, ffn)
         c, a = self.c, attention
         heads, nope, rope, rank = c.n_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
-        self.lora = bool(c.q_lora_rank)
-        first = a.q_a if self.lora else a.q
-        self.first, self.first_act = _parts(first), _activation_for(first, self.h)
-        self.first_out = np.empty((1, first.rows), F32)
-        self.kv_distinct = a.kv_a.dot_type != first.dot_type
-        self.kv_a = _parts(a.kv_a)
-        self.kv_act = _activation_for(a.kv_a, self.h) if self.kv_distinct else self.first_act
-        self.compressed = np.empty((1, rank + rope), F32)
-        if self.lora:
-            self.q_a_norm, self.q_b = a.q_a_norm, _parts(a.q_b)
+        lora = bool(c.q_lora_rank)
+        first = a.q_a if lora else a.q
+        first_act, first_out = _activation_for(first, self.h), np.empty((1, first.rows), F32)
+        kv_distinct = a.kv_a.dot_type != first.dot_type
+        kv_act = _activation_for(a.kv_a, self.h) if kv_distinct else first_act
+        if lora:
             self.q_low = np.empty((1, a.q_a.rows), F32)
-            self.q_b_act, self.q = _activation_for(a.q_b, self.q_low), np.empty((1, a.q_b.rows), F32)
+            q_b, q_b_act, q = _parts(a.q_b), _activation_for(a.q_b, self.q_low), np.empty((1, a.q_b.rows), F32)
+            q_a_norm = a.q_a_norm
         else:  # not read: typed as the first product's
-            self.q_a_norm, self.q_b, self.q_b_act, self.q_low = self.attn_norm, self.first, self.first_act, self.first_out
-            self.q = self.first_out
-        self.latent, self.k_pe = np.empty((1, rank), F32), np.empty((1, 1, rope), F32)
-        self.q_pe, self.q_latent = np.empty((1, heads, rope), F32), np.empty((heads, rank), F32)
-        self.q_nope = np.empty((heads, nope), F32)
-        self.absorb, self.absorb_act = _parts(a.k_absorb), _activation_for(a.k_absorb, self.q_nope)
+            q_a_norm, q_b, q_b_act, self.q_low, q = self.attn_norm, _parts(first), first_act, first_out, first_out
+        q_nope = np.empty((heads, nope), F32)
         self.queries, self.stored = np.empty((1, heads, rank + rope), F32), np.empty((1, rank + rope), F32)
-        self.contexts = np.empty((heads, rank), F32)
-        self.kv_b, self.kv_b_act = _parts(a.kv_b), _activation_for(a.kv_b, self.contexts)
+        self.query_args = (self.attn_norm, F32(c.norm_eps), F32(a.latent_eps), self.h, _parts(first), first_act,
+                           first_out, _parts(a.kv_a), kv_act, kv_distinct, np.empty((1, rank + rope), F32), lora,
+                           q_a_norm, q_b, q_b_act, self.q_low, q, a.kv_a_norm, np.empty((1, rank), F32), a.rope.cos,
+                           a.rope.sin, self.positions, a.rope.dim, a.rope.interleaved, _parts(a.k_absorb), q_nope,
+                           _activation_for(a.k_absorb, q_nope), np.empty((heads, rank), F32),
+                           np.empty((1, heads, rope), F32), np.empty((1, 1, rope), F32), self.queries, self.stored)
+        contexts = np.empty((heads, rank), F32)
+        self.contexts = contexts.reshape(1, heads, rank)
+        self.output_args = self.output_arguments(True, contexts, _parts(a.kv_b), _activation_for(a.kv_b, contexts),
+                                                 nope + c.v_head_dim, nope)
+        self.scale = F32(a.scale)
 
     def __call__(self, x: np.ndarray, position: int, cache) -> np.ndarray:
         c, a = self.c, self.attention
         self.positions[0] = position
-        _latent_query_kernel(x, self.attn_norm, F32(c.norm_eps), F32(a.latent_eps), self.h, self.first, self.first_act,
-                             self.first_out, self.kv_a, self.kv_act, self.kv_distinct, self.compressed, self.lora,
-                             self.q_a_norm, self.q_b, self.q_b_act, self.q_low, self.q, a.kv_a_norm, self.latent, a.rope.cos,
-                             a.rope.sin, self.positions, a.rope.dim, a.rope.interleaved, self.absorb, self.q_nope,
-                             self.absorb_act, self.q_latent, self.q_pe, self.k_pe, self.queries, self.stored,
-                             numba.get_num_threads())
+        _latent_query_kernel(x, *self.query_args, thread_count())
         cache.write(a.layer, "kv", position, self.stored)
         keys = cache.stored(a.layer, "kv", position + 1)[:, None, :]
-        rank = c.kv_lora_rank
         chosen = a.choose(cache, self.q_low, self.h, self.positions, position) if c.index_topk else None
-        # attention through the general path's own call (see DecodeLayer)
-        self.contexts[:] = kernels.attention(self.queries, keys, keys[:, :, :rank], position, a.scale, chosen=chosen)[0]
-        nope = c.qk_nope_head_dim
-        return self.finish(x, True, self.contexts, self.kv_b, self.kv_b_act, nope + c.v_head_dim, nope)
+        # attention through the general path's own kernels (see DecodeLayer)
+        kernels.attention_into(self.queries, keys, keys[:, :, :c.kv_lora_rank], position, 0, 0, self.sinks,
+                               NO_CHOICE if chosen is None else np.ascontiguousarray(chosen, dtype=np.uint8),
+                               self.scale, self.contexts)
+        return self.finish(x)

@@ -405,14 +405,17 @@ class Decoder:
                 attention.shares = next(a for _, a, _, _ in reversed(self.layers) if a.indexer is not None)
             ffn = MoE(c, w, i, store) if c.is_moe_layer(i) else DenseFFN(w, i)
             self.layers.append((w.vector(f"blk.{i}.attn_norm.weight"), attention, w.vector(f"blk.{i}.ffn_norm.weight"), ffn))
-        # a decoded token through each layer in a few numba calls
-        steps = {LatentAttention: fused.LatentDecodeLayer, Attention: fused.DecodeLayer, GatedDeltaNet: fused.DeltaNetDecodeLayer}
-        self.decode_layers = [steps[type(attention)](attention, attn_norm, ffn_norm, ffn)
-                              for attn_norm, attention, ffn_norm, ffn in self.layers]
+        self.decode_layers = self.fused_steps()
         moe = [(ffn, ffn_norm) for _, _, ffn_norm, ffn in self.layers if isinstance(ffn, MoE)]
         for (this, this_norm), (following, following_norm) in zip(moe, moe[1:]):
             ratio = np.divide(following_norm, this_norm, out=np.zeros_like(this_norm), where=this_norm != 0)
             this.lookahead = following, ratio
+
+    def fused_steps(self) -> list:
+        """Each layer's decode step (a decoded token through it in a few numba calls), its
+        arguments fixed from the config as it is now."""
+        steps = {LatentAttention: fused.LatentDecodeLayer, Attention: fused.DecodeLayer, GatedDeltaNet: fused.DeltaNetDecodeLayer}
+        return [steps[type(attention)](attention, attn_norm, ffn_norm, ffn) for attn_norm, attention, ffn_norm, ffn in self.layers]
 
     @staticmethod
     def resident_bytes(layout: ModelLayout) -> int:

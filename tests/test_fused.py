@@ -30,7 +30,7 @@ def test_decoding_with_fused_layers_gives_the_general_paths_logits(tmp_path, arc
     model = open_model(tmp_path / "model", ctx=64, ram_budget="8G", kv_quant=kv_quant)
     if arch == "olmoe":
         model.config.clip_qkv = 0.05  # clips most of the values
-    fused_layers = model.decoder.decode_layers
+    fused_layers = model.decoder.fused_steps()  # built with the clip
     assert all(step is not None for step in fused_layers)
 
     def decode(steps):
