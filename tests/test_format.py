@@ -83,6 +83,10 @@ def test_minimal_manifest_is_valid_and_round_trips(tmp_path):
     (lambda m: m["expert_layers"][0].update(stride=4000), "invalid manifest"),
     (lambda m: m["expert_layers"][0]["matrices"]["up"].update(offset=0), "inconsistent offset"),
     (lambda m: m["expert_layers"][0].update(sha256=[SHA]), "1 checksums for 2 experts"),
+    # a wide manifest's expert checksums are checked in a loop of their own; the schema's message stays
+    (lambda m: m["expert_layers"][0]["sha256"].__setitem__(1, "A" * 64), "invalid manifest at expert_layers/0/sha256/1"),
+    (lambda m: m["expert_layers"][0]["sha256"].__setitem__(1, 7), "invalid manifest at expert_layers/0/sha256/1"),
+    (lambda m: m["expert_layers"][0].update(sha256="0" * 64), "invalid manifest at expert_layers/0/sha256"),
     (lambda m: m["files"].update({"../escape": {"size": 1}}), "invalid manifest"),
     (lambda m: m.update(extra=1), "invalid manifest"),
 ])
