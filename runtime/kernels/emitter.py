@@ -142,13 +142,7 @@ class Emitter:
             return b.extract_element(converted, ir.Constant(I32, 0))
         if not self.x86:  # other CPUs convert halves natively
             return b.fpext(b.bitcast(bits, _HALF), FLOAT)
-        # Without F16C, LLVM would call a runtime function numba does not provide: move the
-        # exponent and mantissa into float32 position and rescale the exponent by 2**112.
-        wide = b.zext(bits, I32)
-        magnitude = b.bitcast(b.shl(b.and_(wide, ir.Constant(I32, 0x7FFF)), ir.Constant(I32, 13)), FLOAT)
-        magnitude = b.bitcast(b.fmul(magnitude, ir.Constant(FLOAT, 2.0**112)), I32)
-        sign = b.shl(b.and_(wide, ir.Constant(I32, 0x8000)), ir.Constant(I32, 16))
-        return b.bitcast(b.or_(magnitude, sign), FLOAT)
+        return self._halves_by_integer_steps(bits, I32, FLOAT)
 
     def halves_to_floats(self, bits):
         """<n x float> of a vector of IEEE half bits (<n x i16>): vcvtph2ps with F16C, else
@@ -156,11 +150,23 @@ class Emitter:
         b, n = self.b, bits.type.count
         if self.f16c or not self.x86:
             return b.fpext(b.bitcast(bits, vec(_HALF, n)), vec(FLOAT, n))
-        wide = b.zext(bits, vec(I32, n))
-        magnitude = b.bitcast(b.shl(b.and_(wide, self.const(I32, n, 0x7FFF)), self.const(I32, n, 13)), vec(FLOAT, n))
-        magnitude = b.bitcast(b.fmul(magnitude, self.const(FLOAT, n, 2.0**112)), vec(I32, n))
-        sign = b.shl(b.and_(wide, self.const(I32, n, 0x8000)), self.const(I32, n, 16))
-        return b.bitcast(b.or_(magnitude, sign), vec(FLOAT, n))
+        return self._halves_by_integer_steps(bits, vec(I32, n), vec(FLOAT, n))
+
+    def _halves_by_integer_steps(self, bits, ints, floats):
+        """float32 of half bits (`ints` and `floats` the i32 and float types of a scalar or a
+        vector of them) without F16C, where LLVM would call a runtime function numba does not
+        provide: the exponent and mantissa moved into float32 position, the exponent rescaled
+        by 2**112."""
+        b = self.b
+
+        def constant(kind, value):  # a scalar, or one value in every lane
+            return ir.Constant(kind, [value] * kind.count if isinstance(kind, ir.VectorType) else value)
+
+        wide = b.zext(bits, ints)
+        magnitude = b.bitcast(b.shl(b.and_(wide, constant(ints, 0x7FFF)), constant(ints, 13)), floats)
+        magnitude = b.bitcast(b.fmul(magnitude, constant(floats, 2.0**112)), ints)
+        sign = b.shl(b.and_(wide, constant(ints, 0x8000)), constant(ints, 16))
+        return b.bitcast(b.or_(magnitude, sign), floats)
 
     def call(self, name, result, *args):
         fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(result, [a.type for a in args]), name)
