@@ -151,33 +151,28 @@ def _expert_checksum() -> re.Pattern:
     return re.compile(layer["properties"]["sha256"]["items"]["pattern"])
 
 
-def _expert_checksums_valid(manifest: dict) -> bool:
-    """Every expert layer's checksum list as the schema asks it (a string of the pattern per
-    expert), checked in one loop: tens of thousands of items are most of a wide manifest."""
-    pattern = _expert_checksum()
-    layers = manifest.get("expert_layers")
-    return not isinstance(layers, list) or all(
-        not isinstance(layer, dict) or not isinstance(layer.get("sha256"), list)
-        or all(isinstance(digest, str) and pattern.search(digest) for digest in layer["sha256"])
-        for layer in layers)
-
-
-def _with_one_checksum_per_layer(manifest: dict) -> dict:
-    """A shallow copy whose expert layers list only their first checksum, for the schema (the
-    others are `_expert_checksums_valid`'s)."""
+def _one_checksum_per_layer(manifest: dict) -> tuple[dict, bool]:
+    """(a shallow copy whose expert layers list only their first checksum, for the schema;
+    whether all their checksums are as the schema asks: a string of its pattern per expert).
+    Tens of thousands of such items are most of a wide manifest: one loop checks them."""
     layers = manifest.get("expert_layers")
     if not isinstance(layers, list):
-        return manifest
-    return {**manifest, "expert_layers": [
-        {**layer, "sha256": layer["sha256"][:1]} if isinstance(layer, dict) and isinstance(layer.get("sha256"), list)
-        else layer for layer in layers]}
+        return manifest, True
+    pattern, sampled, valid = _expert_checksum(), [], True
+    for layer in layers:
+        if isinstance(layer, dict) and isinstance(layer.get("sha256"), list):
+            valid = valid and all(isinstance(digest, str) and pattern.search(digest) for digest in layer["sha256"])
+            layer = {**layer, "sha256": layer["sha256"][:1]}
+        sampled.append(layer)
+    return {**manifest, "expert_layers": sampled}, valid
 
 
 def validate_manifest(manifest: dict, where: str = MANIFEST_NAME) -> None:
     """Refuse a manifest that breaks the schema, the format version, or its own sizes."""
     validator = _schema_validator()
     # the fast path; the best error is looked for, in the whole manifest, only on failure
-    if not (_expert_checksums_valid(manifest) and validator.is_valid(_with_one_checksum_per_layer(manifest))):
+    sampled, checksums_valid = _one_checksum_per_layer(manifest)
+    if not (checksums_valid and validator.is_valid(sampled)):
         e = jsonschema.exceptions.best_match(validator.iter_errors(manifest))
         path = "/".join(str(p) for p in e.absolute_path) or "(top level)"
         raise FormatError(f"{where}: invalid manifest at {path}: {e.message}") from None
