@@ -20,7 +20,7 @@ import numpy as np
 from colibri.formats.layout import ModelLayout
 from colibri.runtime import kernels
 from colibri.runtime.expert_store import DEFAULT_IO, POLICIES, ExpertStore, cache_bytes_for_all
-from colibri.runtime.kv_cache import WRITE_ROOM, ContextOverflow, KVCache
+from colibri.runtime.kv_cache import FLOAT_KINDS, WRITE_ROOM, ContextOverflow, KVCache, KVPool
 from colibri.runtime.memory import current_rss, format_size, parse_size, peak_rss, total_ram
 from colibri.runtime.model import Decoder
 
@@ -114,7 +114,9 @@ class Model:
         # one KV slot per sequence that can run at once (`generate_many`, `scheduler`); the
         # single-sequence calls use the first
         shape = Decoder.cache_shape_for(c)
-        self.slots = [KVCache(shape, ctx, kv_quant) for _ in range(parallel)]
+        # (float caches share a pool: a batch step attends over all of them in one call)
+        self.slots = KVPool(shape, ctx, kv_quant, parallel).caches if kv_quant in FLOAT_KINDS else \
+            [KVCache(shape, ctx, kv_quant) for _ in range(parallel)]
         self.cache = self.slots[0]
         self.ctx = ctx
         self._tokenizer = None

@@ -302,9 +302,6 @@ class _LayerStep:
         return x + out
 
 
-NO_CHOICE = np.zeros((0, 0), np.uint8)  # attention over every cached position
-
-
 class DecodeLayer(_LayerStep):
     """One token through a GQA `model.Attention` layer and the FFN after it: x [1, hidden] ->
     the layer's output (x itself gets the attention output added)."""
@@ -342,8 +339,8 @@ class DecodeLayer(_LayerStep):
         values = cache.stored(a.layer, "v", position + 1).reshape(position + 1 - first, c.n_kv_heads, c.v_head_dim)
         # attention through the general path's own kernels: compiled inside another kernel, its
         # loops could be vectorized differently, and the two paths would part by a few ulps
-        kernels.attention_into(self.q, keys, values, position, first, a.window, self.sinks, NO_CHOICE, self.scale,
-                               self.attended)
+        kernels.attention_into(self.q, keys, values, position, first, a.window, self.sinks, kernels.NO_CHOICE,
+                               self.scale, self.attended)
         if a.gate is not None:  # Qwen3-Next's output gate, as model.Attention applies it
             self.attended[:] = kernels.sigmoid_gated(self.attended, a.gate(self.h).reshape(self.attended.shape))
         return self.finish(x)
@@ -405,6 +402,6 @@ class LatentDecodeLayer(_LayerStep):
         chosen = a.choose(cache, self.q_low, self.h, self.positions, position) if c.index_topk else None
         # attention through the general path's own kernels (see DecodeLayer)
         kernels.attention_into(self.queries, keys, keys[:, :, :c.kv_lora_rank], position, 0, 0, self.sinks,
-                               NO_CHOICE if chosen is None else np.ascontiguousarray(chosen, dtype=np.uint8),
+                               kernels.NO_CHOICE if chosen is None else np.ascontiguousarray(chosen, dtype=np.uint8),
                                self.scale, self.contexts)
         return self.finish(x)

@@ -10,6 +10,9 @@ that window, plus room for one forward pass's writes: when its rows are full, th
 moved to their front (`first` says which position row 0 holds). A recurrent layer (a gated
 DeltaNet's) keeps no positions but fixed-size float32 states, which a pass from position 0
 starts from zero.
+
+The KV slots of a batch (`KVPool`) keep each unwindowed stream of all their caches in one
+array, so that a batch step writes and attends to its sequences' new positions in one call.
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ class CacheShape:
 
 
 class KVCache:
-    def __init__(self, shape: CacheShape, ctx: int, kind: str = "f16"):
+    def __init__(self, shape: CacheShape, ctx: int, kind: str = "f16", pool: KVPool | None = None, slot: int = 0):
+        """With a `pool` (of this shape, ctx and kind), the streams are its slot `slot`."""
         if kind not in KV_KINDS:
             raise ValueError(f"--kv-quant must be one of {', '.join(KV_KINDS)}, not {kind!r}")
         widths = shape.widths
@@ -75,7 +79,10 @@ class KVCache:
         self.windows = [shape.window(i) for i in range(shape.n_layers)]
         rows = shape.rows(ctx)
         dtype = FLOAT_KINDS.get(kind, np.int8)
-        self.values = [{n: np.zeros((r, w), dtype) for n, w in widths.items()} for r in rows]
+        self.pool, self.slot = pool, slot
+        pooled = [pool is not None and not window for window in self.windows]
+        self.values = [{n: pool.values[i][n][slot] if pooled[i] else np.zeros((r, w), dtype) for n, w in widths.items()}
+                       for i, r in enumerate(rows)]
         if kind == "q8_0":
             self.scales = [{n: np.zeros((r, w // Q8_BLOCK), np.float16) for n, w in widths.items()} for r in rows]
         self.firsts = [dict.fromkeys(widths, 0) for _ in rows]  # the position row 0 of each stream holds
@@ -154,3 +161,32 @@ class KVCache:
             return self.values[layer][name][:end].astype(np.float32, copy=False)
         q = self.values[layer][name][:end].reshape(end, -1, Q8_BLOCK).astype(np.float32)
         return (q * self.scales[layer][name][:end].astype(np.float32)[:, :, None]).reshape(end, -1)
+
+
+class KVPool:
+    """The streams of `count` float (f32 or f16) caches, one array [count, rows, width] each, so
+    that a batch step writes, and attends to, one new position of many sequences in one call.
+    Slot i is `caches[i]`; a windowed layer's streams are each cache's own (it moves them)."""
+
+    def __init__(self, shape: CacheShape, ctx: int, kind: str, count: int):
+        if kind not in FLOAT_KINDS:
+            raise ValueError(f"a KV pool holds f32 or f16 caches, not {kind}")
+        self.windows = [shape.window(i) for i in range(shape.n_layers)]
+        self.values = [{n: np.zeros((count if not window else 0, r, w), FLOAT_KINDS[kind])
+                        for n, w in shape.widths.items()} for r, window in zip(shape.rows(ctx), self.windows)]
+        self.caches = [KVCache(shape, ctx, kind, self, i) for i in range(count)]
+
+    def holds(self, layer: int, caches) -> bool:
+        """Whether `layer`'s streams of every cache of `caches` are this pool's."""
+        return not self.windows[layer] and all(cache.pool is self for cache in caches)
+
+    def write(self, layer: int, name: str, slots: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
+        """Row i of values [n, width] at position positions[i] of slot slots[i] (unwindowed
+        layers, where row and position are one)."""
+        stream = self.values[layer][name]
+        stream.reshape(-1, stream.shape[2])[slots * stream.shape[1] + positions] = values.astype(stream.dtype)
+
+    def stored(self, layer: int, name: str) -> np.ndarray:
+        """The stream of every slot [count, rows, width], as `KVCache.stored` gives it."""
+        stream = self.values[layer][name]
+        return stream.view(np.uint16) if stream.dtype == np.float16 else stream

@@ -105,6 +105,25 @@ class Segment:
         return self.start + self.count
 
 
+def pooled_tokens(segments: list[Segment], layer: int) -> tuple[tuple | None, list[Segment]]:
+    """The segments of one token whose caches share a `KVPool` holding `layer`, as (pool, their
+    rows, slots and positions), when two or more do, and the segments left; else (None, segments)."""
+    ones = [s for s in segments if s.count == 1]
+    pool = ones[0].cache.pool if ones else None
+    if len(ones) < 2 or pool is None or not pool.holds(layer, [s.cache for s in ones]):
+        return None, segments
+    rows, slots, at = (np.array(values, np.int64) for values in zip(*((s.first, s.cache.slot, s.start) for s in ones)))
+    return (pool, rows, slots, at), [s for s in segments if s.count != 1]
+
+
+def attention_of_slots(q, keys, values, slots, positions, sinks, scale) -> np.ndarray:
+    """`kernels.attention_of_slots` of q [n, heads, width] (rows of a batch) into a new array."""
+    out = np.empty((q.shape[0], q.shape[1], values.shape[3]), np.float32)
+    kernels.attention_of_slots(np.ascontiguousarray(q, dtype=np.float32), keys, values, slots, positions, sinks,
+                               np.float32(scale), out)
+    return out
+
+
 class Attention:
     """GQA / MHA with the variants of the supported architectures."""
 
@@ -119,6 +138,8 @@ class Attention:
         self.o = w.linear(p + "attn_output.weight")
         self.o_bias = w.vector(p + "attn_output.bias") if c.attn_output_bias else None
         self.sinks = w.vector(p + "attn_sinks.weight") if c.attn_sinks else None
+        self.kernel_sinks = np.full(c.n_heads, kernels.NO_SINK, np.float32) if self.sinks is None else \
+            np.ascontiguousarray(self.sinks, dtype=np.float32)  # as attention_of_slots takes them
         self.window = c.window_of(layer)
         self.bias = [w.vector(p + f"attn_{x}.bias") for x in "qkv"] if c.attn_bias else None
         self.q_norm = w.vector(p + "attn_q_norm.weight") if c.qk_norm != "none" else None
@@ -131,6 +152,15 @@ class Attention:
         q, k, v, gate = self.rotated_qkv(h, positions)
         k = k.reshape(n, -1)
         out = np.empty((n, c.n_heads, c.v_head_dim), np.float32)
+        pooled, segments = pooled_tokens(segments, self.layer)
+        if pooled is not None:
+            pool, rows, slots, at = pooled
+            pool.write(self.layer, "k", slots, at, k[rows])
+            pool.write(self.layer, "v", slots, at, v[rows])
+            keys, values = pool.stored(self.layer, "k"), pool.stored(self.layer, "v")
+            keys = keys.reshape(*keys.shape[:2], c.n_kv_heads, c.head_dim)
+            values = values.reshape(*values.shape[:2], c.n_kv_heads, c.v_head_dim)
+            out[rows] = attention_of_slots(q[rows], keys, values, slots, at, self.kernel_sinks, self.scale)
         for s in segments:
             s.cache.write(self.layer, "k", s.start, k[s.rows])
             s.cache.write(self.layer, "v", s.start, v[s.rows])
@@ -192,6 +222,7 @@ class LatentAttention:
             mscale = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
             scale *= mscale * mscale
         self.scale = np.float32(scale)
+        self.no_sinks = np.full(c.n_heads, kernels.NO_SINK, np.float32)
 
     def __call__(self, h: np.ndarray, positions: np.ndarray, segments: list[Segment]) -> np.ndarray:
         c, n = self.c, h.shape[0]
@@ -208,6 +239,13 @@ class LatentAttention:
         q_latent = self.k_absorb.times_per_head(q_nope, heads, rank, rank).reshape(n, heads, rank)
         queries = np.concatenate([q_latent, q_pe], axis=2)
         context = np.empty((n, heads, rank), np.float32)
+        pooled, segments = pooled_tokens(segments, self.layer) if not c.index_topk else (None, segments)
+        if pooled is not None:
+            pool, rows, slots, at = pooled
+            pool.write(self.layer, "kv", slots, at, stored[rows])
+            keys = pool.stored(self.layer, "kv")[:, :, None, :]
+            context[rows] = attention_of_slots(queries[rows], keys, keys[:, :, :, :rank], slots, at, self.no_sinks,
+                                               self.scale)
         for s in segments:
             s.cache.write(self.layer, "kv", s.start, stored[s.rows])
             # multi-query attention over the cache in place: keys [latent | rotated part], values the latent

@@ -429,6 +429,30 @@ def test_decode_attention_gives_the_same_bits_on_one_thread_and_on_all(stored, m
     assert np.array_equal(threaded.view(np.uint32), alone.view(np.uint32))
 
 
+@pytest.mark.parametrize("stored", [np.float32, np.float16])
+@pytest.mark.parametrize("latent", [False, True], ids=["gqa", "mla"])
+def test_attention_of_many_slots_gives_each_query_the_bits_of_its_own_cache(stored, latent):
+    """A batch step's one call over every sequence's slot (GQA with sinks, or MLA's values as
+    the first part of each key) gives what `attention` gives each query over its own cache."""
+    rng = np.random.default_rng(8)
+    slots, rows, heads, kv_heads, width = 5, 40, 8, 1 if latent else 2, 80 if latent else 32
+    pool = rng.standard_normal((slots, rows, kv_heads, width)).astype(stored)
+    if stored == np.float16:
+        pool = pool.view(np.uint16)
+    keys = pool
+    values = pool[:, :, :, :64] if latent else rng.standard_normal(pool.shape).astype(stored).view(pool.dtype)
+    which, positions = np.array([3, 0, 4, 1], np.int64), np.array([39, 0, 17, 5], np.int64)
+    q = rng.standard_normal((which.size, heads, width)).astype(np.float32)
+    sinks = None if latent else rng.standard_normal(heads).astype(np.float32)
+    out = np.empty((which.size, heads, values.shape[3]), np.float32)
+    kernel_sinks = np.full(heads, kernels.NO_SINK, np.float32) if sinks is None else sinks
+    kernels.attention_of_slots(q, keys, values, which, positions, kernel_sinks, np.float32(0.1), out)
+    for i, (slot, position) in enumerate(zip(which, positions)):
+        end = position + 1
+        alone = kernels.attention(q[i:i + 1], keys[slot, :end], values[slot, :end], int(position), 0.1, sinks=sinks)
+        assert np.array_equal(out[i:i + 1].view(np.uint32), alone.view(np.uint32)), i
+
+
 def test_attention_refuses_a_cache_that_lacks_positions_the_window_sees():
     q = np.zeros((1, 4, 16), np.float32)
     with pytest.raises(ValueError, match="after the first one"):

@@ -11,7 +11,7 @@ import pytest
 from colibri.convert.hf_to_colibri import ConvertOptions, convert
 from colibri.convert.synthetic import write_checkpoint
 from colibri.runtime import open_model
-from colibri.runtime.kv_cache import WRITE_ROOM, CacheShape, KVCache
+from colibri.runtime.kv_cache import WRITE_ROOM, CacheShape, KVCache, KVPool
 from colibri.runtime.model import Decoder
 
 TOLERANCE = {"f16": 0.03, "q8_0": 0.1}  # mean error, of the f32 logits' standard deviation
@@ -114,3 +114,44 @@ def test_deltanet_states_continue_across_passes_and_restart_at_position_0(hybrid
     assert np.abs(parts - whole).max() <= 1e-5 * whole.std()
     model.reset()  # a new sequence starts from zero states, whatever the last one left
     assert np.array_equal(model.prefill(ids), whole)
+
+
+def test_pooled_caches_write_and_read_as_caches_of_their_own():
+    """A pool's caches are its slots in the unwindowed layers and own arrays in the windowed
+    ones; the pool's one-call write of a position of many slots stores what each cache's
+    write does."""
+    shape = CacheShape(2, {"k": 32}, (0, 8))
+    pool, own = KVPool(shape, 64, "f16", 3), [KVCache(shape, 64, "f16") for _ in range(3)]
+    rows = np.random.default_rng(9).standard_normal((3, 32)).astype(np.float32)
+    slots, positions = np.array([2, 0], np.int64), np.array([5, 11], np.int64)
+    pool.write(0, "k", slots, positions, rows[:2])
+    for slot, position, row in zip(slots, positions, rows):
+        own[slot].write(0, "k", int(position), row[None])
+    for cache, alone in zip(pool.caches, own):
+        assert np.array_equal(cache.stored(0, "k", 12), alone.stored(0, "k", 12))
+    assert np.shares_memory(pool.caches[1].values[0]["k"], pool.values[0]["k"])
+    assert not np.shares_memory(pool.caches[1].values[1]["k"], pool.caches[2].values[1]["k"])
+    assert pool.holds(0, pool.caches[:2]) and not pool.holds(1, pool.caches[:2])
+    assert not pool.holds(0, [pool.caches[0], own[0]])
+    assert pool.caches[0].nbytes == own[0].nbytes
+
+
+def test_sequences_batched_over_a_pool_with_sinks_and_windows_get_their_logits_alone(windowed_model):
+    """gpt-oss (attention sinks, a sliding layer): a batch step's one attention call over the
+    pool gives each sequence the logits it gets alone."""
+    def run(parallel, prompts):
+        model = open_model(windowed_model, ctx=64, ram_budget="8G", parallel=parallel)
+        scheduler = model.scheduler(keep_logits=True)
+        index = {scheduler.add(p, 6, ignore_eos=True): i for i, p in enumerate(prompts)}
+        out = {}
+        while scheduler.busy:
+            for event in scheduler.step():
+                out.setdefault(index[event.sequence], []).append(event.logits)
+        return out
+
+    prompts = [np.random.default_rng(i).integers(3, 500, 5 + 3 * i).tolist() for i in range(3)]
+    together = run(3, prompts)
+    for i, prompt in enumerate(prompts):
+        alone = run(1, [prompt])[0]
+        assert len(alone) == len(together[i])
+        assert all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(alone, together[i]))

@@ -39,8 +39,8 @@ from colibri.runtime.kernels.activations import (  # noqa: E402
     Q8_KActivation, without_tiles,
 )
 from colibri.runtime.kernels.attention import (
-    NO_SINK, PARALLEL_ATTENTION_WORK, PROMPT_ATTENTION_BYTES, PROMPT_ATTENTION_QUERIES, QUERY_BLOCK, attention,
-    attention_into,
+    NO_CHOICE, NO_SINK, PARALLEL_ATTENTION_WORK, PROMPT_ATTENTION_BYTES, PROMPT_ATTENTION_QUERIES, QUERY_BLOCK,
+    attention, attention_into, attention_of_slots,
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS, CACHE_LINE, PREFETCH_BYTES
 from colibri.runtime.kernels.experts import ExpertKernel, add_weighted_rows, moe_experts, moe_experts_batch, silu_times
@@ -54,8 +54,8 @@ from colibri.runtime.kernels.threads import measure_read_bandwidth, read_seconds
 __all__ = [
     "ACT_BLOCKS", "ACTIVATIONS", "DOT_TYPES", "FAST_ENCODINGS", "FAST_PATH_TOLERANCE", "WIDEST_ACT_BLOCK",
     "Q8_0Activation", "Q8_KActivation", "without_tiles",
-    "NO_SINK", "PARALLEL_ATTENTION_WORK", "PROMPT_ATTENTION_BYTES", "PROMPT_ATTENTION_QUERIES", "QUERY_BLOCK", "attention",
-    "attention_into",
+    "NO_CHOICE", "NO_SINK", "PARALLEL_ATTENTION_WORK", "PROMPT_ATTENTION_BYTES", "PROMPT_ATTENTION_QUERIES",
+    "QUERY_BLOCK", "attention", "attention_into", "attention_of_slots",
     "BLOCK_TAGS", "CACHE_LINE", "PREFETCH_BYTES",
     "ExpertKernel", "add_weighted_rows", "moe_experts", "moe_experts_batch", "silu_times",
     "Matrix", "dequantize_rows", "kernel_paths", "matmul", "matvec", "products",

@@ -116,6 +116,30 @@ def _attention_serial(q, keys, values, start, first_key, window, sinks, chosen, 
     _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out, 0, q.shape[0] * keys.shape[1])
 
 
+NO_CHOICE = np.zeros((0, 0), np.uint8)  # attention over every cached position
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _one_position_each(q, keys, values, slots, positions, sinks, scale, out, nthreads):
+    """`attention_of_slots` on all threads, each taking a share of the queries."""
+    kv_heads = keys.shape[2]
+    for t in prange(nthreads):
+        lo, hi = part_range(q.shape[0], nthreads, t, 1)
+        for i in range(lo, hi):
+            end = positions[i] + 1
+            _attend(q[i:i + 1], keys[slots[i], :end], values[slots[i], :end], positions[i], 0, end + 1, sinks,
+                    NO_CHOICE, scale, out[i:i + 1], 0, kv_heads)
+
+
+def attention_of_slots(q, keys, values, slots, positions, sinks, scale, out) -> None:
+    """Query i (q [n, heads, width], one token at position positions[i]) over positions
+    0..positions[i] of cache slot slots[i] (keys [slots, rows, kv_heads, width], values [slots,
+    rows, kv_heads, v_width], as float32 or float16 bits), into out [n, heads, v_width]: what
+    `attention_into` gives each query over its own cache, many sequences' decode steps in one
+    call. `sinks` [heads] (NO_SINK for none), a float32 `scale`; unchecked, as `attention_into`."""
+    _one_position_each(q, keys, values, slots, positions, sinks, scale, out, thread_count())
+
+
 PARALLEL_ATTENTION_WORK = 1 << 20  # multiply-adds from which attention runs on all threads
 PROMPT_ATTENTION_QUERIES = 32  # queries from which attention converts the cache once (a prompt) ...
 PROMPT_ATTENTION_BYTES = 32 << 20  # ... when the float32 copy of the cache takes at most this
