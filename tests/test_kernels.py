@@ -523,6 +523,10 @@ def test_route_matches_a_numpy_formulation(k, sigmoid, biased, groups, topk_grou
     assert weights.dtype == np.float32
     if groups == 1:
         assert ids[0, :2].tolist() == [10, 20]
+    for i in (0, 17, 49):  # many rows share the threads, a row alone runs on one: the same bits
+        alone = kernels.route(logits[i:i + 1], bias, k, sigmoid, groups, topk_groups, top2_sum, norm, scale)
+        assert np.array_equal(alone[0][0], ids[i])
+        assert np.array_equal(alone[1][0].view(np.uint32), weights[i].view(np.uint32))
 
 
 @pytest.mark.parametrize("encodings, ffn, hidden, exact", [e for e in EXPERTS if not e[3]],

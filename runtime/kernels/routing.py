@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
+
+from colibri.runtime.kernels.threads import part_range, thread_count
 
 F32 = np.float32
 _njit = njit(cache=True, nogil=True)
+PARALLEL_ROUTE_ROWS = 16  # rows from which `route` shares them between threads (each row's choice is its own)
 
 
 @_njit
@@ -59,6 +62,14 @@ def route_into(logits, bias, sigmoid, groups, topk_groups, top2_sum, norm, scale
             weights[i, j] = weights[i, j] * scale
 
 
+@njit(cache=True, nogil=True, parallel=True)
+def _route_parallel(logits, bias, sigmoid, groups, topk_groups, top2_sum, norm, scale, ids, weights, nthreads):
+    """`route_into` on all threads, each taking a share of the rows."""
+    for t in prange(nthreads):
+        lo, hi = part_range(logits.shape[0], nthreads, t, 1)
+        route_into(logits[lo:hi], bias, sigmoid, groups, topk_groups, top2_sum, norm, scale, ids[lo:hi], weights[lo:hi])
+
+
 def route(logits: np.ndarray, bias: np.ndarray | None, k: int, sigmoid: bool = False, groups: int = 1,
           topk_groups: int = 1, top2_sum: bool = True, norm: bool = False, scale: float = 1.0):
     """The k experts each row of router logits [n, experts] picks -> (ids int64 [n, k],
@@ -69,6 +80,10 @@ def route(logits: np.ndarray, bias: np.ndarray | None, k: int, sigmoid: bool = F
     n, experts = logits.shape
     ids, weights = np.empty((n, k), np.int64), np.empty((n, k), np.float32)
     bias = np.zeros(experts, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
-    route_into(np.ascontiguousarray(logits, dtype=np.float32), bias, sigmoid, groups, topk_groups, top2_sum, norm,
-                F32(scale), ids, weights)
+    args = (np.ascontiguousarray(logits, dtype=np.float32), bias, sigmoid, groups, topk_groups, top2_sum, norm,
+            F32(scale), ids, weights)
+    if n >= PARALLEL_ROUTE_ROWS:
+        _route_parallel(*args, thread_count())
+    else:
+        route_into(*args)
     return ids, weights
