@@ -56,6 +56,14 @@ class LRUPolicy:
         self.order[key] = None
         self.order.move_to_end(key)
 
+    def touch_many(self, layer: int, experts: list[int]) -> None:
+        """touch((layer, e)) for each of `experts`, in order."""
+        order = self.order
+        for expert in experts:
+            key = (layer, expert)
+            order[key] = None
+            order.move_to_end(key)
+
     def forget(self, key: Key) -> None:
         self.order.pop(key, None)
 
@@ -83,6 +91,11 @@ class FrequencyRecencyPolicy:
         self.clock += 1
         self.score[key] = ((self._current(key) if key in self.score else 0.0) + 1.0, self.clock)
 
+    def touch_many(self, layer: int, experts: list[int]) -> None:
+        """touch((layer, e)) for each of `experts`, in order."""
+        for expert in experts:
+            self.touch((layer, expert))
+
     def forget(self, key: Key) -> None:
         self.score.pop(key, None)
 
@@ -107,6 +120,7 @@ class CacheIndex:
         self.on_evict = on_evict
         self.policy = POLICIES[policy]()
         self.slot_of: dict[Key, int] = {}
+        self.slot_tables: dict[int, np.ndarray] = {}  # layer -> each expert's slot (-1: not cached), as slot_of
         self.free = list(range(capacity - 1, -1, -1))
         self.hits = self.misses = self.evictions = 0
 
@@ -128,36 +142,55 @@ class CacheIndex:
                 self.misses += 1
                 slot = self._claim_slot(protected)
                 if slot is not None:
-                    self.slot_of[key] = slot
+                    self._assign(key, slot)
             if key in self.slot_of:
                 self.policy.touch(key)
             placed.append((key, self.slot_of.get(key), hit))
         return placed
 
-    def hit_slots(self, keys: list[Key]) -> list[int] | None:
-        """The slots of `keys` when every one is cached, counted and touched as `place` counts
-        and touches hits; None, with nothing counted, when one is not."""
-        slot_of = self.slot_of
-        if not all(key in slot_of for key in keys):
+    def hit_slots(self, layer: int, experts: np.ndarray) -> np.ndarray | None:
+        """The slots (int64) of `experts` (an int64 array) of `layer` when every one is cached,
+        counted and touched as `place` counts and touches hits; None, with nothing counted,
+        when one is not."""
+        table = self.slot_tables.get(layer)
+        if table is None or not experts.size or experts.min() < 0 or experts.max() >= table.size:
             return None
-        for key in sorted(set(keys)):
-            self.hits += 1
-            self.policy.touch(key)
-        return [slot_of[key] for key in keys]
+        slots = table[experts]
+        if slots.min() < 0:
+            return None
+        distinct = sorted(set(experts.tolist()))  # file order, as `place`
+        self.hits += len(distinct)
+        self.policy.touch_many(layer, distinct)
+        return slots
+
+    def _assign(self, key: Key, slot: int) -> None:
+        self.slot_of[key] = slot
+        layer, expert = key
+        table = self.slot_tables.get(layer)
+        if table is None or expert >= table.size:
+            grown = np.full(max(expert + 1, 2 * (0 if table is None else table.size), 64), -1, np.int64)
+            if table is not None:
+                grown[:table.size] = table
+            self.slot_tables[layer] = table = grown
+        table[expert] = slot
+
+    def _unassign(self, key: Key) -> int:
+        self.slot_tables[key[0]][key[1]] = -1
+        return self.slot_of.pop(key)
 
     def admit(self, key: Key, protected: set[Key]) -> int | None:
         """A slot for `key`, read ahead of its use: not a lookup, so neither hit nor miss.
         None when every slot holds a protected expert."""
         slot = self._claim_slot(protected | {key})
         if slot is not None:
-            self.slot_of[key] = slot
+            self._assign(key, slot)
             self.policy.touch(key)
         return slot
 
     def drop(self, key: Key) -> None:
         """Forget `key` (its read failed): its slot is free again."""
         self.policy.forget(key)
-        self.free.append(self.slot_of.pop(key))
+        self.free.append(self._unassign(key))
 
     def _claim_slot(self, protected: set[Key]) -> int | None:
         if self.free:
@@ -169,7 +202,7 @@ class CacheIndex:
         self.evictions += 1
         if self.on_evict is not None:
             self.on_evict(victim)
-        return self.slot_of.pop(victim)
+        return self._unassign(victim)
 
 
 def slot_bytes(layout: ModelLayout) -> int:
@@ -255,14 +288,16 @@ class ExpertStore:
         """Rows of `records(layer)` holding `experts` of `layer`, in the order asked (int64);
         misses are read in file order, experts being read ahead are waited for. A row stays
         valid until the next `fetch` or `prefetch`."""
-        keys = [(layer, int(e)) for e in experts]
         if self.uncached:
             self._release_uncached()
-        with self.lock:  # all cached, none read ahead for this lookup: only the bookkeeping
-            if not self.pending and self.known_reads.isdisjoint(keys) and self.unused_prefetches.isdisjoint(keys):
-                cached = self.index.hit_slots(keys)
+        experts = np.asarray(experts, dtype=np.int64).reshape(-1)
+        with self.lock:  # all cached, none read ahead: only the bookkeeping
+            if not self.pending and self._none_read_ahead(layer, experts):
+                cached = self.index.hit_slots(layer, experts)
                 if cached is not None:
-                    return np.array([e for _, e in keys] if self.mapped else cached, dtype=np.int64)
+                    return experts.copy() if self.mapped else cached
+        keys = [(layer, int(e)) for e in experts]
+        with self.lock:
             in_flight = [self.pending[k] for k in set(keys) if k in self.pending]
         self._wait(in_flight)
         scratch = iter(range(self.index.capacity, self.slab.shape[0]))
@@ -299,6 +334,13 @@ class ExpertStore:
             for key, _ in misses:
                 self._count_read(key, seconds / len(misses), waited=True)
         return np.array([slots[k] for k in keys], dtype=np.int64)
+
+    def _none_read_ahead(self, layer: int, experts: np.ndarray) -> bool:
+        """Whether none of `experts` of `layer` was read ahead (and not yet fetched)."""
+        if not self.known_reads and not self.unused_prefetches:
+            return True
+        keys = {(layer, e) for e in experts.tolist()}
+        return self.known_reads.isdisjoint(keys) and self.unused_prefetches.isdisjoint(keys)
 
     def prefetch(self, layer: int, experts, in_use, speculative: bool = True) -> None:
         """Start reading the uncached `experts` of `layer` into free or evictable slots, in the

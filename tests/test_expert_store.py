@@ -37,6 +37,27 @@ def test_a_request_larger_than_the_cache_never_evicts_its_own_experts():
     assert index.misses == 3 and index.hits == 0
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_the_hit_path_counts_and_touches_as_a_lookup_does(policy):
+    """`hit_slots` (the all-cached lookup, by array) gives the slots `place` gave, counts and
+    touches as `place` does, and gives None, counting nothing, once one expert was evicted."""
+    fast, slow = CacheIndex(3, policy), CacheIndex(3, policy)
+    for index in (fast, slow):
+        index.place([(0, 70), (0, 2)])
+        index.place([(0, 5)])
+    slots = fast.hit_slots(0, np.array([5, 70, 5], np.int64))
+    placed = dict((key, slot) for key, slot, _ in slow.place([(0, 5), (0, 70), (0, 5)]))
+    assert slots.tolist() == [placed[0, 5], placed[0, 70], placed[0, 5]]
+    assert (fast.hits, fast.misses) == (slow.hits, slow.misses) == (2, 3)
+    for index in (fast, slow):
+        index.place([(1, 0)])  # evicts the same expert from both: they were touched alike
+    assert fast.slot_of == slow.slot_of and fast.evictions == 1
+    evicted = next(e for e in (2, 5, 70) if (0, e) not in fast.slot_of)
+    assert fast.hit_slots(0, np.array([evicted], np.int64)) is None and fast.hits == 2
+    assert fast.hit_slots(1, np.array([0], np.int64)).tolist() == [fast.slot_of[1, 0]]
+    assert fast.hit_slots(2, np.array([0], np.int64)) is None  # a layer never seen
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     from colibri.convert.synthetic import write_checkpoint
