@@ -80,7 +80,8 @@ def evict(layout: ModelLayout) -> None:
 
 
 def run(model, prompt_tokens: int, tokens: int) -> dict:
-    ids = [int(t) for t in np.random.default_rng(0).integers(100, 30000, prompt_tokens)]
+    high = min(30000, model.config.vocab_size)  # the same ids as ever on the reference model, any vocabulary's
+    ids = [int(t) for t in np.random.default_rng(0).integers(min(100, high // 2), high, prompt_tokens)]
     model.reset()
     started = time.perf_counter()
     logits = model.prefill(ids, all_logits=False)[-1]
