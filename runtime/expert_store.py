@@ -158,10 +158,15 @@ class CacheIndex:
         slots = table[experts]
         if slots.min() < 0:
             return None
+        self.count_hits(layer, experts)
+        return slots
+
+    def count_hits(self, layer: int, experts: np.ndarray) -> None:
+        """Count and touch `experts` (cached, an int64 array) of `layer` as `place` counts and
+        touches hits: for a lookup made elsewhere through `slot_tables` (a kernel's)."""
         distinct = sorted(set(experts.tolist()))  # file order, as `place`
         self.hits += len(distinct)
         self.policy.touch_many(layer, distinct)
-        return slots
 
     def _assign(self, key: Key, slot: int) -> None:
         self.slot_of[key] = slot
@@ -334,6 +339,22 @@ class ExpertStore:
             for key, _ in misses:
                 self._count_read(key, seconds / len(misses), waited=True)
         return np.array([slots[k] for k in keys], dtype=np.int64)
+
+    def slot_table(self, layer: int) -> np.ndarray | None:
+        """`layer`'s slot of each expert (int64, -1: not cached), for a kernel that looks its
+        experts up itself and reads them in place from `records(layer)` until the next fetch,
+        prefetch or read: None when it may not (records mapped, reads ahead in flight or not yet
+        counted, a prefetcher that could change the cache meanwhile). After such a lookup
+        that found every expert, `count_hits` keeps the statistics and the policy as `fetch`."""
+        if self.mapped or self.prefetcher is not None or self.pending or self.known_reads or self.unused_prefetches:
+            return None
+        return self.index.slot_tables.get(layer)
+
+    def count_hits(self, layer: int, experts: np.ndarray) -> None:
+        """What `fetch` records of experts (int64) it found all cached, for a kernel's own lookup
+        through `slot_table`."""
+        with self.lock:
+            self.index.count_hits(layer, experts)
 
     def _none_read_ahead(self, layer: int, experts: np.ndarray) -> bool:
         """Whether none of `experts` of `layer` was read ahead (and not yet fetched)."""

@@ -12,10 +12,14 @@ after each):
    norms, q_b, the rotation and the query absorbed into the latent space (`_latent_query_kernel`);
 2. the KV cache write and the attention (`kernels.attention`), as the general path, and an
    output gate's product (a DeltaNet layer: its whole mixer, `GatedDeltaNet.mixed`);
-3. one call for the output projection (MLA: each head's slice of kv_b first), the residual,
-   the FFN norm and, before a routed MoE, the router and its top-k choice (`_output_kernel`);
-4. the FFN: the routed experts (`MoE.routed`), and a dense FFN or an ungated shared expert in
-   one call (`FFNStep`).
+3. one call for the rest of the layer: the output projection (MLA: each head's slice of kv_b
+   first), the residual, the FFN norm and then the FFN and its residual. A dense FFN runs
+   there always (`_dense_tail_kernel`); before routed experts, the router and its top-k
+   choice, then the experts themselves when every one is in the expert cache, found through
+   the store's slot table and read in place, with an ungated shared expert
+   (`_routed_tail_kernel`). When one is not cached (or the store is busy reading ahead), the
+   call stops after the router, and the experts go through `MoE.routed` (which reads them),
+   a shared expert through `FFNStep`.
 
 All steps keep the arithmetic of `model.Attention`, `model.LatentAttention`, `model.Router` and
 `model.DenseFFN`, which serve prompts, so both paths give the same bits (tests/test_fused.py).
@@ -30,7 +34,7 @@ from numba import prange
 
 from colibri.runtime import kernels
 from colibri.runtime.kernels.activations import fill_activation
-from colibri.runtime.kernels.experts import silu_times_rows
+from colibri.runtime.kernels.experts import moe_steps, silu_times_rows
 from colibri.runtime.kernels.numerics import rms_norm_into
 from colibri.runtime.kernels.routing import route_into
 from colibri.runtime.kernels.rows import rows_per_head, rows_times
@@ -165,10 +169,10 @@ def _latent_query_kernel(x, attn_norm, eps, latent_eps, h, first, first_act, fir
     stored[0, rank:] = k_pe[0, 0]
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
-def _output_kernel(x, per_head, contexts, heads_matrix, heads_act, stride, first, attended, o, o_act, o_out, o_bias,
-                   ffn_norm, eps, h, route, router, router_act, logits, logit_bias, bias, sigmoid, groups, topk_groups,
-                   top2_sum, norm, route_scale, ids, weights, nthreads):
+@numba.njit(cache=True, nogil=True, inline="always")
+def _output_steps(x, per_head, contexts, heads_matrix, heads_act, stride, first, attended, o, o_act, o_out, o_bias,
+                  ffn_norm, eps, h, route, router, router_act, logits, logit_bias, bias, sigmoid, groups, topk_groups,
+                  top2_sum, norm, route_scale, ids, weights, nthreads):
     """x += o(attended [1, heads, v width]) (+ o_bias, unless empty); h = the FFN norm of x;
     with `route`, the router's choice (ids, weights) for h (its logits + logit_bias, unless
     empty). With `per_head` (MLA), attended is first each head's context (`contexts` [heads,
@@ -200,7 +204,16 @@ def _output_kernel(x, per_head, contexts, heads_matrix, heads_act, stride, first
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _ffn_kernel(h, gate, gate_act, up, up_act, up_distinct, gate_out, up_out, down, down_act, out, nthreads):
+def _output_kernel(x, per_head, contexts, heads_matrix, heads_act, stride, first, attended, o, o_act, o_out, o_bias,
+                   ffn_norm, eps, h, route, router, router_act, logits, logit_bias, bias, sigmoid, groups, topk_groups,
+                   top2_sum, norm, route_scale, ids, weights, nthreads):
+    _output_steps(x, per_head, contexts, heads_matrix, heads_act, stride, first, attended, o, o_act, o_out, o_bias,
+                  ffn_norm, eps, h, route, router, router_act, logits, logit_bias, bias, sigmoid, groups, topk_groups,
+                  top2_sum, norm, route_scale, ids, weights, nthreads)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _ffn_steps(h, gate, gate_act, up, up_act, up_distinct, gate_out, up_out, down, down_act, out, nthreads):
     """out = down(silu(gate(h)) * up(h)) for h [1, hidden]."""
     cols = h.shape[1]
     _fill_pair(h, gate_act, up_act, up_distinct)
@@ -211,6 +224,60 @@ def _ffn_kernel(h, gate, gate_act, up, up_act, up_distinct, gate_out, up_out, do
     fill_activation(down_act, gate_out, 0, ffn)
     for t in prange(nthreads):
         _share_of_one(t, nthreads, down, down_act, out, ffn)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _ffn_kernel(h, gate, gate_act, up, up_act, up_distinct, gate_out, up_out, down, down_act, out, nthreads):
+    _ffn_steps(h, gate, gate_act, up, up_act, up_distinct, gate_out, up_out, down, down_act, out, nthreads)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _routed_tail_kernel(x, per_head, contexts, heads_matrix, heads_act, stride, first, attended, o, o_act, o_out, o_bias,
+                        ffn_norm, eps, h, route, router, router_act, logits, logit_bias, bias, sigmoid, groups,
+                        topk_groups, top2_sum, norm, route_scale, ids, weights, table, records, slots, tags, offsets,
+                        sizes, ffn, gate_acts, up_acts, up_distinct, expert_h, expert_up, expert_h_act, routed,
+                        gate_bias, up_bias, down_bias, glu_kind, alpha, limit, shared, s_gate, s_gate_act, s_up,
+                        s_up_act, s_up_distinct, s_gate_out, s_up_out, s_down, s_down_act, s_out, nthreads):
+    """`_output_kernel`, then, when every chosen expert has a cache slot in `table` (each
+    expert's row of `records`, -1 for none), the experts read there in place (`moe_steps`),
+    with `shared` the shared expert (`_ffn_steps`), and the residual: x += routed (+ shared).
+    False when one has none: x holds the attention output and h, ids and weights the router's
+    choice, the experts still to run."""
+    _output_steps(x, per_head, contexts, heads_matrix, heads_act, stride, first, attended, o, o_act, o_out, o_bias,
+                  ffn_norm, eps, h, route, router, router_act, logits, logit_bias, bias, sigmoid, groups, topk_groups,
+                  top2_sum, norm, route_scale, ids, weights, nthreads)
+    for j in range(slots.size):
+        expert = ids[0, j]
+        if expert < 0 or expert >= table.size or table[expert] < 0 or table[expert] >= records.shape[0] or \
+                (gate_bias.shape[0] and expert >= gate_bias.shape[0]):
+            return False
+        slots[j] = table[expert]
+    moe_steps(tags[0], tags[1], tags[2], records, slots, offsets, sizes, ffn, h.shape[1], h, gate_acts, up_acts,
+              up_distinct, expert_h, expert_up, expert_h_act, weights[0], routed, ids[0], gate_bias, up_bias, down_bias,
+              glu_kind, alpha, limit, nthreads)
+    if shared:
+        _ffn_steps(h, s_gate, s_gate_act, s_up, s_up_act, s_up_distinct, s_gate_out, s_up_out, s_down, s_down_act,
+                   s_out, nthreads)
+        for i in range(routed.size):
+            x[0, i] += routed[i] + s_out[0, i]
+    else:
+        for i in range(routed.size):
+            x[0, i] += routed[i]
+    return True
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _dense_tail_kernel(x, per_head, contexts, heads_matrix, heads_act, stride, first, attended, o, o_act, o_out,
+                       o_bias, ffn_norm, eps, h, route, router, router_act, logits, logit_bias, bias, sigmoid, groups,
+                       topk_groups, top2_sum, norm, route_scale, ids, weights, gate, gate_act, up, up_act, up_distinct,
+                       gate_out, up_out, down, down_act, out, nthreads):
+    """`_output_kernel` then a dense FFN (`_ffn_steps`) and the residual: x += its output."""
+    _output_steps(x, per_head, contexts, heads_matrix, heads_act, stride, first, attended, o, o_act, o_out, o_bias,
+                  ffn_norm, eps, h, route, router, router_act, logits, logit_bias, bias, sigmoid, groups, topk_groups,
+                  top2_sum, norm, route_scale, ids, weights, nthreads)
+    _ffn_steps(h, gate, gate_act, up, up_act, up_distinct, gate_out, up_out, down, down_act, out, nthreads)
+    for i in range(out.shape[1]):
+        x[0, i] += out[0, i]
 
 
 def _parts(matrix: kernels.Matrix) -> tuple:
@@ -238,10 +305,14 @@ class FFNStep:
         self.down_act = _activation_for(ffn.down, self.gate_out)
         self.out = np.empty((1, ffn.down.rows), F32)
 
+    def arguments(self) -> tuple:
+        """The FFN kernel's arguments between h and the thread count."""
+        return (self.gate, self.gate_act, self.up, self.up_act, self.up_distinct, self.gate_out, self.up_out, self.down,
+                self.down_act, self.out)
+
     def __call__(self) -> np.ndarray:
         """The FFN of the current `h` [1, hidden] (a buffer, overwritten by the next call)."""
-        _ffn_kernel(self.h, self.gate, self.gate_act, self.up, self.up_act, self.up_distinct, self.gate_out,
-                    self.up_out, self.down, self.down_act, self.out, thread_count())
+        _ffn_kernel(self.h, *self.arguments(), thread_count())
         return self.out
 
 
@@ -273,6 +344,19 @@ class _LayerStep:
             shared = ffn
         self.ffn_step = FFNStep(shared, self.h) if shared is not None and getattr(shared, "sigmoid_gate", None) is None \
             else None
+        # the FFN in the output kernel's call: a dense FFN always, routed experts when they are
+        # all cached (the kernel looks them up in the store's slot table), with the shared expert
+        # unless it is gated (Qwen2-MoE's: then the FFN runs after the output kernel)
+        self.shared_args = self.ffn_step.arguments() if self.ffn_step is not None else None
+        self.experts_args = None
+        if self.routed and (shared is None or self.ffn_step is not None):
+            experts, k = ffn.experts, c.n_experts_used
+            self.experts_args = (ffn.store.records(ffn.layer), np.empty(k, np.int64), experts.tags, experts.offsets,
+                                 experts.sizes, experts.ffn, *experts.scratch(self.h, k), np.empty(c.hidden_size, F32),
+                                 *experts.biases, *experts.glu)
+            placeholder = (self.o, self.o_act, self.o, self.o_act, False, self.o_out, self.o_out, self.o, self.o_act,
+                           self.o_out)  # not read: typed as the o product
+            self.experts_args += (shared is not None, *(self.shared_args or placeholder))
         k = c.n_experts_used if self.routed else 1
         self.ids, self.weights = np.empty((1, k), np.int64), np.empty((1, k), F32)  # the router's choice
         self.sinks = np.full(heads or c.n_heads, kernels.NO_SINK, F32)  # attention without sinks
@@ -291,11 +375,18 @@ class _LayerStep:
                 F32(c.routed_scaling_factor), self.ids, self.weights)
 
     def finish(self, x: np.ndarray) -> np.ndarray:
-        """x with the attention output in `attended` and then the FFN added."""
-        _output_kernel(x, *self.output_args, thread_count())
+        """x with the attention output in `attended` and then the FFN added (in place when the
+        FFN runs in the output kernel's call)."""
         ffn = self.ffn
         if not self.routed:
-            return x + self.ffn_step()
+            _dense_tail_kernel(x, *self.output_args, *self.shared_args, thread_count())
+            return x
+        table = ffn.store.slot_table(ffn.layer) if self.experts_args is not None and ffn.observe is None else None
+        if table is None:
+            _output_kernel(x, *self.output_args, thread_count())
+        elif _routed_tail_kernel(x, *self.output_args, table, *self.experts_args, thread_count()):
+            ffn.ran_cached(self.ids, self.weights)
+            return x
         out = ffn.routed(self.h, self.ids, self.weights)
         if ffn.shared is not None:
             out = out + (self.ffn_step() if self.ffn_step is not None else ffn.shared(self.h))

@@ -368,6 +368,13 @@ class MoE:
             return self.experts(self.store.records(self.layer), slots, h[0], weights[0], ids[0])[None, :]
         return self.apply_rows(h, ids, weights)
 
+    def ran_cached(self, ids: np.ndarray, weights: np.ndarray) -> None:
+        """What `routed` records of a row [1, k] whose experts a fused kernel found in the
+        store's slot table and ran itself."""
+        self.last_route = ids, weights
+        self.last_distinct = ids.shape[1]
+        self.store.count_hits(self.layer, ids[0])
+
     def apply_rows(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """The routed experts of many rows: the rows grouped by expert, each needed expert read
         once, in file order, half as many at a time as the cache holds (the next half is read

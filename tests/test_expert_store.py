@@ -196,3 +196,34 @@ def test_a_known_read_ahead_counts_as_a_miss_of_the_fetch_it_serves(model):
         assert store.stats()["expert_hits"] == 1
     finally:
         store.close()
+
+
+def test_a_kernel_may_read_the_slot_table_only_while_nothing_else_can_change_the_cache(model):
+    """`slot_table` gives each expert's slot (-1: not cached) to a kernel that looks experts up
+    itself, and None while a read ahead is pending or uncounted, with a prefetcher, or with
+    mapped records; `count_hits` then counts as the fetch it replaces."""
+    from colibri.formats.layout import ModelLayout
+    from colibri.runtime.expert_store import ExpertStore
+
+    layout = ModelLayout(model)
+    layer = next(iter(layout.expert_layers))
+    store = ExpertStore(layout, 8 * layout.expert_layers[layer].stride, 2)
+    try:
+        slots = store.fetch(layer, [1, 4])
+        table = store.slot_table(layer)
+        assert table[[1, 4]].tolist() == slots.tolist() and table[0] == -1
+        store.count_hits(layer, np.array([4, 1], np.int64))
+        assert store.stats()["expert_hits"] == 2
+        store.prefetch(layer, [5], in_use=set(), speculative=False)
+        assert store.slot_table(layer) is None  # read ahead, not yet fetched
+        store.fetch(layer, [5])
+        assert store.slot_table(layer) is not None
+    finally:
+        store.close()
+    for options in ({"prefetch": True}, {"io": "mmap"}):
+        store = ExpertStore(layout, 8 * layout.expert_layers[layer].stride, 2, **options)
+        try:
+            store.fetch(layer, [1])
+            assert store.slot_table(layer) is None
+        finally:
+            store.close()

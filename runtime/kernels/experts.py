@@ -29,10 +29,12 @@ _njit = njit(cache=True, nogil=True)
 _parallel = njit(cache=True, nogil=True, parallel=True)
 
 
-@_parallel
-def _moe_kernel(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes, ffn, hidden,
-                x, gate_acts, up_acts, up_distinct, h, up, h_act, weights, out, ids, gate_bias, up_bias, down_bias,
-                glu_kind, alpha, limit, nthreads):
+@njit(cache=True, nogil=True, inline="always")
+def moe_steps(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes, ffn, hidden,
+              x, gate_acts, up_acts, up_distinct, h, up, h_act, weights, out, ids, gate_bias, up_bias, down_bias,
+              glu_kind, alpha, limit, nthreads):
+    """The decode kernel's steps, inlined (as numba IR, its parallel loops with them) into the
+    parallel kernels that call them: `_moe_kernel`, and `fused`'s whole layer tail."""
     k, biased = slots.shape[0], gate_bias.shape[0] > 0
     # 0. x [1, hidden] quantized for the gate and (when its dot type differs) the up rows
     fill_activation(gate_acts, x, 0, hidden)
@@ -68,6 +70,15 @@ def _moe_kernel(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes,
             for r in range(first, stop):
                 y = row_dot(down_tag, record, offsets[2] + r * row_nbytes[2], ffn, act)
                 out[r] += weights[j] * (y + down_bias[ids[j], r] if biased else y)
+
+
+@_parallel
+def _moe_kernel(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes, ffn, hidden,
+                x, gate_acts, up_acts, up_distinct, h, up, h_act, weights, out, ids, gate_bias, up_bias, down_bias,
+                glu_kind, alpha, limit, nthreads):
+    moe_steps(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes, ffn, hidden, x, gate_acts, up_acts,
+              up_distinct, h, up, h_act, weights, out, ids, gate_bias, up_bias, down_bias, glu_kind, alpha, limit,
+              nthreads)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -179,21 +190,26 @@ class ExpertKernel:
         """records uint8 [m, >= record_bytes] (C-contiguous, e.g. a cache slab used in place),
         slots int64 [k] (the rows of experts `ids`), x float32 [hidden], weights float32 [k] ->
         float32 [hidden]."""
-        k, ffn = slots.shape[0], self.ffn
         row = x.reshape(1, self.hidden)
+        out = np.empty(self.hidden, np.float32)
+        _moe_kernel(*self.tags, records, slots, self.offsets, self.sizes, self.ffn, self.hidden, row,
+                    *self.scratch(row, slots.shape[0]), weights, out, self._bias_ids(ids), *self.biases, *self.glu,
+                    thread_count())
+        return out
+
+    def scratch(self, row: np.ndarray, k: int) -> tuple:
+        """The one-token kernel's (gate activation, up activation, whether up's is its own, h
+        [k, ffn], up [k, ffn], h's activation) for row [1, hidden] and k experts; the buffers
+        are kept for the next token (the float path reads `row` itself)."""
         if self.decode_buffers is None or self.decode_buffers[2].shape[0] != k:
             acts = {dot_type: None if dot_type is None else empty_activation(1, self.hidden, dot_type)
                     for dot_type in self.dot_types[:2]}
-            h = np.empty((k, ffn), np.float32)
-            self.decode_buffers = acts, self.dot_types[0] != self.dot_types[1], h, np.empty((k, ffn), np.float32), \
-                h if self.dot_types[2] is None else empty_activation(k, ffn, self.dot_types[2])
+            h = np.empty((k, self.ffn), np.float32)
+            self.decode_buffers = acts, self.dot_types[0] != self.dot_types[1], h, np.empty((k, self.ffn), np.float32), \
+                h if self.dot_types[2] is None else empty_activation(k, self.ffn, self.dot_types[2])
         acts, up_distinct, h, up, h_act = self.decode_buffers
         gate_act, up_act = (row if acts[dot_type] is None else acts[dot_type] for dot_type in self.dot_types[:2])
-        out = np.empty(self.hidden, np.float32)
-        _moe_kernel(*self.tags, records, slots, self.offsets, self.sizes, ffn, self.hidden, row, gate_act, up_act,
-                    up_distinct, h, up, h_act, weights, out, self._bias_ids(ids), *self.biases, *self.glu,
-                    thread_count())
-        return out
+        return gate_act, up_act, up_distinct, h, up, h_act
 
     def _bias_ids(self, ids: np.ndarray) -> np.ndarray:
         """ids as the kernels index the biases, each checked against their rows."""
