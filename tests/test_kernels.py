@@ -21,7 +21,7 @@ from colibri.convert.quantize_q4k import quantize
 from colibri.formats.encodings import ENCODINGS, READ_ONLY_ENCODINGS, block_size
 from colibri.runtime import kernels
 from colibri.runtime.kernels import threads
-from colibri.runtime.kernels.emitter import float_dot, float_sum, halves_into, target_environment
+from colibri.runtime.kernels.emitter import float_dot, float_dots, float_sum, halves_into, target_environment
 
 EXACT_TOLERANCE = 1e-5
 ROWS = 37  # not a multiple of the thread count
@@ -247,6 +247,24 @@ def test_float_sums_give_the_same_bits_in_any_caller_and_the_float64_sum():
         scale = np.abs(a).sum(axis=1) * (1 + np.abs(b).max(initial=0)) + 1e-30
         assert (np.abs(dots - (a.astype(np.float64) * b).sum(axis=1)) <= 1e-6 * scale).all()
         assert (np.abs(sums - a.astype(np.float64).sum(axis=1)) <= 1e-6 * scale).all()
+
+
+@numba.njit(cache=True, fastmath=True)
+def _dots_of_rows(a, b, out):
+    float_dots(a, b, out)
+
+
+def test_float_dots_give_each_rows_float_dot_bits():
+    """float_dots interleaves up to DOTS_AT_ONCE rows' sums: each row still gets float_dot's
+    bits, for any row count (whole groups and the rows after them) and length."""
+    rng = np.random.default_rng(8)
+    for m in (1, 3, 4, 5, 9, 16):
+        for n in (1, 17, 48, 320):
+            a, b = rng.standard_normal((m, n)).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+            together, alone = np.empty(m, np.float32), np.empty(m, np.float32)
+            _dots_of_rows(a, b, together)
+            _ordered_sums_serial(a, np.repeat(b[None], m, axis=0), alone, np.empty(m, np.float32))
+            assert np.array_equal(together.view(np.uint32), alone.view(np.uint32)), (m, n)
 
 
 COMPILED_OR_LOADED = """

@@ -10,7 +10,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from colibri.runtime.kernels.emitter import float_dot, half_to_float, halves_into
+from colibri.runtime.kernels.emitter import float_dots, half_to_float, halves_into
 from colibri.runtime.kernels.numerics import softmax_in_place
 from colibri.runtime.kernels.threads import part_range, thread_count
 
@@ -73,7 +73,7 @@ def _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out
     kv_heads, v_width = keys.shape[1], values.shape[2]
     group = heads // kv_heads
     scores = np.empty((group, start + n - first_key), np.float32)
-    key, value = np.empty(width, np.float32), np.empty(v_width, np.float32)
+    key, value, dots = np.empty(width, np.float32), np.empty(v_width, np.float32), np.empty(group, np.float32)
     sums = np.empty((group, v_width), np.float32)
     for work in range(first, stop):
         i, kv = work // kv_heads, work % kv_heads
@@ -81,9 +81,9 @@ def _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out
         lo = max(0, end - window)
         queries = q[i, h0:h0 + group]
         for pos in range(lo, end):
-            k = _float_row(keys[pos, kv], key)
+            float_dots(queries, _float_row(keys[pos, kv], key), dots)  # each query head's float_dot
             for g in range(group):
-                scores[g, pos] = float_dot(queries[g], k) * scale
+                scores[g, pos] = dots[g] * scale
         if chosen.shape[0]:
             _leave_out(scores, chosen[i], lo, end)
         for g in range(group):

@@ -401,11 +401,48 @@ def halves_into(typingctx, src, dst):
 SUM_LANES = 16  # float32 lanes in each of the two partial sums of `float_dot` and `float_sum`
 
 
+def _ordered_sums(e, rows, other, count):
+    """IR: for each i8* in `rows`, the sum of its float32 values (times `other`'s, unless None)
+    over `count`: two vector partial sums over 2 * SUM_LANES values a step, one more step of
+    SUM_LANES, the rest one by one, then a fixed tree. Without reassociation, no optimizer
+    choice (vector width, unrolling, the function it is inlined into, the rows beside it) can
+    change the order, so every caller gets the same bits; several rows interleave their
+    independent sums."""
+    builder = e.b
+
+    def terms(base, index, n=None):  # the n terms (or the one) from `index`
+        offset = builder.shl(index, ir.Constant(I64, 2))
+        value = e.load(base, offset, FLOAT, n)
+        return value if other is None else builder.fmul(value, e.load(other, offset, FLOAT, n), flags=CONTRACT)
+
+    lanes = vec(FLOAT, SUM_LANES)
+    sums = [[cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * SUM_LANES)) for _ in range(2)] for _ in rows]
+
+    def add_to(total, base, index):
+        builder.store(builder.fadd(builder.load(total), terms(base, index, SUM_LANES), flags=CONTRACT), total)
+
+    pair = ir.Constant(I64, 2 * SUM_LANES)
+    steps = builder.udiv(count, pair)
+    with cgutils.for_range(builder, steps) as loop:
+        first = builder.mul(loop.index, pair)
+        for base, (low, high) in zip(rows, sums):
+            add_to(low, base, first)
+            add_to(high, base, builder.add(first, ir.Constant(I64, SUM_LANES)))
+    done = builder.mul(steps, pair)
+    with builder.if_then(builder.icmp_signed(">=", builder.sub(count, done), ir.Constant(I64, SUM_LANES))):
+        for base, (low, _) in zip(rows, sums):
+            add_to(low, base, done)
+    tail_start = builder.mul(builder.udiv(count, ir.Constant(I64, SUM_LANES)), ir.Constant(I64, SUM_LANES))
+    tails = [cgutils.alloca_once_value(builder, ir.Constant(FLOAT, 0.0)) for _ in rows]
+    with cgutils.for_range_slice(builder, tail_start, count, ir.Constant(I64, 1)) as (index, _):
+        for base, tail in zip(rows, tails):
+            builder.store(builder.fadd(builder.load(tail), terms(base, index), flags=CONTRACT), tail)
+    return [builder.fadd(e.hsum(e.fold8(builder.fadd(builder.load(low), builder.load(high)))), builder.load(tail))
+            for (low, high), tail in zip(sums, tails)]
+
+
 def _ordered_sum(products: bool):
-    """codegen of the sum of a[i] (* b[i]) over the shorter row: two vector partial sums over
-    2 * SUM_LANES values a step, one more step of SUM_LANES, the rest one by one, then a fixed
-    tree. Without reassociation, no optimizer choice (vector width, unrolling, the function it
-    is inlined into) can change the order, so every caller gets the same bits."""
+    """codegen of the sum of a[i] (* b[i]) over the shorter row, in `_ordered_sums`' order."""
 
     def codegen(context, builder, sig, args):
         e = Emitter(context, builder)
@@ -414,35 +451,12 @@ def _ordered_sum(products: bool):
         for other in arrays[1:]:
             count = builder.select(builder.icmp_signed("<", other.nitems, count), other.nitems, count)
         bases = [e.pointer(kind, value) for kind, value in zip(sig.args, args)]
-
-        def terms(index, n=None):  # the n terms (or the one) from `index`
-            offset = builder.shl(index, ir.Constant(I64, 2))
-            values = [e.load(base, offset, FLOAT, n) for base in bases]
-            return builder.fmul(values[0], values[1], flags=CONTRACT) if products else values[0]
-
-        lanes = vec(FLOAT, SUM_LANES)
-        sums = [cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * SUM_LANES)) for _ in range(2)]
-
-        def add_to(total, index):
-            builder.store(builder.fadd(builder.load(total), terms(index, SUM_LANES), flags=CONTRACT), total)
-
-        pair = ir.Constant(I64, 2 * SUM_LANES)
-        steps = builder.udiv(count, pair)
-        with cgutils.for_range(builder, steps) as loop:
-            first = builder.mul(loop.index, pair)
-            add_to(sums[0], first)
-            add_to(sums[1], builder.add(first, ir.Constant(I64, SUM_LANES)))
-        done = builder.mul(steps, pair)
-        with builder.if_then(builder.icmp_signed(">=", builder.sub(count, done), ir.Constant(I64, SUM_LANES))):
-            add_to(sums[0], done)
-        tail_start = builder.mul(builder.udiv(count, ir.Constant(I64, SUM_LANES)), ir.Constant(I64, SUM_LANES))
-        tail = cgutils.alloca_once_value(builder, ir.Constant(FLOAT, 0.0))
-        with cgutils.for_range_slice(builder, tail_start, count, ir.Constant(I64, 1)) as (index, _):
-            builder.store(builder.fadd(builder.load(tail), terms(index), flags=CONTRACT), tail)
-        vector = builder.fadd(builder.load(sums[0]), builder.load(sums[1]))
-        return builder.fadd(e.hsum(e.fold8(vector)), builder.load(tail))
+        return _ordered_sums(e, bases[:1], bases[1] if products else None, count)[0]
 
     return codegen
+
+
+DOTS_AT_ONCE = 4  # rows whose `float_dots` interleave (two vector partial sums each)
 
 
 def _float_rows(*arrays):
@@ -457,6 +471,42 @@ def float_dot(typingctx, a, b):
     if not _float_rows(a, b):
         return None
     return types.float32(a, b), _ordered_sum(products=True)
+
+
+@intrinsic
+def float_dots(typingctx, a, b, out):
+    """out[r] = float_dot(a[r], b) for each row of a (float32 [m, n], C-contiguous) with
+    b float32 [n] and out float32 [m], contiguous: DOTS_AT_ONCE rows at a time, their
+    independent sums interleaved, each in `float_dot`'s order (the same bits)."""
+    if not (_float_rows(b, out) and isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C"
+            and a.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        e = Emitter(context, builder)
+        matrix, row, dots = (context.make_array(kind)(context, builder, value) for kind, value in zip(sig.args, args))
+        m, n = (builder.extract_value(matrix.shape, i) for i in range(2))
+        rows = builder.select(builder.icmp_signed("<", dots.nitems, m), dots.nitems, m)
+        count = builder.select(builder.icmp_signed("<", row.nitems, n), row.nitems, n)
+        bases = [e.pointer(kind, value) for kind, value in zip(sig.args, args)]
+        row_bytes = builder.shl(n, ir.Constant(I64, 2))
+
+        def dot_rows(first, k):  # rows first..first+k-1 into out
+            starts = [builder.add(first, ir.Constant(I64, r)) for r in range(k)]
+            sums = _ordered_sums(e, [e.at(bases[0], builder.mul(r, row_bytes)) for r in starts], bases[1], count)
+            for r, total in zip(starts, sums):
+                target = e.at(bases[2], builder.shl(r, ir.Constant(I64, 2)))
+                builder.store(total, builder.bitcast(target, FLOAT.as_pointer()), align=4)
+
+        at_once = ir.Constant(I64, DOTS_AT_ONCE)
+        with cgutils.for_range(builder, builder.udiv(rows, at_once)) as loop:
+            dot_rows(builder.mul(loop.index, at_once), DOTS_AT_ONCE)
+        with cgutils.for_range_slice(builder, builder.mul(builder.udiv(rows, at_once), at_once), rows,
+                                     ir.Constant(I64, 1)) as (index, _):
+            dot_rows(index, 1)
+        return context.get_dummy_value()
+
+    return types.void(a, b, out), codegen
 
 
 @intrinsic
