@@ -21,7 +21,9 @@ from colibri.convert.quantize_q4k import quantize
 from colibri.formats.encodings import ENCODINGS, READ_ONLY_ENCODINGS, block_size
 from colibri.runtime import kernels
 from colibri.runtime.kernels import threads
-from colibri.runtime.kernels.emitter import float_dot, float_dots, float_sum, halves_into, target_environment
+from colibri.runtime.kernels.emitter import (
+    float_dot, float_dots, float_sum, halves_into, target_environment, weighted_rows_into,
+)
 
 EXACT_TOLERANCE = 1e-5
 ROWS = 37  # not a multiple of the thread count
@@ -267,6 +269,33 @@ def test_float_dots_give_each_rows_float_dot_bits():
             assert np.array_equal(together.view(np.uint32), alone.view(np.uint32)), (m, n)
 
 
+@numba.njit(cache=True, fastmath=True)
+def _weighted_rows_by_loops(weights, rows, out):
+    for p in range(rows.shape[0]):
+        for d in range(rows.shape[1]):
+            out[d] += weights[p] * rows[p, d]
+
+
+@numba.njit(cache=True)
+def _weighted_rows(weights, rows, out):
+    weighted_rows_into(weights, rows, out)
+
+
+def test_weighted_rows_add_each_row_in_order_as_a_loop_does():
+    """weighted_rows_into keeps blocks of outputs in registers over the rows: every output
+    gets the bits of adding weight * row, row after row, to it (whole blocks, single vectors,
+    single outputs; no rows at all)."""
+    rng = np.random.default_rng(9)
+    for m in (0, 1, 7, 33):
+        for n in (1, 15, 16, 64, 65, 200, 512):
+            weights, rows = rng.standard_normal(m).astype(np.float32), rng.standard_normal((m, n)).astype(np.float32)
+            start = rng.standard_normal(n).astype(np.float32)
+            by_loops, blocked = start.copy(), start.copy()
+            _weighted_rows_by_loops(weights, rows, by_loops)
+            _weighted_rows(weights, rows, blocked)
+            assert np.array_equal(blocked.view(np.uint32), by_loops.view(np.uint32)), (m, n)
+
+
 COMPILED_OR_LOADED = """
 import sys
 import numpy as np
@@ -431,19 +460,26 @@ def test_attention_over_chosen_positions_matches_float64(start, n):
 
 
 @pytest.mark.parametrize("stored", [np.float32, np.float16])
-def test_decode_attention_gives_the_same_bits_on_one_thread_and_on_all(stored, monkeypatch):
+@pytest.mark.parametrize("queries, kv_heads", [(2, 2), (1, 1)], ids=["pairs", "heads"])
+def test_decode_attention_gives_the_same_bits_on_one_thread_and_on_all(stored, queries, kv_heads, monkeypatch):
     """A query's attention does not depend on whether its work was large enough for all
-    threads (the serial and the parallel kernel are two functions sharing one body)."""
+    threads (the serial and the parallel kernel are two functions sharing one body), whether
+    the threads share the (query, kv head) pairs or, with fewer pairs than threads (MLA's
+    decoded token), each pair's heads: with a sliding window, a sink per head and values the
+    keys' first columns, as MLA's."""
     rng = np.random.default_rng(4)
-    rows, q = 700, rng.standard_normal((2, 8, 64)).astype(np.float32)
-    keys, values = (rng.standard_normal((rows, 2, 64)).astype(stored) for _ in range(2))
+    rows, heads = 700, 10
+    q = rng.standard_normal((queries, heads, 64)).astype(np.float32)
+    keys = rng.standard_normal((rows, kv_heads, 64)).astype(stored)
     if stored == np.float16:
-        keys, values = keys.view(np.uint16), values.view(np.uint16)
+        keys = keys.view(np.uint16)
+    sinks = rng.standard_normal(heads).astype(np.float32)
     attention_module = sys.modules[kernels.attention.__module__]
-    monkeypatch.setattr(attention_module, "PARALLEL_ATTENTION_WORK", 1)
-    threaded = kernels.attention(q, keys, values, rows - 2, 0.125)
-    monkeypatch.setattr(attention_module, "PARALLEL_ATTENTION_WORK", 1 << 62)
-    alone = kernels.attention(q, keys, values, rows - 2, 0.125)
+    results = []
+    for work in (1, 1 << 62):
+        monkeypatch.setattr(attention_module, "PARALLEL_ATTENTION_WORK", work)
+        results.append(kernels.attention(q, keys, keys[:, :, :48], rows - queries, 0.125, window=500, sinks=sinks))
+    threaded, alone = results
     assert np.array_equal(threaded.view(np.uint32), alone.view(np.uint32))
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from colibri.runtime.kernels.emitter import float_dots, half_to_float, halves_into
+from colibri.runtime.kernels.emitter import DOTS_AT_ONCE, float_dots, halves_into, weighted_rows_into
 from colibri.runtime.kernels.numerics import softmax_in_place
 from colibri.runtime.kernels.threads import part_range, thread_count
 
@@ -18,30 +18,18 @@ F32 = np.float32
 NO_SINK = np.finfo(np.float32).min  # below softmax_in_place's threshold: no sink (finite, for fastmath)
 
 
-def _as_f32(v):
-    """float32 of a KV cache element: float16 bits (uint16) or a float32."""
+def _float_row_into(row, target):
+    """target[:] = a cached key or value row as float32 (float16 bits converted)."""
 
 
-@overload(_as_f32)
-def _as_f32_overload(v):
-    if isinstance(v, types.Integer):
-        return lambda v: half_to_float(v)
-    return lambda v: F32(v)
-
-
-def _float_row(row, buffer):
-    """A cached key or value row as float32: the row itself, or float16 bits converted into
-    `buffer`."""
-
-
-@overload(_float_row)
-def _float_row_overload(row, buffer):
+@overload(_float_row_into)
+def _float_row_into_overload(row, target):
     if row.dtype == types.uint16:
-        def converted(row, buffer):
-            halves_into(row, buffer)
-            return buffer
-        return converted
-    return lambda row, buffer: row
+        return lambda row, target: halves_into(row, target)
+
+    def copied(row, target):
+        target[:] = row
+    return copied
 
 
 @njit(cache=True, nogil=True)
@@ -62,58 +50,75 @@ def _weigh_none(scores, chosen, lo, end):
                 scores[g, pos] = 0.0
 
 
+KEY_TILE = 8  # cached keys a decode step converts at a time, each scored by a few heads in turn (in L1)
+VALUE_TILE = 16  # cached values a decode step converts at a time, then weighs for each query head (in L1)
+
+
 @njit(cache=True, nogil=True, fastmath=True)
-def _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out, first, stop):
+def _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out, first, stop, part, parts):
     """Work items first..stop-1 of `attention`: (query, kv head) pairs, the query heads that
-    share the kv head together, so that each cached key and value is converted to float32
-    once for all of them. Cache row r holds position first_key + r; query i (position
-    start + i) sees the `window` positions up to its own, and of them only rows r with
-    chosen[i, r] when `chosen` has rows."""
+    share the kv head together (of them, the `part`-th of `parts` equal shares), so that each
+    cached key and value is converted to float32 once for all of them. Cache row r holds
+    position first_key + r; query i (position start + i) sees the `window` positions up to
+    its own, and of them only rows r with chosen[i, r] when `chosen` has rows."""
     n, heads, width = q.shape
     kv_heads, v_width = keys.shape[1], values.shape[2]
     group = heads // kv_heads
-    scores = np.empty((group, start + n - first_key), np.float32)
-    key, value, dots = np.empty(width, np.float32), np.empty(v_width, np.float32), np.empty(group, np.float32)
-    sums = np.empty((group, v_width), np.float32)
+    g_lo, g_hi = part_range(group, parts, part, 1)
+    mine = g_hi - g_lo
+    scores = np.empty((mine, start + n - first_key), np.float32)
+    keys_f, dots = np.empty((KEY_TILE, width), np.float32), np.empty(DOTS_AT_ONCE, np.float32)
+    values_f, sums = np.empty((VALUE_TILE, v_width), np.float32), np.empty((mine, v_width), np.float32)
     for work in range(first, stop):
         i, kv = work // kv_heads, work % kv_heads
-        end, h0 = start + i + 1 - first_key, kv * group  # causal: query i sees rows ..end-1
+        end, h0 = start + i + 1 - first_key, kv * group + g_lo  # causal: query i sees rows ..end-1
         lo = max(0, end - window)
-        queries = q[i, h0:h0 + group]
-        for pos in range(lo, end):
-            float_dots(queries, _float_row(keys[pos, kv], key), dots)  # each query head's float_dot
-            for g in range(group):
-                scores[g, pos] = dots[g] * scale
+        queries = q[i, h0:h0 + mine]
+        for tile_lo in range(lo, end, KEY_TILE):  # a tile of keys converted, then scored by a few heads at a time
+            rows = min(KEY_TILE, end - tile_lo)
+            for r in range(rows):
+                _float_row_into(keys[tile_lo + r, kv], keys_f[r])
+            for g0 in range(0, mine, DOTS_AT_ONCE):
+                few = queries[g0:g0 + DOTS_AT_ONCE]
+                for r in range(rows):
+                    float_dots(few, keys_f[r], dots)  # each query head's float_dot
+                    for g in range(few.shape[0]):
+                        scores[g0 + g, tile_lo + r] = dots[g] * scale
         if chosen.shape[0]:
             _leave_out(scores, chosen[i], lo, end)
-        for g in range(group):
+        for g in range(mine):
             softmax_in_place(scores, g, lo, end, sinks[h0 + g])
         if chosen.shape[0]:
             _weigh_none(scores, chosen[i], lo, end)
         sums[:] = 0.0
-        for pos in range(lo, end):
-            v = _float_row(values[pos, kv], value)
-            for g in range(group):
-                weight, total = scores[g, pos], sums[g]
-                for d in range(v_width):
-                    total[d] += weight * v[d]
-        out[i, h0:h0 + group] = sums
+        for tile_lo in range(lo, end, VALUE_TILE):  # a tile of values converted, then weighed for each head
+            rows = min(VALUE_TILE, end - tile_lo)
+            for r in range(rows):
+                _float_row_into(values[tile_lo + r, kv], values_f[r])
+            for g in range(mine):
+                weighted_rows_into(scores[g, tile_lo:tile_lo + rows], values_f[:rows], sums[g])
+        out[i, h0:h0 + mine] = sums
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _attention_parallel(q, keys, values, start, first_key, window, sinks, chosen, scale, out, nthreads):
-    """`attention` on all threads, each taking a share of the (query, kv head) pairs. A
-    function of its own, not the serial one compiled twice: numba's cache keeps one entry per
-    function and signature, so the two would load each other's code."""
+    """`attention` on all threads, each taking a share of the (query, kv head) pairs, or, when
+    there are fewer pairs than threads (a decoded token's MLA: one), a share of every pair's
+    query heads. A function of its own, not the serial one compiled twice: numba's cache
+    keeps one entry per function and signature, so the two would load each other's code."""
+    pairs = q.shape[0] * keys.shape[1]
     for t in prange(nthreads):
-        first, stop = part_range(q.shape[0] * keys.shape[1], nthreads, t, 1)
-        _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out, first, stop)
+        if pairs >= nthreads:
+            first, stop = part_range(pairs, nthreads, t, 1)
+            _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out, first, stop, 0, 1)
+        else:
+            _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out, 0, pairs, t, nthreads)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
 def _attention_serial(q, keys, values, start, first_key, window, sinks, chosen, scale, out):
     """`attention` on this thread: a decode step's is too small to pay for waking the others."""
-    _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out, 0, q.shape[0] * keys.shape[1])
+    _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out, 0, q.shape[0] * keys.shape[1], 0, 1)
 
 
 NO_CHOICE = np.zeros((0, 0), np.uint8)  # attention over every cached position
@@ -128,7 +133,7 @@ def _one_position_each(q, keys, values, slots, positions, sinks, scale, out, nth
         for i in range(lo, hi):
             end = positions[i] + 1
             _attend(q[i:i + 1], keys[slots[i], :end], values[slots[i], :end], positions[i], 0, end + 1, sinks,
-                    NO_CHOICE, scale, out[i:i + 1], 0, kv_heads)
+                    NO_CHOICE, scale, out[i:i + 1], 0, kv_heads, 0, 1)
 
 
 def attention_of_slots(q, keys, values, slots, positions, sinks, scale, out) -> None:
@@ -148,42 +153,39 @@ QUERY_BLOCK = 16  # queries of one head whose scores a thread computes together
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _prompt_attention(q, keys, values, start, first_key, window, sinks, chosen, scale, out, nthreads):
-    """`attention` for many queries. The cache is converted to float32 once (keys transposed,
-    [kv head, width, row]); then each thread takes blocks of QUERY_BLOCK queries of one
-    head, accumulates their scores one key dimension at a time (a vector of positions per
-    multiply, no horizontal sums) and their outputs one position at a time."""
+    """`attention` for many queries. The cache is converted to float32 once ([kv head, row,
+    width]); then each thread takes blocks of QUERY_BLOCK queries of one head: each cached key
+    scores the whole block in one `float_dots` (the queries' fixed-order dots interleaved),
+    and the block's outputs accumulate one position at a time."""
     n, heads, width = q.shape
     kv_heads, v_width, end = keys.shape[1], values.shape[2], keys.shape[0]
     group = heads // kv_heads
-    keys_t = np.empty((kv_heads, width, end), np.float32)
+    keys_f = np.empty((kv_heads, end, width), np.float32)
     values_f = np.empty((kv_heads, end, v_width), np.float32)
     for t in prange(nthreads):
         lo, hi = part_range(end, nthreads, t, 1)
         for pos in range(lo, hi):
             for kv in range(kv_heads):
-                for d in range(width):
-                    keys_t[kv, d, pos] = _as_f32(keys[pos, kv, d])
-                for d in range(v_width):
-                    values_f[kv, pos, d] = _as_f32(values[pos, kv, d])
+                _float_row_into(keys[pos, kv], keys_f[kv, pos])
+                _float_row_into(values[pos, kv], values_f[kv, pos])
     blocks = (n + QUERY_BLOCK - 1) // QUERY_BLOCK
     for t in prange(nthreads):
         lo, hi = part_range(blocks * heads, nthreads, t, 1)
         scores = np.empty((QUERY_BLOCK, end), np.float32)
         outputs = np.empty((QUERY_BLOCK, v_width), np.float32)
+        block = np.empty((QUERY_BLOCK, width), np.float32)
+        dots = np.empty(QUERY_BLOCK, np.float32)
         for work in range(lo, hi):
             first, h = work // heads * QUERY_BLOCK, work % heads
             kv, count = h // group, min(QUERY_BLOCK, n - first)
             seen = start + first - first_key  # rows every query of the block sees; query i sees up to seen + i
             for i in range(count):
-                scores[i, max(0, seen + i + 1 - window):seen + i + 1] = 0.0
-            for d in range(width):
-                column = keys_t[kv, d]
-                for i in range(count):  # (slices: a loop from a variable start did not vectorize)
-                    row_lo = max(0, seen + i + 1 - window)
-                    row, keys_row = scores[i, row_lo:seen + i + 1], column[row_lo:seen + i + 1]
-                    weight = q[first + i, h, d] * scale
-                    for pos in range(row.size):
-                        row[pos] += weight * keys_row[pos]
+                block[i] = q[first + i, h]
+            queries = block[:count]
+            for pos in range(max(0, seen + 1 - window), seen + count):  # (a query ignores the rows after its own)
+                float_dots(queries, keys_f[kv, pos], dots)
+                for i in range(count):
+                    scores[i, pos] = dots[i] * scale
             for i in range(count):
                 row_lo = max(0, seen + i + 1 - window)
                 if chosen.shape[0]:
@@ -192,12 +194,9 @@ def _prompt_attention(q, keys, values, start, first_key, window, sinks, chosen, 
                 if chosen.shape[0]:
                     _weigh_none(scores[i:i + 1], chosen[first + i], row_lo, seen + i + 1)
             outputs[:count] = 0.0
-            for pos in range(max(0, seen + 1 - window), seen + count):
-                value = values_f[kv, pos]
-                for i in range(max(0, pos - seen), min(count, pos - seen + window)):
-                    weight, result = scores[i, pos], outputs[i]
-                    for d in range(v_width):
-                        result[d] += weight * value[d]
+            for i in range(count):
+                row_lo = max(0, seen + i + 1 - window)
+                weighted_rows_into(scores[i, row_lo:seen + i + 1], values_f[kv, row_lo:seen + i + 1], outputs[i])
             for i in range(count):
                 out[first + i, h, :] = outputs[i]
 

@@ -509,6 +509,59 @@ def float_dots(typingctx, a, b, out):
     return types.void(a, b, out), codegen
 
 
+WEIGHTED_VECTORS = 4  # vectors of SUM_LANES outputs `weighted_rows_into` keeps in registers over the rows
+
+
+@intrinsic
+def weighted_rows_into(typingctx, weights, rows, out):
+    """out[d] += weights[p] * rows[p, d] for p = 0, 1, ... in order, each element a chain of
+    multiply-adds (fused where the CPU has FMA) as `out[d] += w * row[d]` row after row gives,
+    the same bits; weights float32 [m] and out float32 [n] contiguous, rows float32 [m, n]
+    C-contiguous. A block of WEIGHTED_VECTORS * SUM_LANES outputs stays in registers over all
+    the rows (then blocks of SUM_LANES, then single outputs), instead of a load and a store of
+    every output for every row."""
+    if not (_float_rows(weights, out) and isinstance(rows, types.Array) and rows.ndim == 2 and rows.layout == "C"
+            and rows.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        e = Emitter(context, builder)
+        matrix = context.make_array(sig.args[1])(context, builder, args[1])
+        m, n = (builder.extract_value(matrix.shape, i) for i in range(2))
+        w_base, rows_base, out_base = (e.pointer(kind, value) for kind, value in zip(sig.args, args))
+        row_bytes = builder.shl(n, ir.Constant(I64, 2))
+
+        def outputs(first, lanes, vectors):  # outputs first.. (lanes a vector, `vectors` of them) over every row
+            offsets = [builder.shl(builder.add(first, ir.Constant(I64, lanes * v)), ir.Constant(I64, 2))
+                       for v in range(vectors)]
+            sums = [cgutils.alloca_once_value(builder, e.load(out_base, offset, FLOAT, lanes if lanes > 1 else None))
+                    for offset in offsets]
+            with cgutils.for_range(builder, m) as loop:
+                weight = e.load(w_base, builder.shl(loop.index, ir.Constant(I64, 2)), FLOAT)
+                if lanes > 1:
+                    weight = e.splat(weight, lanes)
+                row = e.at(rows_base, builder.mul(loop.index, row_bytes))
+                for total, offset in zip(sums, offsets):
+                    term = e.load(row, offset, FLOAT, lanes if lanes > 1 else None)
+                    builder.store(e.fma(weight, term, builder.load(total)), total)
+            for total, offset in zip(sums, offsets):
+                target = e.at(out_base, offset)
+                builder.store(builder.load(total), builder.bitcast(target, total.type.pointee.as_pointer()), align=4)
+
+        def blocks(start, width, vectors):  # whole blocks of width outputs from start; returns where they end
+            count = builder.udiv(builder.sub(n, start), ir.Constant(I64, width))
+            with cgutils.for_range(builder, count) as loop:
+                outputs(builder.add(start, builder.mul(loop.index, ir.Constant(I64, width))), width // vectors, vectors)
+            return builder.add(start, builder.mul(count, ir.Constant(I64, width)))
+
+        done = blocks(ir.Constant(I64, 0), WEIGHTED_VECTORS * SUM_LANES, WEIGHTED_VECTORS)
+        done = blocks(done, SUM_LANES, 1)
+        blocks(done, 1, 1)
+        return context.get_dummy_value()
+
+    return types.void(weights, rows, out), codegen
+
+
 @intrinsic
 def float_sum(typingctx, a):
     """sum of a contiguous float32 row, in `float_dot`'s fixed order."""
