@@ -1,0 +1,79 @@
+#!/usr/bin/env python
+"""Benchmark: attention over an f16 KV cache at real models' head counts and widths, a decoded
+token's and a prompt's, in ms (the best of `--repeat` calls: the kernels are compute-bound, so
+the fastest call is the one the machine's noise spared).
+
+Shapes: DeepSeek-V3's MLA as the runtime computes it (128 query heads over one latent "head":
+keys 512 + 64 wide, values the latent's 512), Kimi-K2's (64 heads), the wide bench layout's
+(4 heads of 256 + 64, bench/scale.py), and Qwen3-30B-A3B's GQA (32 heads over 4 of 128).
+
+    python bench/attention.py [--positions 1024 4096] [--prompt 512] [--threads 2] [--isa avx2]
+
+To measure a change, run it from both trees (bench/compare.py's `importable` gives a checkout's
+code to PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from colibri.runtime import kernels
+from colibri.runtime.kernels.emitter import TARGET_CPUS, restart_for
+
+SHAPES = {  # query heads, kv heads, key width, value width
+    "deepseek-v3 mla": (128, 1, 576, 512),
+    "kimi-k2 mla": (64, 1, 576, 512),
+    "wide bench mla": (4, 1, 320, 256),
+    "qwen3-30b gqa": (32, 4, 128, 128),
+}
+
+
+def best_ms(queries: int, rows: int, shape: tuple[int, int, int, int], repeat: int) -> float:
+    heads, kv_heads, width, v_width = shape
+    rng = np.random.default_rng(0)
+    keys = rng.standard_normal((rows, kv_heads, width)).astype(np.float16).view(np.uint16)
+    values = keys[:, :, :v_width] if kv_heads == 1 else \
+        rng.standard_normal((rows, kv_heads, v_width)).astype(np.float16).view(np.uint16)
+    q = rng.standard_normal((queries, heads, width)).astype(np.float32)
+    kernels.attention(q, keys, values, rows - queries, 0.1)  # compile
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        kernels.attention(q, keys, values, rows - queries, 0.1)
+        times.append(time.perf_counter() - started)
+    return 1e3 * min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--positions", type=int, nargs="+", default=[1024, 4096], help="cached positions a decoded token sees")
+    parser.add_argument("--prompt", type=int, default=512, help="queries of the prompt rows (from position 0)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--isa", choices=("native", *TARGET_CPUS), default="native",
+                        help="compile the kernels for this target (avx2: this CPU without AVX-512, AMX or AVX-VNNI)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    restart_for(args.isa)
+    kernels.set_threads(args.threads)
+    rows = []
+    for name, shape in SHAPES.items():
+        for positions in args.positions:
+            rows.append({"shape": name, "queries": 1, "positions": positions, "ms": best_ms(1, positions, shape, args.repeat)})
+        rows.append({"shape": name, "queries": args.prompt, "positions": args.prompt,
+                     "ms": best_ms(args.prompt, args.prompt, shape, max(args.repeat // 2, 1))})
+    if args.json:
+        print(json.dumps({"kernels": kernels.kernel_paths(), "threads": args.threads, "rows": rows}, indent=1))
+        return
+    print(f"kernels: {kernels.kernel_paths()}; {args.threads} threads; best of {args.repeat} calls")
+    print(f"{'shape':<18}{'queries':>8}{'positions':>10}{'ms':>10}")
+    for row in rows:
+        print(f"{row['shape']:<18}{row['queries']:>8}{row['positions']:>10}{row['ms']:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
