@@ -34,6 +34,8 @@ CACHE_LINE = 64  # resident tensors start on a cache line
 # MLA's q_a and kv_a RMSNorms keep their default epsilon whatever rms_norm_eps says, in
 # transformers and in DeepSeek's own code (GLM-5's rms_norm_eps is 1e-5)
 LATENT_NORM_EPS = 1e-6
+EXPANDED_MLA_QUERIES = 64  # a segment's queries from which MLA attends with keys and values expanded by kv_b
+EXPANDED_MLA_BYTES = 16 << 20  # their float32 keys and values at a time (a group of heads)
 
 
 class Weights:
@@ -235,27 +237,64 @@ class LatentAttention:
         latent = rms_norm(compressed[:, :rank], self.kv_a_norm, self.latent_eps)
         k_pe = self.rope.apply(compressed[:, None, rank:], positions)[:, 0]
         stored = np.concatenate([latent, k_pe], axis=1)
-        q_nope = q[:, :, :nope].reshape(n * heads, nope)
-        q_latent = self.k_absorb.times_per_head(q_nope, heads, rank, rank).reshape(n, heads, rank)
-        queries = np.concatenate([q_latent, q_pe], axis=2)
-        context = np.empty((n, heads, rank), np.float32)
         pooled, segments = pooled_tokens(segments, self.layer) if not c.index_topk else (None, segments)
+        absorbed = np.ones(n, bool)  # the rows that attend in the latent space
+        for s in segments:
+            if s.count >= EXPANDED_MLA_QUERIES:
+                absorbed[s.rows] = False
+        rows = np.flatnonzero(absorbed)
+        queries = np.empty((n, heads, rank + rope_dim), np.float32)  # the absorbed rows' [q_nope absorbed | q_pe]
+        if rows.size:
+            queries[rows, :, :rank] = self.k_absorb.times_per_head(q[rows, :, :nope].reshape(-1, nope), heads, rank,
+                                                                   rank).reshape(-1, heads, rank)
+            queries[rows, :, rank:] = q_pe[rows]
+        context = np.empty((n, heads, rank), np.float32)  # the absorbed rows' attention output, in the latent space
+        attended = np.empty((n, heads, c.v_head_dim), np.float32)
         if pooled is not None:
-            pool, rows, slots, at = pooled
-            pool.write(self.layer, "kv", slots, at, stored[rows])
+            pool, pooled_rows, slots, at = pooled
+            pool.write(self.layer, "kv", slots, at, stored[pooled_rows])
             keys = pool.stored(self.layer, "kv")[:, :, None, :]
-            context[rows] = attention_of_slots(queries[rows], keys, keys[:, :, :, :rank], slots, at, self.no_sinks,
-                                               self.scale)
+            context[pooled_rows] = attention_of_slots(queries[pooled_rows], keys, keys[:, :, :, :rank], slots, at,
+                                                      self.no_sinks, self.scale)
         for s in segments:
             s.cache.write(self.layer, "kv", s.start, stored[s.rows])
+            chosen = self.choose(s.cache, q_resid[s.rows], h[s.rows], positions[s.rows], s.start) if c.index_topk else None
+            if not absorbed[s.first]:
+                attended[s.rows] = self.expanded(q[s.rows, :, :nope], q_pe[s.rows], s, chosen)
+                continue
             # multi-query attention over the cache in place: keys [latent | rotated part], values the latent
             keys = s.cache.stored(self.layer, "kv", s.end)[:, None, :]
-            chosen = self.choose(s.cache, q_resid[s.rows], h[s.rows], positions[s.rows], s.start) if c.index_topk else None
             context[s.rows] = kernels.attention(queries[s.rows], keys, keys[:, :, :rank], s.start, self.scale,
                                                 chosen=chosen)
-        out = self.kv_b.times_per_head(context.reshape(n * heads, rank), heads, c.v_head_dim, nope + c.v_head_dim,
-                                       first=nope)
-        return self.o(out.reshape(n, heads * c.v_head_dim))
+        if rows.size:
+            attended[rows] = self.kv_b.times_per_head(context[rows].reshape(-1, rank), heads, c.v_head_dim,
+                                                      nope + c.v_head_dim, first=nope).reshape(-1, heads, c.v_head_dim)
+        return self.o(attended.reshape(n, heads * c.v_head_dim))
+
+    def expanded(self, q_nope: np.ndarray, q_pe: np.ndarray, s: Segment, chosen: np.ndarray | None) -> np.ndarray:
+        """Segment s's attention output [count, heads, v_head_dim] with each head's keys [k_nope |
+        k_pe] and values expanded from the cached latents by kv_b: (nope + rope) + v multiply-adds
+        per head and position instead of the latent space's 2 * rank + rope, for the price of kv_b
+        on every cached position (a prompt's queries skip their absorption and output product).
+        Heads in groups whose float32 keys and values fit EXPANDED_MLA_BYTES."""
+        c = self.c
+        heads, nope, rope_dim, rank, v = c.n_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim
+        cached = s.cache.read(self.layer, "kv", s.end)
+        act = self.kv_b.activation(np.ascontiguousarray(cached[:, :rank]))
+        k_pe, per_head, row_bytes = cached[:, None, rank:], nope + v, self.kv_b.row_nbytes
+        group = max(1, min(heads, EXPANDED_MLA_BYTES // (4 * s.end * (nope + rope_dim + v))))
+        out = np.empty((s.count, heads, v), np.float32)
+        for first in range(0, heads, group):
+            g = min(group, heads - first)
+            part = kernels.Matrix(self.kv_b.data[first * per_head * row_bytes:(first + g) * per_head * row_bytes],
+                                  self.kv_b.encoding, g * per_head, rank)
+            kv = part.times(act, s.end).reshape(s.end, g, per_head)
+            keys = np.empty((s.end, g, nope + rope_dim), np.float32)
+            keys[:, :, :nope], keys[:, :, nope:] = kv[:, :, :nope], k_pe
+            queries = np.concatenate([q_nope[:, first:first + g], q_pe[:, first:first + g]], axis=2)
+            out[:, first:first + g] = kernels.attention(queries, keys, kv[:, :, nope:], s.start, self.scale,
+                                                        chosen=chosen)
+        return out
 
 
     def choose(self, cache: KVCache, q_resid: np.ndarray, h: np.ndarray, positions: np.ndarray,
