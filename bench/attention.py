@@ -7,7 +7,12 @@ Shapes: DeepSeek-V3's MLA as the runtime computes it (128 query heads over one l
 keys 512 + 64 wide, values the latent's 512), Kimi-K2's (64 heads), the wide bench layout's
 (4 heads of 256 + 64, bench/scale.py), and Qwen3-30B-A3B's GQA (32 heads over 4 of 128).
 
-    python bench/attention.py [--positions 1024 4096] [--prompt 512] [--threads 2] [--isa avx2]
+    python bench/attention.py [--positions 1024 4096] [--prompt 512] [--threads 2] [--isa avx2] [--model DIR]
+
+`--model DIR` (an MLA model) also times a prompt of `--prompt` tokens through the model in both
+of MLA's forms: keys and values expanded from the cached latents (what long prompts take) and
+the latent space (what decoded tokens take), e.g. on a few layers at DeepSeek-V3's real widths
+written by `convert.synthetic` (bench/RESULTS.md, Attention).
 
 To measure a change, run it from both trees (bench/compare.py's `importable` gives a checkout's
 code to PYTHONPATH).
@@ -48,6 +53,28 @@ def best_ms(queries: int, rows: int, shape: tuple[int, int, int, int], repeat: i
     return 1e3 * min(times)
 
 
+def mla_prompt_seconds(model_dir: str, tokens: int, threads: int) -> dict:
+    """The best of 3 prefills of `tokens` tokens with MLA's prompt rows expanded, and in the latent space."""
+    from colibri.runtime import model as model_module
+    from colibri.runtime import open_model
+
+    m = open_model(model_dir, threads=threads, ctx=tokens + 1, ram_budget="16G")
+    ids = np.random.default_rng(0).integers(0, m.config.vocab_size, tokens).tolist()
+    seconds = {}
+    for form, queries in (("expanded", model_module.EXPANDED_MLA_QUERIES), ("latent", 1 << 62)):
+        model_module.EXPANDED_MLA_QUERIES = queries
+        m.reset()
+        m.prefill(ids[:queries if queries < tokens else 8])  # compile this form's kernels
+        times = []
+        for _ in range(3):
+            m.reset()
+            started = time.perf_counter()
+            m.prefill(ids, all_logits=False)
+            times.append(time.perf_counter() - started)
+        seconds[form] = min(times)
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--positions", type=int, nargs="+", default=[1024, 4096], help="cached positions a decoded token sees")
@@ -56,6 +83,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--isa", choices=("native", *TARGET_CPUS), default="native",
                         help="compile the kernels for this target (avx2: this CPU without AVX-512, AMX or AVX-VNNI)")
+    parser.add_argument("--model", help="an MLA model: also time a --prompt-token prompt through it in both forms")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     restart_for(args.isa)
@@ -66,13 +94,18 @@ def main() -> None:
             rows.append({"shape": name, "queries": 1, "positions": positions, "ms": best_ms(1, positions, shape, args.repeat)})
         rows.append({"shape": name, "queries": args.prompt, "positions": args.prompt,
                      "ms": best_ms(args.prompt, args.prompt, shape, max(args.repeat // 2, 1))})
+    prompt = mla_prompt_seconds(args.model, args.prompt, args.threads) if args.model else None
     if args.json:
-        print(json.dumps({"kernels": kernels.kernel_paths(), "threads": args.threads, "rows": rows}, indent=1))
+        print(json.dumps({"kernels": kernels.kernel_paths(), "threads": args.threads, "rows": rows,
+                          "mla_prompt_seconds": prompt}, indent=1))
         return
     print(f"kernels: {kernels.kernel_paths()}; {args.threads} threads; best of {args.repeat} calls")
     print(f"{'shape':<18}{'queries':>8}{'positions':>10}{'ms':>10}")
     for row in rows:
         print(f"{row['shape']:<18}{row['queries']:>8}{row['positions']:>10}{row['ms']:>10.2f}")
+    if prompt:
+        print(f"{args.model}: a {args.prompt}-token prompt in {prompt['expanded']:.2f} s with MLA's keys and values "
+              f"expanded, {prompt['latent']:.2f} s in the latent space")
 
 
 if __name__ == "__main__":
