@@ -69,16 +69,18 @@ def test_the_layer_tail_runs_cached_experts_as_a_fetch_would(tmp_path, monkeypat
     """A decoded token's routed experts run inside the output kernel's call when they are all
     cached (found through the store's slot table), else after it through `fetch`: the same
     logits as the general path, and the same hits, misses, evictions and cache contents."""
+    from colibri.formats.layout import ModelLayout
     from colibri.runtime import fused, open_model
     from colibri.runtime.expert_store import slot_bytes
 
     convert(str(write_checkpoint(tmp_path / "src", arch)), tmp_path / "model", ConvertOptions(quant="Q4_K_M", progress=False))
+    layout = ModelLayout(tmp_path / "model")
+    half = layout.config.n_experts * slot_bytes(layout)  # half the experts of the two MoE layers
     tail, ran = fused._routed_tail_kernel, []
     monkeypatch.setattr(fused, "_routed_tail_kernel", lambda *args: ran.append(tail(*args)) or ran[-1])
 
     def decode(with_fused_steps: bool):
-        model = open_model(tmp_path / "model", ctx=64, cache_policy=policy,
-                           expert_cache=model_config.n_experts * slot_bytes(model_layout))  # half the experts
+        model = open_model(tmp_path / "model", ctx=64, cache_policy=policy, expert_cache=half)
         if not with_fused_steps:
             model.decoder.decode_layers = [None] * len(model.decoder.layers)
         logits = [model.prefill([5, 9, 2, 7])[-1]]
@@ -87,8 +89,6 @@ def test_the_layer_tail_runs_cached_experts_as_a_fetch_would(tmp_path, monkeypat
         index = model.store.index
         return np.array(logits), (index.hits, index.misses, index.evictions, dict(index.slot_of))
 
-    probe = open_model(tmp_path / "model", ctx=8)
-    model_config, model_layout = probe.config, probe.layout
     fused_logits, fused_cache = decode(True)
     assert True in ran and False in ran  # both branches: every expert cached, and one not
     general_logits, general_cache = decode(False)

@@ -156,7 +156,7 @@ def _prompt_attention(q, keys, values, start, first_key, window, sinks, chosen, 
     """`attention` for many queries. The cache is converted to float32 once ([kv head, row,
     width]); then each thread takes blocks of QUERY_BLOCK queries of one head: each cached key
     scores the whole block in one `float_dots` (the queries' fixed-order dots interleaved),
-    and the block's outputs accumulate one position at a time."""
+    and each query's output is its rows' values weighed in order (`weighted_rows_into`)."""
     n, heads, width = q.shape
     kv_heads, v_width, end = keys.shape[1], values.shape[2], keys.shape[0]
     group = heads // kv_heads
