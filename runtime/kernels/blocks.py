@@ -43,20 +43,23 @@ def encoding_of(tag) -> str | None:
 def _k_scales(e, block, offset):
     """IR: the 6-bit scales (lanes 0-7) and mins (lanes 8-15) of a Q4_K / Q5_K block as a
     <16 x i8>, unpacked as ggml does from the 12 bytes at `offset` (sub-blocks 0-3 in the low
-    bits of bytes 0-7, sub-blocks 4-7 in bytes 8-11 and the top bits of bytes 0-7)."""
+    bits of bytes 0-7, sub-blocks 4-7 in bytes 8-11 and the top bits of bytes 0-7). The three
+    words are unpacked side by side in one vector (a few vector instructions rather than a
+    dozen scalar ones and their inserts); the load's fourth word, the next 4 bytes of the
+    block, is not used."""
     b = e.b
-    u0, u1, u2 = (e.load(block, offset + 4 * i, I32) for i in range(3))
-    low6, low4, top2 = (ir.Constant(I32, m) for m in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
+    words = e.load(block, offset, I32, 4)  # u0, u1, u2, -
 
-    def tops(u):  # bits 6-7 of each byte, moved to bits 4-5
-        return b.shl(b.and_(b.lshr(u, ir.Constant(I32, 6)), top2), ir.Constant(I32, 4))
+    def constants(*values):
+        return ir.Constant(vec(I32, 4), [ir.Constant(I32, v) for v in values])
 
-    words = (b.and_(u0, low6), b.or_(b.and_(u2, low4), tops(u0)),
-             b.and_(u1, low6), b.or_(b.and_(b.lshr(u2, ir.Constant(I32, 4)), low4), tops(u1)))
-    packed = ir.Constant(vec(I32, 4), None)
-    for i, word in enumerate(words):
-        packed = b.insert_element(packed, word, ir.Constant(I32, i))
-    return b.bitcast(packed, vec(I8, 16))
+    # scales 0-3: u0 & 3F; scales 4-7: (u2 & 0F) | tops(u0); mins 0-3: u1 & 3F;
+    # mins 4-7: (u2 >> 4 & 0F) | tops(u1), where tops(u) moves bits 6-7 of each byte to 4-5
+    low = b.and_(b.lshr(e.pick(words, [0, 2, 1, 2]), constants(0, 0, 0, 4)),
+                 constants(0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F))
+    tops = b.and_(b.lshr(e.pick(words, [0, 0, 1, 1]), constants(2, 2, 2, 2)),
+                  constants(0, 0x30303030, 0, 0x30303030))
+    return b.bitcast(b.or_(low, tops), vec(I8, 16))
 
 
 def _k_block(e, block, levels):
@@ -65,11 +68,12 @@ def _k_block(e, block, levels):
     b = e.b
     packed = _k_scales(e, block, 4)
     values = b.uitofp(packed, vec(FLOAT, 16))
-    d, dmin = e.half(block, 0), e.half(block, 2)
+    both = e.halves_to_floats(e.load(block, 0, I16, 2))  # d and dmin in one conversion
+    d, dmin = (b.extract_element(both, ir.Constant(I32, i)) for i in range(2))
     offsets = b.fneg(b.fmul(e.splat(dmin), e.pick(values, range(8, 16))))
     return Block(levels, b.fmul(e.splat(d), e.pick(values, range(8))), offsets=offsets,
                   d=d, int_scales=b.zext(packed, vec(I16, 16)), pairs_per_scale=16,
-                  offsets16=e.pick(offsets, [j // 2 for j in range(16)]))
+                  offsets16=e.pick(offsets, [j // 2 for j in range(16)]), scale_bytes=packed)
 
 
 def _unpack_q4_k(e, block):
@@ -174,7 +178,8 @@ def _unpack_q2_k(e, block):
     scales = b.fmul(e.splat(d, 16), b.uitofp(scale4, vec(FLOAT, 16)))
     offsets = b.fneg(b.fmul(e.splat(dmin, 16), b.uitofp(min4, vec(FLOAT, 16))))
     return Block(_two_bit_levels(e, block, 16), scales, offsets=offsets, per16=True,
-                  d=d, int_scales=b.zext(scale4, vec(I16, 16)), pairs_per_scale=8, offsets16=offsets)
+                  d=d, int_scales=b.zext(scale4, vec(I16, 16)), pairs_per_scale=8, offsets16=offsets,
+                  scale_bytes=scale4)
 
 
 def _q3_k_scales(e, block, offset):
@@ -342,7 +347,8 @@ def k_int8_dots(e, block, activations, totals):
         levels = block.levels[per * c]
         if per == 2:
             levels = e.shuffle(levels, block.levels[per * c + 1], range(64))
-        scales = e.pick(block.int_scales, [(c * width // 2 + m) // block.pairs_per_scale for m in range(width // 2)])
+        which = [(c * width // 2 + m) // block.pairs_per_scale for m in range(width // 2)]
+        scales = e.pick(block.int_scales, which) if block.scale_bytes is None else e.widened_bytes(block.scale_bytes, which)
         weights = e.abs_bytes(levels) if block.signed else levels  # vpmaddubsw takes unsigned weights
         for k, (xq, _, _) in enumerate(activations):
             x = e.load(xq, width * c, I8, width)

@@ -312,6 +312,17 @@ class Emitter:
             result = b.select(b.icmp_unsigned("==", indices, self.const(I8, n, i)), self.const(I8, n, int(table[i])), result)
         return result
 
+    def widened_bytes(self, values, lanes):
+        """<16 x i16>, lane m = the unsigned byte values[lanes[m]] (values a <16 x i8>): with
+        AVX2 one vpshufb of values copied into both 16-byte halves, zeroing the high bytes
+        (a splat of one byte would otherwise take a shift and a vpbroadcastw)."""
+        if self.avx2 and len(lanes) == 16:
+            both = self.pick(values, [i % 16 for i in range(32)])
+            mask = [index for lane in lanes for index in (lane, 0x80)]
+            mask = ir.Constant(vec(I8, 32), [ir.Constant(I8, byte) for byte in mask])
+            return self.b.bitcast(self.call("llvm.x86.avx2.pshuf.b", both.type, both, mask), vec(I16, 16))
+        return self.pick(self.b.zext(values, vec(I16, values.type.count)), lanes)
+
     def table(self, name, values):
         """i8* to a constant table of bytes in the module (one copy per module, by `name`)."""
         module = self.b.module
