@@ -73,7 +73,7 @@ def _k_block(e, block, levels):
     offsets = b.fneg(b.fmul(e.splat(dmin), e.pick(values, range(8, 16))))
     return Block(levels, b.fmul(e.splat(d), e.pick(values, range(8))), offsets=offsets,
                   d=d, int_scales=b.zext(packed, vec(I16, 16)), pairs_per_scale=16,
-                  offsets16=e.pick(offsets, [j // 2 for j in range(16)]), scale_bytes=packed)
+                  offsets16=e.pick(offsets, [j // 2 for j in range(16)]))
 
 
 def _unpack_q4_k(e, block):
@@ -178,8 +178,7 @@ def _unpack_q2_k(e, block):
     scales = b.fmul(e.splat(d, 16), b.uitofp(scale4, vec(FLOAT, 16)))
     offsets = b.fneg(b.fmul(e.splat(dmin, 16), b.uitofp(min4, vec(FLOAT, 16))))
     return Block(_two_bit_levels(e, block, 16), scales, offsets=offsets, per16=True,
-                  d=d, int_scales=b.zext(scale4, vec(I16, 16)), pairs_per_scale=8, offsets16=offsets,
-                  scale_bytes=scale4)
+                  d=d, int_scales=b.zext(scale4, vec(I16, 16)), pairs_per_scale=8, offsets16=offsets)
 
 
 def _q3_k_scales(e, block, offset):
@@ -347,8 +346,8 @@ def k_int8_dots(e, block, activations, totals):
         levels = block.levels[per * c]
         if per == 2:
             levels = e.shuffle(levels, block.levels[per * c + 1], range(64))
-        which = [(c * width // 2 + m) // block.pairs_per_scale for m in range(width // 2)]
-        scales = e.pick(block.int_scales, which) if block.scale_bytes is None else e.widened_bytes(block.scale_bytes, which)
+        scales = e.spread_words(block.int_scales, [(c * width // 2 + m) // block.pairs_per_scale
+                                                   for m in range(width // 2)])
         weights = e.abs_bytes(levels) if block.signed else levels  # vpmaddubsw takes unsigned weights
         for k, (xq, _, _) in enumerate(activations):
             x = e.load(xq, width * c, I8, width)

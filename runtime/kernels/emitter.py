@@ -312,16 +312,22 @@ class Emitter:
             result = b.select(b.icmp_unsigned("==", indices, self.const(I8, n, i)), self.const(I8, n, int(table[i])), result)
         return result
 
-    def widened_bytes(self, values, lanes):
-        """<16 x i16>, lane m = the unsigned byte values[lanes[m]] (values a <16 x i8>): with
-        AVX2 one vpshufb of values copied into both 16-byte halves, zeroing the high bytes
-        (a splat of one byte would otherwise take a shift and a vpbroadcastw)."""
-        if self.avx2 and len(lanes) == 16:
-            both = self.pick(values, [i % 16 for i in range(32)])
-            mask = [index for lane in lanes for index in (lane, 0x80)]
-            mask = ir.Constant(vec(I8, 32), [ir.Constant(I8, byte) for byte in mask])
-            return self.b.bitcast(self.call("llvm.x86.avx2.pshuf.b", both.type, both, mask), vec(I16, 16))
-        return self.pick(self.b.zext(values, vec(I16, values.type.count)), lanes)
+    def spread_words(self, words, lanes):
+        """pick(words, lanes) for a <16 x i16> whose result takes each of its halves from one
+        half of `words` (the scales of a block's sub-block): with AVX2 one vpshufb of those
+        halves side by side, where LLVM would splat a lane with a shift and a vpbroadcastw,
+        or a byte shuffle and a widening, for each sub-block."""
+        if self.avx2 and words.type.count == 16 and len(lanes) == 16:
+            halves = [{lane // 8 for lane in lanes[:8]}, {lane // 8 for lane in lanes[8:]}]
+            if all(len(half) == 1 for half in halves):
+                (low,), (high,) = halves
+                source = self.pick(words, [8 * low + i for i in range(8)] + [8 * high + i for i in range(8)])
+                mask = ir.Constant(vec(I8, 32), [ir.Constant(I8, 2 * (lane % 8) + byte) for lane in lanes for byte in (0, 1)])
+                # inline assembly: LLVM turns a vpshufb of a constant mask back into its own shuffle
+                spread = self.b.asm(ir.FunctionType(vec(I8, 32), [vec(I8, 32)] * 2), "vpshufb $2, $1, $0", "=x,x,xm",
+                                    [self.b.bitcast(source, vec(I8, 32)), mask], False)
+                return self.b.bitcast(spread, vec(I16, 16))
+        return self.pick(words, lanes)
 
     def table(self, name, values):
         """i8* to a constant table of bytes in the module (one copy per module, by `name`)."""

@@ -12,12 +12,10 @@ class Block:
     (`k_int8_dot`): `d * sum_m int_scales[m // pairs_per_scale] * (level_2m x_2m + level_2m+1
     x_2m+1)` over the 128 pairs of weights, plus `offsets16 . (the sum of x over each 16)`
     (when not None); `int_scales` is a <16 x i16> (<8 x i16> for one scale per 32),
-    `offsets16` a <16 x float>; `scale_bytes`, when not None, is the <16 x i8> of unsigned
-    bytes whose first lanes `int_scales` widens."""
+    `offsets16` a <16 x float>."""
 
     def __init__(self, levels, scales, signed=False, bias=0, offsets=None, per16=False,
-                 d=None, int_scales=None, pairs_per_scale=None, offsets16=None, scale_bytes=None):
+                 d=None, int_scales=None, pairs_per_scale=None, offsets16=None):
         self.levels, self.scales, self.signed, self.bias = levels, scales, signed, bias
         self.offsets, self.per16 = offsets, per16
         self.d, self.int_scales, self.pairs_per_scale, self.offsets16 = d, int_scales, pairs_per_scale, offsets16
-        self.scale_bytes = scale_bytes
