@@ -4,7 +4,9 @@ Measures the machine's memory bandwidth (a numpy copy, read + written bytes; a n
 a numba read-only reduction with 1 and with all threads, the ceiling a streaming kernel can
 reach), then `matvec` for each encoding with 1 and all threads, int8 (the fast path's int8
 activations) and exact (float32) paths, and `matmul` with n=64 on those and, where the CPU has
-AMX, on the tiles (bfloat16), on matrices larger than the last-level cache.
+AMX, on the tiles (bfloat16), on matrices larger than the last-level cache. Last, the int8 row
+dot's own speed, in ns per weight block: one thread, its rows in L2, many passes per timing,
+the best of --repeat (what memory and a shared machine's noise do not blur).
 Prints a table with each result as a fraction of the read bandwidth at the same thread count
 (what bounds a matvec) and in multiply-adds per second (what bounds a matmul), and writes
 bench/out/kernels.json. Every number is the median of --repeat runs.
@@ -30,13 +32,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from colibri.convert.quantize_q4k import quantize  # noqa: E402
-from colibri.formats.encodings import READ_ONLY_ENCODINGS, row_bytes  # noqa: E402
+from colibri.formats.encodings import READ_ONLY_ENCODINGS, block_size, row_bytes  # noqa: E402
 from colibri.runtime import amx, kernels  # noqa: E402
 from colibri.runtime.kernels.emitter import TARGET_CPUS, restart_for  # noqa: E402
+from colibri.runtime.kernels.rows import rows_times  # noqa: E402
 
 COLS = 4096
 GOLDEN = ROOT / "tests" / "data" / "ggml_quants_golden_all.npz"
 MATMUL_N = 64
+IN_CACHE_ROWS = 64  # rows of the in-cache timing: 64 x COLS weights stay in a core's L2
+IN_CACHE_PASSES = 500  # passes over them per timing
 
 
 def median_seconds(run, repeat: int) -> float:
@@ -75,6 +80,28 @@ def weight_bytes(encoding: str, rows: int, cols: int) -> np.ndarray:
         sample = np.random.default_rng(0).standard_normal((256, cols)).astype(np.float32)
         tile = quantize(sample, encoding).reshape(-1)
     return np.resize(tile, rows * row_bytes(encoding, cols))
+
+
+@numba.njit(nogil=True)
+def _passes(tag, w, rows, row_nbytes, act, out, count):
+    for _ in range(count):
+        rows_times(tag, w, 0, rows, row_nbytes, COLS, act, out)
+
+
+def in_cache_ns_per_block(encoding: str, repeat: int) -> float:
+    """ns per weight block of the int8 row dot with one activation, on one thread, its rows in
+    L2: the best of `repeat` timings (other processes only ever add time)."""
+    matrix = kernels.Matrix(weight_bytes(encoding, IN_CACHE_ROWS, COLS), encoding, IN_CACHE_ROWS, COLS)
+    act = matrix.activation(np.random.default_rng(1).standard_normal((1, COLS)).astype(np.float32), tiles=False)
+    out = np.empty((1, IN_CACHE_ROWS), np.float32)
+    run = [matrix.tag, matrix.data, IN_CACHE_ROWS, matrix.row_nbytes, act, out]
+    _passes(*run, 1)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        _passes(*run, IN_CACHE_PASSES)
+        best = min(best, time.perf_counter() - start)
+    return best / IN_CACHE_PASSES / (IN_CACHE_ROWS * COLS // block_size(encoding)[0]) * 1e9
 
 
 def main() -> None:
@@ -126,6 +153,15 @@ def main() -> None:
                     print(f"{op:<10}{encoding:<9}{path:<7}{n:>8}{gbs:>8.2f}{fraction:>11.0%}{gmacs:>9.1f}", flush=True)
             del w
 
+    in_cache = []
+    print(f"\nint8 row dot, one thread, rows in L2, best of {args.repeat}:")
+    for encoding in args.encodings:
+        if encoding in kernels.FAST_ENCODINGS:
+            ns = in_cache_ns_per_block(encoding, args.repeat)
+            gbs = block_size(encoding)[1] / ns
+            in_cache.append({"encoding": encoding, "ns_per_block": ns, "gbs": gbs})
+            print(f"  {encoding:<9}{ns:6.2f} ns a block ({gbs:.1f} GB/s)", flush=True)
+
     out = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "numba": numba.__version__, "threading_layer": numba.threading_layer(),
@@ -133,6 +169,7 @@ def main() -> None:
         "isa": args.isa, "kernels": kernels.kernel_paths(),
         "memory_bandwidth": bandwidth,
         "results": results,
+        "in_cache": in_cache,
     }
     path = ROOT / "bench" / "out" / "kernels.json"
     path.parent.mkdir(parents=True, exist_ok=True)
