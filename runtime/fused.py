@@ -88,6 +88,42 @@ def _share_of_two(t, nthreads, cols, a, a_act, a_out, b, b_act, b_out):
         rows_times(b_tag, b_w, max(lo - a_rows, 0), hi - a_rows, b_nbytes, cols, b_act, b_out)
 
 
+SERIAL_BYTES = 128 << 10  # a decoded token's product of fewer weight bytes runs on the calling thread alone
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _product(matrix, act, out, cols, nthreads):
+    """out = the product of one row: on all threads, or, when its weights take fewer than
+    SERIAL_BYTES, on this one (a parallel region costs more than the other threads would
+    save). The rows are the same either way."""
+    if out.shape[1] * matrix[2] < SERIAL_BYTES:
+        _share_of_one(0, 1, matrix, act, out, cols)
+    else:
+        for t in prange(nthreads):
+            _share_of_one(t, nthreads, matrix, act, out, cols)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _products_of_two(cols, a, a_act, a_out, b, b_act, b_out, nthreads):
+    """`_share_of_two` on all threads, or on this one below SERIAL_BYTES in all."""
+    if a_out.shape[1] * a[2] + b_out.shape[1] * b[2] < SERIAL_BYTES:
+        _share_of_two(0, 1, cols, a, a_act, a_out, b, b_act, b_out)
+    else:
+        for t in prange(nthreads):
+            _share_of_two(t, nthreads, cols, a, a_act, a_out, b, b_act, b_out)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _products_per_head(matrix, cols, act, heads, stride, first, out, nthreads):
+    """`rows_per_head` on all threads, or on this one below SERIAL_BYTES in all."""
+    tag, w, nbytes = matrix
+    if heads * out.shape[2] * nbytes < SERIAL_BYTES:
+        rows_per_head(0, 1, tag, w, nbytes, cols, act, heads, stride, first, out)
+    else:
+        for t in prange(nthreads):
+            rows_per_head(t, nthreads, tag, w, nbytes, cols, act, heads, stride, first, out)
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
 def _qkv_kernel(x, attn_norm, eps, h, tags, weights, row_nbytes, q_act, k_act, v_act, distinct, outs, biases, norms,
                 qk_norm, clip, cos, sin, positions, rope_dim, interleaved, heads, kv_heads, nthreads):
@@ -143,13 +179,11 @@ def _latent_query_kernel(x, attn_norm, eps, latent_eps, h, first, first_act, fir
     rms_norm_into(x, attn_norm, eps, h)
     cols = h.shape[1]
     _fill_pair(h, first_act, kv_act, kv_distinct)
-    for t in prange(nthreads):
-        _share_of_two(t, nthreads, cols, first, first_act, first_out, kv_a, kv_act, compressed)
+    _products_of_two(cols, first, first_act, first_out, kv_a, kv_act, compressed, nthreads)
     if lora:
         rms_norm_into(first_out, q_a_norm, latent_eps, q_low)
         fill_activation(q_b_act, q_low, 0, q_low.shape[1])
-        for t in prange(nthreads):
-            _share_of_one(t, nthreads, q_b, q_b_act, q, q_low.shape[1])
+        _product(q_b, q_b_act, q, q_low.shape[1], nthreads)
     heads, rank = q_latent.shape
     nope = q_nope.shape[1]
     rms_norm_into(np.ascontiguousarray(compressed[:, :rank]), kv_a_norm, latent_eps, latent)
@@ -159,10 +193,7 @@ def _latent_query_kernel(x, attn_norm, eps, latent_eps, h, first, first_act, fir
     rotate_into(q_heads[:, :, nope:], cos, sin, positions, rope_dim, interleaved, q_pe)
     q_nope[:, :] = q_heads[0, :, :nope]
     fill_activation(absorb_act, q_nope, 0, q_nope.size)
-    a_tag, a_w, a_nbytes = absorb
-    by_head = q_latent.reshape(heads, 1, rank)
-    for t in prange(nthreads):
-        rows_per_head(t, nthreads, a_tag, a_w, a_nbytes, nope, absorb_act, heads, rank, 0, by_head)
+    _products_per_head(absorb, nope, absorb_act, heads, rank, 0, q_latent.reshape(heads, 1, rank), nthreads)
     queries[0, :, :rank] = q_latent
     queries[0, :, rank:] = q_pe[0]
     stored[0, :rank] = latent[0]
@@ -180,15 +211,12 @@ def _output_steps(x, per_head, contexts, heads_matrix, heads_act, stride, first,
     heads = attended.shape[1]
     if per_head:
         fill_activation(heads_act, contexts, 0, contexts.size)
-        p_tag, p_w, p_nbytes = heads_matrix
-        values = attended.reshape(heads, 1, -1)
-        for t in prange(nthreads):
-            rows_per_head(t, nthreads, p_tag, p_w, p_nbytes, contexts.shape[1], heads_act, heads, stride, first, values)
+        _products_per_head(heads_matrix, contexts.shape[1], heads_act, heads, stride, first,
+                           attended.reshape(heads, 1, -1), nthreads)
     flat = attended.reshape(1, -1)
     cols = flat.shape[1]
     fill_activation(o_act, flat, 0, cols)
-    for t in prange(nthreads):
-        _share_of_one(t, nthreads, o, o_act, o_out, cols)
+    _product(o, o_act, o_out, cols, nthreads)
     if o_bias.size:
         _add(o_out[0], o_bias)
     for i in range(x.shape[1]):
@@ -196,8 +224,7 @@ def _output_steps(x, per_head, contexts, heads_matrix, heads_act, stride, first,
     rms_norm_into(x, ffn_norm, eps, h)
     if route:
         fill_activation(router_act, h, 0, h.shape[1])
-        for t in prange(nthreads):
-            _share_of_one(t, nthreads, router, router_act, logits, h.shape[1])
+        _product(router, router_act, logits, h.shape[1], nthreads)
         if logit_bias.size:
             _add(logits[0], logit_bias)
         route_into(logits, bias, sigmoid, groups, topk_groups, top2_sum, norm, route_scale, ids, weights)
@@ -217,13 +244,11 @@ def _ffn_steps(h, gate, gate_act, up, up_act, up_distinct, gate_out, up_out, dow
     """out = down(silu(gate(h)) * up(h)) for h [1, hidden]."""
     cols = h.shape[1]
     _fill_pair(h, gate_act, up_act, up_distinct)
-    for t in prange(nthreads):
-        _share_of_two(t, nthreads, cols, gate, gate_act, gate_out, up, up_act, up_out)
+    _products_of_two(cols, gate, gate_act, gate_out, up, up_act, up_out, nthreads)
     silu_times_rows(gate_out, up_out, 0, 1)
     ffn = gate_out.shape[1]
     fill_activation(down_act, gate_out, 0, ffn)
-    for t in prange(nthreads):
-        _share_of_one(t, nthreads, down, down_act, out, ffn)
+    _product(down, down_act, out, ffn, nthreads)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
