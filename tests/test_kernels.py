@@ -596,7 +596,7 @@ def test_grouped_experts_equal_the_per_expert_path(encodings, ffn, hidden, exact
     kernel = kernels.ExpertKernel(records.shape[1], encodings, offsets, ffn, hidden)
     rng = np.random.default_rng(n)
     x = rng.standard_normal((n, hidden)).astype(np.float32)
-    ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(n)])
+    ids = np.stack([rng.choice(experts, k, replace=False, p=[0.7, 0.1, 0.1, 0.1]) for _ in range(n)])  # one busy expert
     weights = rng.random((n, k)).astype(np.float32)
     acts = {dot_type: make_activation(x, dot_type, tiles=False) for dot_type in set(kernel.dot_types[:2])}
     if None in kernel.dot_types:  # float weights multiply float activations, expert by expert
@@ -610,10 +610,12 @@ def test_grouped_experts_equal_the_per_expert_path(encodings, ffn, hidden, exact
             kernels.add_weighted_rows(want, rows, y, weights[rows, choice])
     order = np.argsort(ids.reshape(-1), kind="stable")
     used, starts = np.unique(ids.reshape(-1)[order], return_index=True)
-    got = np.zeros_like(x)
-    kernel.grouped(records, used.astype(np.int64), np.append(starts, order.size).astype(np.int64),
-                   (order // k).astype(np.int64), weights.reshape(-1)[order], acts, got, used.astype(np.int64))
-    assert kernel.groupable(acts) and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    for parts in (1, 2, 3, 7):  # the rows shared out so that groups are cut between threads
+        got = np.zeros_like(x)
+        kernel.grouped(records, used.astype(np.int64), np.append(starts, order.size).astype(np.int64),
+                       (order // k).astype(np.int64), weights.reshape(-1)[order], acts, got, used.astype(np.int64),
+                       parts=parts)
+        assert kernel.groupable(acts) and np.array_equal(got.view(np.uint32), want.view(np.uint32)), parts
 
 
 def clamped_expert_reference(matrices, biases, x, alpha, limit):
@@ -697,3 +699,18 @@ def test_gated_delta_rule_matches_the_recurrence_written_out(tiled):
     kernels.gated_delta_rule(f32(q), f32(k), f32(v), f32(decay), f32(beta), key_heads, out_state, got)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     assert np.abs(out_state - state).max() <= 1e-5 * np.abs(state).max()
+
+
+def test_grouped_rows_split_at_whole_groups_of_activations():
+    """The grouped kernel cuts the rows between threads at GROUP multiples from a group's start
+    (or at its end), in order, covering every row once."""
+    from colibri.runtime.kernels.experts import _split_row
+    from colibri.runtime.kernels.rows import GROUP
+
+    starts = np.array([0, 3, 3, 40, 41, 100], np.int64)
+    cuts = [_split_row(starts, row) for row in range(101)]
+    assert cuts[0] == 0 and cuts[100] == 100 and cuts == sorted(cuts)
+    for cut in cuts:
+        g = np.searchsorted(starts, cut, side="right") - 1
+        assert cut == 100 or (cut - starts[g]) % GROUP == 0 or cut == starts[g + 1]
+    assert _split_row(starts, 3 + GROUP // 2) == 3 + GROUP and _split_row(starts, 3 + GROUP // 2 - 1) == 3

@@ -21,7 +21,7 @@ from colibri.runtime.kernels.activations import (
 from colibri.runtime.kernels.blocks import BLOCK_TAGS
 from colibri.runtime.kernels.matrices import matrix_times
 from colibri.runtime.kernels.numerics import GLU_CLAMPED, GLU_SILU, glu
-from colibri.runtime.kernels.rows import row_dot, rows_times
+from colibri.runtime.kernels.rows import GROUP, row_dot, rows_times
 from colibri.runtime.kernels.threads import part_range, thread_count
 
 F32 = np.float32
@@ -111,31 +111,49 @@ def silu_times(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return _glu(gate, up, GLU_SILU, F32(1.0), F32(0.0), thread_count())
 
 
+@_njit
+def _split_row(starts, row):
+    """Row `row` of the groups' concatenation moved to a whole number of GROUP rows from its
+    group's start (or to the group's end): where one thread's share of the rows ends and the
+    next one's begins, so a group cut between threads leaves no extra partial GROUP."""
+    g = np.searchsorted(starts, row, side="right") - 1
+    if g >= starts.size - 1:
+        return starts[-1]
+    return min(starts[g] + (row - starts[g] + GROUP // 2) // GROUP * GROUP, starts[g + 1])
+
+
 @_parallel
 def _grouped_kernel(gate_tag, up_tag, down_tag, records, slots, starts, rows, weights, offsets, row_nbytes, ffn, hidden,
-                    gate_act, up_act, h_act, out, ids, gate_bias, up_bias, down_bias, glu_kind, alpha, limit):
+                    gate_act, up_act, h_act, out, ids, gate_bias, up_bias, down_bias, glu_kind, alpha, limit, parts):
     """For each group g (expert ids[g] in record slots[g], rows rows[starts[g]:starts[g+1]] of
-    the batch): out[rows] += weights * down(glu(gate @ x, up @ x)). Groups run in parallel, each on one
-    thread with the kernels `batch` uses (a product's values do not depend on how its rows are
-    split between threads); their outputs are then added in group order."""
+    the batch): out[rows] += weights * down(glu(gate @ x, up @ x)). The groups' rows, in order,
+    are cut into `parts` equal shares run in parallel (a group may be cut between two: a few
+    experts often take most rows), each with the kernels `batch` uses (a product's values do
+    not depend on how its rows are split); the outputs are then added in group order."""
     ys = np.empty((starts[-1], hidden), np.float32)
-    for g in prange(slots.size):
-        mine = rows[starts[g]:starts[g + 1]]
-        n, record = mine.size, records[slots[g]]
-        gate = np.empty((n, ffn), np.float32)
-        up = np.empty((n, ffn), np.float32)
-        rows_times(gate_tag, record[offsets[0]:], 0, ffn, row_nbytes[0], hidden, activation_row(gate_act, mine), gate)
-        rows_times(up_tag, record[offsets[1]:], 0, ffn, row_nbytes[1], hidden, activation_row(up_act, mine), up)
-        if gate_bias.shape[0]:
-            gate += gate_bias[ids[g]]
-            up += up_bias[ids[g]]
-        glu_rows(gate, up, 0, n, glu_kind, alpha, limit)
-        mine_h = activation_row(h_act, slice(starts[g], starts[g + 1]))
-        fill_activation(mine_h, gate, 0, gate.size)
-        y = ys[starts[g]:starts[g + 1]]
-        rows_times(down_tag, record[offsets[2]:], 0, hidden, row_nbytes[2], ffn, mine_h, y)
-        if gate_bias.shape[0]:
-            y += down_bias[ids[g]]
+    for part in prange(parts):
+        first = _split_row(starts, starts[-1] * part // parts)
+        stop = _split_row(starts, starts[-1] * (part + 1) // parts)
+        g = np.searchsorted(starts, first, side="right") - 1
+        while first < stop:
+            end = min(stop, starts[g + 1])
+            mine = rows[first:end]
+            n, record = mine.size, records[slots[g]]
+            gate = np.empty((n, ffn), np.float32)
+            up = np.empty((n, ffn), np.float32)
+            rows_times(gate_tag, record[offsets[0]:], 0, ffn, row_nbytes[0], hidden, activation_row(gate_act, mine), gate)
+            rows_times(up_tag, record[offsets[1]:], 0, ffn, row_nbytes[1], hidden, activation_row(up_act, mine), up)
+            if gate_bias.shape[0]:
+                gate += gate_bias[ids[g]]
+                up += up_bias[ids[g]]
+            glu_rows(gate, up, 0, n, glu_kind, alpha, limit)
+            mine_h = activation_row(h_act, slice(first, end))
+            fill_activation(mine_h, gate, 0, gate.size)
+            y = ys[first:end]
+            rows_times(down_tag, record[offsets[2]:], 0, hidden, row_nbytes[2], ffn, mine_h, y)
+            if gate_bias.shape[0]:
+                y += down_bias[ids[g]]
+            first, g = end, g + 1
     add_weighted_rows(out, rows, ys, weights)
 
 
@@ -239,15 +257,16 @@ class ExpertKernel:
         return None not in self.dot_types and not any(isinstance(a, amx.TileActivation) for a in acts.values())
 
     def grouped(self, records: np.ndarray, slots: np.ndarray, starts: np.ndarray, rows: np.ndarray,
-                weights: np.ndarray, acts: dict, out: np.ndarray, ids: np.ndarray) -> None:
+                weights: np.ndarray, acts: dict, out: np.ndarray, ids: np.ndarray, parts: int | None = None) -> None:
         """Every group g (expert ids[g] in `records[slots[g]]`, batch rows `rows[starts[g]:starts[g+1]]`
         with their routing weights) in one call, each added to `out` [n, hidden] in order: what
         `batch` and `add_weighted_rows` give group by group. `acts` from `activations` of the
-        whole batch, `groupable`."""
+        whole batch, `groupable`. The rows are shared out in `parts` (default: the thread count)."""
         gate_act, up_act = (acts[dot_type] for dot_type in self.dot_types[:2])
         h_act = empty_activation(rows.size, self.ffn, self.dot_types[2])  # each group quantizes its own rows
         _grouped_kernel(*self.tags, records, slots, starts, rows, weights, self.offsets, self.sizes, self.ffn, self.hidden,
-                        gate_act, up_act, h_act, out, self._bias_ids(ids), *self.biases, *self.glu)
+                        gate_act, up_act, h_act, out, self._bias_ids(ids), *self.biases, *self.glu,
+                        thread_count() if parts is None else parts)
 
     def _project(self, record: np.ndarray, m: int, rows: int, cols: int, act, n: int) -> np.ndarray:
         return matrix_times(self.tags[m], record[self.offsets[m]:], rows, cols, self.sizes[m], act, n)
