@@ -19,7 +19,7 @@ tg128 and pp512 in the same run (else an earlier session's figures). `--isa avx2
 kernels for an AVX2-only CPU, to compare with a llama.cpp built so. Writes bench/out/decode.json.
 
     python bench/decode.py [--model DIR] [--prompt-tokens 64] [--tokens 48] [--stream-share 0.25]
-        [--io pread,direct,mmap] [--batch 8] [--prefetch] [--isa avx2] [--llama-bench BIN --gguf FILE]
+        [--io pread,direct,mmap] [--batch 8] [--repeat 3] [--prefetch] [--isa avx2] [--llama-bench BIN --gguf FILE]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -101,6 +102,12 @@ def run(model, prompt_tokens: int, tokens: int) -> dict:
             "tokens": generated}
 
 
+def median_run(model, prompt_tokens: int, tokens: int, repeat: int) -> dict:
+    """`run` `repeat` times: the last run's figures with the median prompt and decode speeds."""
+    runs = [run(model, prompt_tokens, tokens) for _ in range(repeat)]
+    return {**runs[-1], **{key: statistics.median(r[key] for r in runs) for key in ("prompt_tok_per_s", "decode_tok_per_s")}}
+
+
 def optional(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -121,6 +128,9 @@ def main() -> None:
     parser.add_argument("--io", default="pread,direct,mmap",
                         help="expert I/O modes to run side by side, comma-separated (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=8, help="sequences of the batched rows (0: none; default: %(default)s)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="timed runs of each warm row, whose median prompt and decode speeds are shown; "
+                             "a cold row runs once (default: %(default)s)")
     parser.add_argument("--prefetch", action="store_true", help="read ahead the next layer's predicted experts in every row")
     args = parser.parse_args()
     restart_for(args.isa)
@@ -147,7 +157,8 @@ def main() -> None:
                                prefetch=args.prefetch)
             if not cold:
                 run(model, args.prompt_tokens, args.tokens)  # warm: kernels compiled, experts and page cache filled
-            r = results[f"{io}: {regime}"] = run(model, args.prompt_tokens, args.tokens)
+            r = results[f"{io}: {regime}"] = median_run(model, args.prompt_tokens, args.tokens,
+                                                        1 if cold else args.repeat)
             r["ceiling"] = mem_bw / (resident + expert_per_token) if cache == all_experts \
                 else disk_bw / max(expert_per_token * (1 - r["hit_rate"]), 1)
             r["read_ceiling"] = None if cache == all_experts else disk_bw / max(r["read_bytes_per_token"], 1)
