@@ -83,9 +83,9 @@ def weight_bytes(encoding: str, rows: int, cols: int) -> np.ndarray:
 
 
 @numba.njit(nogil=True)
-def _passes(tag, w, rows, row_nbytes, act, out, count):
+def _passes(tag, w, rows, row_nbytes, cols, act, out, count):
     for _ in range(count):
-        rows_times(tag, w, 0, rows, row_nbytes, COLS, act, out)
+        rows_times(tag, w, 0, rows, row_nbytes, cols, act, out)
 
 
 def in_cache_ns_per_block(encoding: str, repeat: int) -> float:
@@ -94,7 +94,7 @@ def in_cache_ns_per_block(encoding: str, repeat: int) -> float:
     matrix = kernels.Matrix(weight_bytes(encoding, IN_CACHE_ROWS, COLS), encoding, IN_CACHE_ROWS, COLS)
     act = matrix.activation(np.random.default_rng(1).standard_normal((1, COLS)).astype(np.float32), tiles=False)
     out = np.empty((1, IN_CACHE_ROWS), np.float32)
-    run = [matrix.tag, matrix.data, IN_CACHE_ROWS, matrix.row_nbytes, act, out]
+    run = [matrix.tag, matrix.data, IN_CACHE_ROWS, matrix.row_nbytes, matrix.cols, act, out]
     _passes(*run, 1)
     best = float("inf")
     for _ in range(repeat):
