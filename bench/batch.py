@@ -40,9 +40,9 @@ from colibri.runtime.expert_store import cache_bytes_for_all
 from colibri.runtime.memory import current_rss
 from colibri.runtime.plan import measure_disk_bandwidth
 
+from decode import evict, read_bandwidth  # bench/decode.py: a script's own folder is first on sys.path
+
 BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-from decode import evict, read_bandwidth  # noqa: E402
 
 
 def decode_batch(model, batch: int, prompt_tokens: int, tokens: int, seed: int = 0) -> dict:

@@ -28,10 +28,9 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from bench.decode import reference_model  # noqa: E402
-from colibri.runtime.kernels.emitter import TARGET_CPUS, target_environment  # noqa: E402
+from colibri.runtime.kernels.emitter import TARGET_CPUS, target_environment
+from decode import reference_model  # bench/decode.py: a script's own folder is first on sys.path
 
 # Runs on a checkout's code (`importable`), timing with this tree's
 # bench/decode.py `run`, and prints one JSON line.

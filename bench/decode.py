@@ -66,9 +66,8 @@ def reference_model(out: Path) -> Path:
 
 
 def read_bandwidth(threads: int) -> float:
-    """Bytes/s a 2-thread numba read reaches (bench/kernels.py's measure)."""
-    sys.path.insert(0, str(BENCH))
-    from kernels import memory_bandwidth
+    """Bytes/s a 2-thread numba read reaches (bench/kernel_speed.py's measure)."""
+    from kernel_speed import memory_bandwidth
 
     return memory_bandwidth(1 << 30, 5, [threads])[f"read_{threads}t_gbs"] * 1e9
 
@@ -143,7 +142,6 @@ def main() -> None:
     expert_per_token = sum(t.expert_bytes * c.n_experts_used for t in layout.expert_layers.values())
     mem_bw = read_bandwidth(args.threads)
 
-    sys.path.insert(0, str(BENCH))
     from batch import decode_batch  # (bench/batch.py imports this module's helpers)
 
     disk_bw = measure_disk_bandwidth(layout)

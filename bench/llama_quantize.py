@@ -27,10 +27,8 @@ from colibri.convert.synthetic import tiny_config, write_checkpoint
 from colibri.formats.checkpoint import Checkpoint
 from colibri.formats.layout import ModelLayout
 from colibri.formats.recipe import MIXES
+from colibri.runtime.imatrix import ActivationSums
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from test_imatrix import write_imatrix  # noqa: E402
 
 PERMUTED = ("attn_q.weight", "attn_k.weight")  # llama's GGUF row order differs from the checkpoint's
 EXPERT_KEYS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts"}
@@ -65,7 +63,11 @@ def compare(arch: str, variant: str, mixes: list[str], llama_bin: Path, work: Pa
     for layer in plan.expert_layers:
         for m, name in layer.canonical.items():
             entries[name] = rng.uniform(0.1, 5.0, (layer.count, layer.shapes[m][1]))
-    imatrix = write_imatrix(work / f"imatrix-{arch}.gguf", entries)
+    imatrix = work / f"imatrix-{arch}.gguf"
+    sums = ActivationSums()
+    sums.sums = entries
+    sums.counts = {name: np.full(len(rows), 7) for name, rows in entries.items()}
+    sums.write(imatrix, ["bench"], chunk_count=4, chunk_size=512)
     lines = []
     for mix in mixes:
         for use_imatrix in (False, True):

@@ -5,7 +5,7 @@ through the runtime's own `CacheIndex` with every policy at several cache sizes 
 experts), and through Belady's MIN (evict the expert whose next use is farthest away: the
 offline upper bound no online policy can beat). Prints a table, writes bench/out/policy.json.
 
-    python bench/policy.py TRACE.jsonl [TRACE2.jsonl ...] [--sizes 0.05 0.1 0.25 0.5]
+    python bench/policy.py TRACE.jsonl [TRACE2.jsonl ...] [--sizes 0.05 0.1 0.25 0.5] [--out FILE]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("traces", nargs="+", type=Path)
     parser.add_argument("--sizes", type=float, nargs="+", default=[0.05, 0.1, 0.25, 0.5],
                         help="cache sizes as shares of all distinct experts in the trace")
+    parser.add_argument("--out", type=Path, default=BENCH / "out" / "policy.json", help="the JSON results (default: %(default)s)")
     args = parser.parse_args()
     results = []
     print(f"{'trace':<28}{'cache':>7}" + "".join(f"{p:>9}" for p in POLICIES) + f"{'Belady':>9}")
@@ -38,8 +39,8 @@ def main() -> None:
                    **{p: replay(requests, capacity, p) for p in POLICIES}, "belady": belady(requests, capacity)}
             results.append(row)
             print(f"{path.name:<28}{share:>6.0%} " + "".join(f"{row[p]:>9.1%}" for p in POLICIES) + f"{row['belady']:>9.1%}")
-    (BENCH / "out").mkdir(exist_ok=True)
-    (BENCH / "out" / "policy.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "results": results}, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -9,16 +9,14 @@ reference machine. Writes the same numbers to bench/out/quantize.json.
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from colibri.convert.quantize_q4k import dequantize, quantize
 
-from colibri.convert.quantize_q4k import dequantize, quantize  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"]
 IMATRIX_TYPES = {"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"}  # types whose output depends on it

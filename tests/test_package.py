@@ -3,7 +3,9 @@ the repository; a wheel carries all of them and nothing else."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -66,3 +68,21 @@ def test_a_wheel_adds_one_top_level_package(tmp_path):
     where, top_level = out.stdout.split()
     assert pathlib.Path(where).is_relative_to(tmp_path / "site")
     assert top_level == "[]"
+
+
+def test_no_script_or_test_module_shadows_an_installed_package():
+    """A bench script's folder is first on sys.path when it runs, and pytest puts tests/ there:
+    a module named like an installed distribution's (bench/kernels.py against Hugging Face's
+    `kernels`, which transformers imports) would be imported in its place."""
+    installed = importlib.metadata.packages_distributions()
+    for folder in ("bench", "tests"):
+        for module in (ROOT / folder).glob("*.py"):
+            assert module.stem not in installed, f"{folder}/{module.name} shadows {installed[module.stem]}"
+
+
+def test_no_test_or_bench_script_edits_sys_path():
+    """pytest's `pythonpath` gives the repository root; anything more is path surgery that
+    lets a folder's modules shadow installed ones."""
+    for folder in ("bench", "tests"):
+        for module in (ROOT / folder).glob("*.py"):
+            assert not re.search(r"sys\.path\.(insert|append)\(", module.read_text()), f"{folder}/{module.name}"

@@ -3,6 +3,7 @@ needs nothing from the network."""
 
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,8 +13,10 @@ import pytest
 from colibri.cli import main
 from colibri.convert.hf_to_colibri import ConvertOptions, convert
 from colibri.convert.synthetic import write_checkpoint
+from colibri.report import SHARES
+from colibri.runtime.policy_replay import belady, read_trace, replay
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+BENCH_POLICY = Path(__file__).resolve().parent.parent / "bench" / "policy.py"
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,6 @@ def test_the_heat_map_counts_are_the_traces(job):
 def test_the_replay_is_bench_policy_s_and_the_run_s(job):
     from colibri.report import build_report
     from colibri.runtime.expert_store import POLICIES
-    from policy import belady, read_trace, replay
 
     stats = json.loads((job / "stats.json").read_text())
     _, numbers = build_report(job / "trace.jsonl", stats)
@@ -65,6 +67,17 @@ def test_the_replay_is_bench_policy_s_and_the_run_s(job):
     overall = replay(requests, numbers["cache_experts"], "lru")
     assert abs(1 - sum(numbers["misses_per_token"]) / lookups - overall) < 1e-12 and 0 < overall < 1
     assert numbers["job_tok_per_s"] > 0 and numbers["plan"]["batch"] <= 3
+
+
+def test_bench_policy_gives_the_report_s_replay(job, tmp_path):
+    """bench/policy.py, run as a script, prints the table the report draws from the same trace."""
+    from colibri.report import build_report
+
+    _, numbers = build_report(job / "trace.jsonl", json.loads((job / "stats.json").read_text()))
+    subprocess.run([sys.executable, str(BENCH_POLICY), str(job / "trace.jsonl"), "--sizes", *map(str, SHARES),
+                    "--out", str(tmp_path / "policy.json")], check=True, capture_output=True)
+    rows = json.loads((tmp_path / "policy.json").read_text())["results"]
+    assert [{k: row[k] for k in numbers["policies"][0]} for row in rows] == numbers["policies"]
 
 
 def test_the_report_is_self_contained(job):

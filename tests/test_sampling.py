@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from colibri.runtime.sampling import Sampler, SamplingParams  # noqa: E402
+from colibri.runtime.sampling import Sampler, SamplingParams
 
 VOCAB = 1000
 

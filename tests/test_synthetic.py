@@ -7,21 +7,13 @@ import hashlib
 import json
 import math
 import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
-try:
-    import colibri.convert.synthetic  # noqa: F401
-except ImportError:  # pragma: no cover - depends on how pytest was started
-    sys.path.insert(0, str(_ROOT))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from colibri.convert import synthetic as S
 
-from colibri.convert import synthetic as S  # noqa: E402
-
-import oracle_models as O  # noqa: E402
+import oracle_models as O
 
 ARCHS = list(S.ARCHITECTURES)
 _ORACLE_OK, _ORACLE_WHY = O.oracle_available()

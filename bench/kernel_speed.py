@@ -11,7 +11,7 @@ Prints a table with each result as a fraction of the read bandwidth at the same 
 (what bounds a matvec) and in multiply-adds per second (what bounds a matmul), and writes
 bench/out/kernels.json. Every number is the median of --repeat runs.
 
-    python bench/kernels.py [--mb 1024] [--repeat 7] [--encodings Q4_K Q6_K Q8_0 BF16] [--isa avx2]
+    python bench/kernel_speed.py [--mb 1024] [--repeat 7] [--encodings Q4_K Q6_K Q8_0 BF16] [--isa avx2]
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ from pathlib import Path
 import numba
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from colibri.convert.quantize_q4k import quantize
 
-from colibri.convert.quantize_q4k import quantize  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 from colibri.formats.encodings import READ_ONLY_ENCODINGS, block_size, row_bytes  # noqa: E402
 from colibri.runtime import amx, kernels  # noqa: E402
 from colibri.runtime.kernels.emitter import TARGET_CPUS, restart_for  # noqa: E402
