@@ -9,7 +9,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -42,14 +41,12 @@ def src(pristine, tmp_path):
 def refused(argv, capsys, *words, out=None):
     """Run `convert SRC OUT ...` (exit 1, one line on stderr, no OUT) or `colibri verify...`
     (exit 1, its report naming the problem); `words` must appear, a traceback never."""
-    started = time.monotonic()
     if argv[0] == "convert":
         code = convert_main([*argv[1:], "--no-progress"])
     else:
         code = main(argv[1:])
     captured = capsys.readouterr()
     err, text = captured.err.strip(), captured.out + captured.err
-    assert time.monotonic() - started < 30
     assert code == 1 and "Traceback" not in text, text
     if argv[0] == "convert":
         assert err.count("\n") == 0, err

@@ -248,7 +248,6 @@ def test_quantized_kv_cache_stays_close_to_f32(model_dir, kind, median_cos):
 def test_prompts_the_model_cannot_take_are_one_line_errors(model_dir, capsys):
     """An empty prompt, token ids outside the vocabulary, and a 50 MB prompt against --ctx 256
     (refused from its length, without tokenizing it)."""
-    import time
 
     from colibri.runtime import open_model
     from colibri.runtime.engine import PromptError
@@ -260,10 +259,12 @@ def test_prompts_the_model_cannot_take_are_one_line_errors(model_dir, capsys):
     for ids in ([], [m.config.vocab_size], [-1]):
         with pytest.raises(PromptError):
             m.prefill(ids)
-    started = time.monotonic()
+    def never(*args, **kwargs):
+        raise AssertionError("the prompt was tokenized")
+
+    m.tokenizer.encode = never
     with pytest.raises(ContextOverflow, match="cannot fit --ctx 256"):
         next(m.generate("a" * (50 << 20)))
-    assert time.monotonic() - started < 5
 
 
 def test_plan_batch_table_from_uniform_routing_a_trace_and_measured_costs(model_dir, tmp_path, capsys):
