@@ -1,30 +1,75 @@
 # Everything sets itself up: `make demo` and `make test` work on a fresh clone.
+# Installs come from the hashed locks in locks/ (`make lock` rewrites them from pyproject.toml);
+# `make test-latest` runs the suite on the newest releases instead, to see drift on purpose.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 BASE_STAMP := $(VENV)/.installed-base
 TEST_STAMP := $(VENV)/.installed-test
+CI_STAMP := $(VENV)/.installed-ci
+LATEST_VENV := .venv-latest
+LOCK_VENV := .venv-lock
+# torch stays outside the hashed locks: a resolver would record PyPI's CUDA build, and these
+# machines provide this CPU build locally (pip finds it; uv and other resolvers do not).
+TORCH := torch==2.13.0
+# The locks resolve torch's own dependencies from that CPU wheel, found here.
+TORCH_WHEELS ?= /opt/wheels
+LOCK_OPTIONS := --python-version 3.11 --python-platform x86_64-manylinux_2_28 --generate-hashes \
+	--find-links $(TORCH_WHEELS) --no-emit-package torch --no-emit-find-links --quiet
 
-.PHONY: demo test bench-quantize bench-convert clean
+.PHONY: demo test test-ci test-latest lock bench-quantize bench-convert clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 
-$(BASE_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e .
+# Each lock is complete, so pip installs it as it stands (--no-deps) and `pip check` proves it.
+$(BASE_STAMP): locks/base.txt pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet --require-hashes --no-deps -r locks/base.txt
+	$(BIN)/pip install --quiet --no-deps -e .
+	$(BIN)/pip check
 	touch $@
 
-# The oracle extra pins torch==2.13.0, the CPU build these machines provide locally.
-$(TEST_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[test,oracle,serve]'
+$(TEST_STAMP): locks/test.txt pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet --require-hashes --no-deps -r locks/test.txt
+	$(BIN)/pip install --quiet --no-deps $(TORCH)
+	$(BIN)/pip install --quiet --no-deps -e .
+	$(BIN)/pip check
 	touch $(BASE_STAMP) $@
+
+# CI's set: the test set plus llama.cpp (built from source: a few minutes) and Ray Data.
+$(CI_STAMP): locks/ci.txt pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet --require-hashes --no-deps -r locks/ci.txt
+	$(BIN)/pip install --quiet --no-deps $(TORCH)
+	$(BIN)/pip install --quiet --no-deps -e .
+	$(BIN)/pip check
+	touch $(BASE_STAMP) $(TEST_STAMP) $@
 
 demo: $(BASE_STAMP)
 	$(BIN)/colibri demo
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
+
+# What .ci/run runs: the whole suite, and a skip in the llama.cpp, Ray or Chromium tests fails it.
+test-ci: $(CI_STAMP)
+	COLIBRI_REQUIRE_OPTIONAL=1 $(BIN)/python -m pytest -q
+
+# The newest release of everything but torch, in a venv of its own: drift fails here, not in CI.
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/pip install --quiet $(TORCH)
+	$(LATEST_VENV)/bin/pip install --quiet --upgrade -e '.[test,oracle,serve]'
+	$(LATEST_VENV)/bin/pip list --format=freeze > $(LATEST_VENV)/versions.txt
+	$(LATEST_VENV)/bin/python -m pytest -q
+
+# Rewrites locks/*.txt from pyproject.toml with what the registry serves today (uv, pinned).
+lock:
+	test -x $(LOCK_VENV)/bin/uv || { $(PYTHON) -m venv $(LOCK_VENV) && $(LOCK_VENV)/bin/pip install --quiet uv==0.13.9; }
+	$(LOCK_VENV)/bin/uv pip compile pyproject.toml $(LOCK_OPTIONS) -o locks/base.txt
+	$(LOCK_VENV)/bin/uv pip compile pyproject.toml $(LOCK_OPTIONS) --extra test --extra oracle --extra serve -o locks/test.txt
+	$(LOCK_VENV)/bin/uv pip compile pyproject.toml $(LOCK_OPTIONS) --extra test --extra oracle --extra serve \
+		--extra llama --extra ray -o locks/ci.txt
 
 bench-quantize: $(BASE_STAMP)
 	$(BIN)/python bench/quantize.py
@@ -33,4 +78,4 @@ bench-convert: $(BASE_STAMP)
 	$(BIN)/python bench/convert.py
 
 clean:
-	rm -rf $(VENV) demo-out bench/out .pytest_cache
+	rm -rf $(VENV) $(LATEST_VENV) $(LOCK_VENV) demo-out bench/out .pytest_cache

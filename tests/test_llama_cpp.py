@@ -25,7 +25,7 @@ from colibri.convert.hf_to_colibri import ConvertOptions, convert
 from colibri.convert.synthetic import ARCHITECTURES, write_checkpoint
 from colibri.runtime import open_model
 
-llama_cpp = pytest.importorskip("llama_cpp")
+llama_cpp = pytest.importorskip("llama_cpp", reason="the optional llama extra is not installed (pip install 'colibri-moe[llama]')")
 
 TOKENS = [int(t) for t in np.random.default_rng(7).integers(0, 512, 24)]
 # gpt-oss: llama.cpp rounds the YaRN ramp to whole dimensions, gpt-oss (truncate: false) does not;
