@@ -102,7 +102,7 @@ def _heat_svg(layers: list[int], counts: np.ndarray) -> str:
             shade = int(255 - 215 * scale[i, e])
             cells.append(f'<rect x="{40 + e * cell_w}" y="{i * cell_h}" width="{cell_w}" height="{cell_h}" '
                          f'fill="rgb({shade},{shade},255)"><title>layer {layer} expert {e}: {counts[i, e]}</title></rect>')
-    labels = "".join(f'<text x="36" y="{i * cell_h + cell_h}" font-size="{min(cell_h, 10)}" text-anchor="end">{layer}</text>'
+    labels = "".join(f'<text x="36" y="{i * cell_h + (cell_h + min(cell_h, 10)) // 2}" font-size="{min(cell_h, 10)}" text-anchor="end">{layer}</text>'
                      for i, layer in enumerate(layers) if len(layers) <= 64 or i % 4 == 0)
     return (f'<svg id="heat-map" width="{width}" height="{height}" role="img" aria-label="routing heat map">'
             f'<rect x="40" y="0" width="{width - 40}" height="{cell_h * len(layers)}" fill="white" stroke="#ccc"/>'

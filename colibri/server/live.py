@@ -88,7 +88,12 @@ function heat(h) {
     cells.push(`<rect x="${40 + e * w}" y="${i * r}" width="${w}" height="${r}" fill="rgb(${shade},${shade},255)">` +
                `<title>layer ${h.layers[i]} expert ${e}: ${n}</title></rect>`);
   }));
-  svg.setAttribute("height", String(r * rows + 10));
+  h.layers.forEach((layer, i) => {  // the axes: each layer's number, then the experts' span
+    if (rows <= 64 || i % 4 === 0)
+      cells.push(`<text x="36" y="${i * r + Math.floor((r + Math.min(r, 10)) / 2)}" font-size="${Math.min(r, 10)}" text-anchor="end">${layer}</text>`);
+  });
+  cells.push(`<text x="40" y="${r * rows + 13}" font-size="11">expert 0 .. ${cols - 1} →</text>`);
+  svg.setAttribute("height", String(r * rows + 18));
   svg.innerHTML = cells.join("");
   document.getElementById("steps").textContent = h.steps;
 }
