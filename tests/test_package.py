@@ -75,7 +75,7 @@ def test_no_script_or_test_module_shadows_an_installed_package():
     a module named like an installed distribution's (bench/kernels.py against Hugging Face's
     `kernels`, which transformers imports) would be imported in its place."""
     installed = importlib.metadata.packages_distributions()
-    for folder in ("bench", "tests"):
+    for folder in ("bench", "docs", "tests"):
         for module in (ROOT / folder).glob("*.py"):
             assert module.stem not in installed, f"{folder}/{module.name} shadows {installed[module.stem]}"
 
@@ -83,6 +83,6 @@ def test_no_script_or_test_module_shadows_an_installed_package():
 def test_no_test_or_bench_script_edits_sys_path():
     """pytest's `pythonpath` gives the repository root; anything more is path surgery that
     lets a folder's modules shadow installed ones."""
-    for folder in ("bench", "tests"):
+    for folder in ("bench", "docs", "tests"):
         for module in (ROOT / folder).glob("*.py"):
             assert not re.search(r"sys\.path\.(insert|append)\(", module.read_text()), f"{folder}/{module.name}"
