@@ -344,7 +344,7 @@ def test_sentencepiece_tokenizer_json_round_trips(tmp_path):
 def test_llama_cpp_reads_the_export_like_the_model_folder(case, tmp_path):
     """llama.cpp (llama-cpp-python, vocabulary only) tokenizes as the folder does, adds BOS when it
     does, and stops on exactly the folder's stop tokens."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = pytest.importorskip("llama_cpp", reason="the optional llama extra is not installed (pip install 'colibri-moe[llama]')")
     if case == "sentencepiece":
         src, texts = sentencepiece_folder(tmp_path / "src"), SPM_TEXTS
     else:
