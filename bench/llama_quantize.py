@@ -29,7 +29,6 @@ from colibri.formats.layout import ModelLayout
 from colibri.formats.recipe import MIXES
 from colibri.runtime.imatrix import ActivationSums
 
-
 PERMUTED = ("attn_q.weight", "attn_k.weight")  # llama's GGUF row order differs from the checkpoint's
 EXPERT_KEYS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts"}
 # the tiny models (2-3 layers, 8 experts: llama.cpp's 8-expert rules) and a deeper one with 16
