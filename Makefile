@@ -23,25 +23,25 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # Each lock is complete, so pip installs it as it stands (--no-deps) and `pip check` proves it.
-$(BASE_STAMP): locks/base.txt pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet --require-hashes --no-deps -r locks/base.txt
+# $(call install,LOCK,EXTRA): the lock, then EXTRA (torch, or nothing), then colibri itself.
+define install
+	$(BIN)/pip install --quiet --require-hashes --no-deps -r $(1)
+	$(if $(2),$(BIN)/pip install --quiet --no-deps $(2))
 	$(BIN)/pip install --quiet --no-deps -e .
 	$(BIN)/pip check
+endef
+
+$(BASE_STAMP): locks/base.txt pyproject.toml | $(BIN)/python
+	$(call install,locks/base.txt,)
 	touch $@
 
 $(TEST_STAMP): locks/test.txt pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet --require-hashes --no-deps -r locks/test.txt
-	$(BIN)/pip install --quiet --no-deps $(TORCH)
-	$(BIN)/pip install --quiet --no-deps -e .
-	$(BIN)/pip check
+	$(call install,locks/test.txt,$(TORCH))
 	touch $(BASE_STAMP) $@
 
 # CI's set: the test set plus llama.cpp (built from source: a few minutes) and Ray Data.
 $(CI_STAMP): locks/ci.txt pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet --require-hashes --no-deps -r locks/ci.txt
-	$(BIN)/pip install --quiet --no-deps $(TORCH)
-	$(BIN)/pip install --quiet --no-deps -e .
-	$(BIN)/pip check
+	$(call install,locks/ci.txt,$(TORCH))
 	touch $(BASE_STAMP) $(TEST_STAMP) $@
 
 demo: $(BASE_STAMP)
