@@ -129,7 +129,6 @@ def test_manifest_that_is_no_json_a_reader_takes(model, capsys, text):
 
 def test_override_regex_that_backtracks_forever(model, capsys):
     """A manifest's quant.overrides `(.*.*)*Z` hung verify; the same pattern given to the converter."""
-
     manifest = load_manifest(model)
     manifest["quant"]["overrides"] = [["(.*.*)*Z", "Q8_0"]]
     write_manifest(model, manifest)
