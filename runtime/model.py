@@ -14,7 +14,6 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-import gguf
 import numpy as np
 
 from colibri.formats.encodings import FLOAT_DTYPES
@@ -24,16 +23,17 @@ from colibri.runtime import fused, kernels
 from colibri.runtime.deltanet import GatedDeltaNet
 from colibri.runtime.expert_store import ExpertStore
 from colibri.runtime.indexer import Indexer
+from colibri.runtime.kernels.attention import Scoring
+from colibri.runtime.kernels.routing import route_by
 from colibri.runtime.kv_cache import CacheShape, KVCache
+from colibri.runtime.layer_record import LayerRecord, describe_layer
+from colibri.runtime.layer_steps import finish_qkv
 from colibri.runtime.memory import huge_page_buffer
-from colibri.runtime.rope import Rope, yarn_mscale
+from colibri.runtime.rope import Rope, rotated
 
 
 rms_norm = kernels.rms_norm
 CACHE_LINE = 64  # resident tensors start on a cache line
-# MLA's q_a and kv_a RMSNorms keep their default epsilon whatever rms_norm_eps says, in
-# transformers and in DeepSeek's own code (GLM-5's rms_norm_eps is 1e-5)
-LATENT_NORM_EPS = 1e-6
 EXPANDED_MLA_QUERIES = 64  # a segment's queries from which MLA attends with keys and values expanded by kv_b
 EXPANDED_MLA_BYTES = 16 << 20  # their float32 keys and values at a time (a group of heads)
 
@@ -118,35 +118,23 @@ def pooled_tokens(segments: list[Segment], layer: int) -> tuple[tuple | None, li
     return (pool, rows, slots, at), [s for s in segments if s.count != 1]
 
 
-def attention_of_slots(q, keys, values, slots, positions, sinks, scale) -> np.ndarray:
+def attention_of_slots(q, keys, values, slots, positions, scoring: Scoring) -> np.ndarray:
     """`kernels.attention_of_slots` of q [n, heads, width] (rows of a batch) into a new array."""
     out = np.empty((q.shape[0], q.shape[1], values.shape[3]), np.float32)
-    kernels.attention_of_slots(np.ascontiguousarray(q, dtype=np.float32), keys, values, slots, positions, sinks,
-                               np.float32(scale), out)
+    kernels.attention_of_slots(np.ascontiguousarray(q, dtype=np.float32), keys, values, slots, positions, scoring, out)
     return out
 
 
 class Attention:
-    """GQA / MHA with the variants of the supported architectures."""
+    """GQA / MHA with the variants of the supported architectures, as its `LayerRecord` says."""
 
-    def __init__(self, c: ModelConfig, w: Weights, layer: int, rope: Rope):
-        p = f"blk.{layer}."
-        self.c, self.layer, self.rope = c, layer, rope
-        self.q, self.k, self.v = (w.linear(p + f"attn_{x}.weight") for x in "qkv")
-        self.gate = None  # Qwen3-Next's output gate: its rows of attn_q, held apart from the query's
-        if c.attn_output_gate:
-            self.q, self.gate = query_and_gate(self.q, c.n_heads, c.head_dim)
-            w.matrices[p + "attn_q.weight"] = self.q  # what an importance matrix observes of attn_q (its input)
-        self.o = w.linear(p + "attn_output.weight")
-        self.o_bias = w.vector(p + "attn_output.bias") if c.attn_output_bias else None
-        self.sinks = w.vector(p + "attn_sinks.weight") if c.attn_sinks else None
-        self.kernel_sinks = np.full(c.n_heads, kernels.NO_SINK, np.float32) if self.sinks is None else \
-            np.ascontiguousarray(self.sinks, dtype=np.float32)  # as attention_of_slots takes them
-        self.window = c.window_of(layer)
-        self.bias = [w.vector(p + f"attn_{x}.bias") for x in "qkv"] if c.attn_bias else None
-        self.q_norm = w.vector(p + "attn_q_norm.weight") if c.qk_norm != "none" else None
-        self.k_norm = w.vector(p + "attn_k_norm.weight") if c.qk_norm != "none" else None
-        self.scale = np.float32(c.head_dim**-0.5)
+    def __init__(self, c: ModelConfig, record: LayerRecord):
+        m = record.matrices
+        self.c, self.layer, self.record = c, record.layer, record
+        self.q, self.k, self.v, self.o = m["q"], m["k"], m["v"], m["o"]
+        self.gate = m.get("gate")  # Qwen3-Next's output gate: its rows of attn_q, held apart from the query's
+        self.o_bias = record.output.o_bias if record.output.o_bias.size else None
+        self.window, self.scoring = record.window, record.scoring
 
     def __call__(self, h: np.ndarray, positions: np.ndarray, segments: list[Segment]) -> np.ndarray:
         """h [n, hidden] at `positions` [n]; each segment's rows attend over its own cache."""
@@ -162,14 +150,15 @@ class Attention:
             keys, values = pool.stored(self.layer, "k"), pool.stored(self.layer, "v")
             keys = keys.reshape(*keys.shape[:2], c.n_kv_heads, c.head_dim)
             values = values.reshape(*values.shape[:2], c.n_kv_heads, c.v_head_dim)
-            out[rows] = attention_of_slots(q[rows], keys, values, slots, at, self.kernel_sinks, self.scale)
+            out[rows] = attention_of_slots(q[rows], keys, values, slots, at, self.scoring)
         for s in segments:
             s.cache.write(self.layer, "k", s.start, k[s.rows])
             s.cache.write(self.layer, "v", s.start, v[s.rows])
             first = s.cache.first(self.layer, "k")
             keys = s.cache.stored(self.layer, "k", s.end).reshape(s.end - first, c.n_kv_heads, c.head_dim)
             values = s.cache.stored(self.layer, "v", s.end).reshape(s.end - first, c.n_kv_heads, c.v_head_dim)
-            out[s.rows] = kernels.attention(q[s.rows], keys, values, s.start, self.scale, self.window, self.sinks, first)
+            out[s.rows] = kernels.attention(q[s.rows], keys, values, s.start, self.scoring.scale, self.window,
+                                            self.scoring.sinks, first)
         out = out.reshape(n, c.n_heads * c.v_head_dim)
         if gate is not None:  # Qwen3-Next's output gate
             out = kernels.sigmoid_gated(out, gate)
@@ -178,21 +167,12 @@ class Attention:
 
     def rotated_qkv(self, h: np.ndarray, positions: np.ndarray):
         """q [n, heads, width], k [n, kv heads, width] and v [n, kv heads * v width] of h with
-        their bias, norms, clip and rotation; the output gate [n, heads * width] (None without)."""
+        their bias, norms, clip and rotation (`layer_steps.finish_qkv`, as a decoded token's);
+        the output gate [n, heads * width] (None without)."""
         c, n = self.c, h.shape[0]
         q, k, v, *gate = kernels.products(h, (self.q, self.k, self.v) + ((self.gate,) if self.gate else ()))
-        gate = gate[0] if gate else None
-        if self.bias:
-            q, k, v = q + self.bias[0], k + self.bias[1], v + self.bias[2]
-        if c.qk_norm == "full":
-            q, k = rms_norm(q, self.q_norm, c.norm_eps), rms_norm(k, self.k_norm, c.norm_eps)
-        if c.clip_qkv is not None:
-            q, k, v = (np.clip(t, -c.clip_qkv, c.clip_qkv) for t in (q, k, v))
-        q = q.reshape(n, c.n_heads, c.head_dim)
-        k = k.reshape(n, c.n_kv_heads, c.head_dim)
-        if c.qk_norm == "head":
-            q, k = rms_norm(q, self.q_norm, c.norm_eps), rms_norm(k, self.k_norm, c.norm_eps)
-        return self.rope.apply(q, positions), self.rope.apply(k, positions), v, gate
+        finish_qkv(self.record.mixer, q, k, v, np.asarray(positions, dtype=np.int64))
+        return q.reshape(n, c.n_heads, c.head_dim), k.reshape(n, c.n_kv_heads, c.head_dim), v, gate[0] if gate else None
 
 
 class LatentAttention:
@@ -201,30 +181,22 @@ class LatentAttention:
     DeepSeek's sparse attention, a query attends to the positions its layer's indexer chooses
     (`runtime.indexer`), or the indexer of the layer it `shares`."""
 
-    def __init__(self, c: ModelConfig, w: Weights, layer: int, rope: Rope, index_rope: Rope | None = None):
-        p = f"blk.{layer}."
-        self.c, self.layer, self.rope = c, layer, rope
-        self.latent_eps = LATENT_NORM_EPS
+    def __init__(self, c: ModelConfig, w: Weights, record: LayerRecord, index_rope: Rope | None = None):
+        m, layer = record.matrices, record.layer
+        self.c, self.layer, self.record = c, layer, record
+        self.rope = record.mixer.rope
+        self.latent_eps = record.mixer.latent_eps
         self.indexer = Indexer(c, w, layer, index_rope) if layer in c.index_layers else None
         self.shares: LatentAttention | None = None  # the layer whose indexer's choice this one reuses
         self.choices: dict[int, np.ndarray | None] = {}  # id(cache) -> the last pass's choice (indexer layers)
-        if c.q_lora_rank:
-            self.q_a, self.q_b = w.linear(p + "attn_q_a.weight"), w.linear(p + "attn_q_b.weight")
-            self.q_a_norm = w.vector(p + "attn_q_a_norm.weight")
+        if record.lora is not None:
+            self.q_a, self.q_b = m["q_a"], m["q_b"]
+            self.q_a_norm = record.lora.q_a_norm
         else:
-            self.q = w.linear(p + "attn_q.weight")
-        self.kv_a = w.linear(p + "attn_kv_a_mqa.weight")
-        self.kv_a_norm = w.vector(p + "attn_kv_a_norm.weight")
-        self.kv_b = w.linear(p + "attn_kv_b.weight")
-        self.k_absorb = absorbed_keys(self.kv_b, c)
-        self.o = w.linear(p + "attn_output.weight")
-        scale = c.head_dim**-0.5
-        scaling = c.rope_scaling or {}
-        if scaling.get("mscale_all_dim"):
-            mscale = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
-            scale *= mscale * mscale
-        self.scale = np.float32(scale)
-        self.no_sinks = np.full(c.n_heads, kernels.NO_SINK, np.float32)
+            self.q = m["q"]
+        self.kv_a, self.kv_b, self.k_absorb, self.o = m["kv_a"], m["kv_b"], m["k_absorb"], m["o"]
+        self.kv_a_norm = record.mixer.kv_a_norm
+        self.scoring = record.scoring
 
     def __call__(self, h: np.ndarray, positions: np.ndarray, segments: list[Segment]) -> np.ndarray:
         c, n = self.c, h.shape[0]
@@ -232,10 +204,10 @@ class LatentAttention:
         q_resid = rms_norm(self.q_a(h), self.q_a_norm, self.latent_eps) if c.q_lora_rank else None
         q = self.q_b(q_resid) if c.q_lora_rank else self.q(h)
         q = q.reshape(n, heads, nope + rope_dim)
-        q_pe = self.rope.apply(q[:, :, nope:], positions)
+        q_pe = rotated(q[:, :, nope:], self.rope, positions)
         compressed = self.kv_a(h)
         latent = rms_norm(compressed[:, :rank], self.kv_a_norm, self.latent_eps)
-        k_pe = self.rope.apply(compressed[:, None, rank:], positions)[:, 0]
+        k_pe = rotated(compressed[:, None, rank:], self.rope, positions)[:, 0]
         stored = np.concatenate([latent, k_pe], axis=1)
         pooled, segments = pooled_tokens(segments, self.layer) if not c.index_topk else (None, segments)
         absorbed = np.ones(n, bool)  # the rows that attend in the latent space
@@ -255,7 +227,7 @@ class LatentAttention:
             pool.write(self.layer, "kv", slots, at, stored[pooled_rows])
             keys = pool.stored(self.layer, "kv")[:, :, None, :]
             context[pooled_rows] = attention_of_slots(queries[pooled_rows], keys, keys[:, :, :, :rank], slots, at,
-                                                      self.no_sinks, self.scale)
+                                                      self.scoring)
         for s in segments:
             s.cache.write(self.layer, "kv", s.start, stored[s.rows])
             chosen = self.choose(s.cache, q_resid[s.rows], h[s.rows], positions[s.rows], s.start) if c.index_topk else None
@@ -264,7 +236,7 @@ class LatentAttention:
                 continue
             # multi-query attention over the cache in place: keys [latent | rotated part], values the latent
             keys = s.cache.stored(self.layer, "kv", s.end)[:, None, :]
-            context[s.rows] = kernels.attention(queries[s.rows], keys, keys[:, :, :rank], s.start, self.scale,
+            context[s.rows] = kernels.attention(queries[s.rows], keys, keys[:, :, :rank], s.start, self.scoring.scale,
                                                 chosen=chosen)
         if rows.size:
             attended[rows] = self.kv_b.times_per_head(context[rows].reshape(-1, rank), heads, c.v_head_dim,
@@ -292,7 +264,7 @@ class LatentAttention:
             keys = np.empty((s.end, g, nope + rope_dim), np.float32)
             keys[:, :, :nope], keys[:, :, nope:] = kv[:, :, :nope], k_pe
             queries = np.concatenate([q_nope[:, first:first + g], q_pe[:, first:first + g]], axis=2)
-            out[:, first:first + g] = kernels.attention(queries, keys, kv[:, :, nope:], s.start, self.scale,
+            out[:, first:first + g] = kernels.attention(queries, keys, kv[:, :, nope:], s.start, self.scoring.scale,
                                                         chosen=chosen)
         return out
 
@@ -313,68 +285,39 @@ class LatentAttention:
         return chosen
 
 
-def query_and_gate(q: kernels.Matrix, heads: int, width: int) -> tuple[kernels.Matrix, kernels.Matrix]:
-    """attn_q's rows [query | gate] per head as two matrices, each head's `width` rows of each
-    in order: whole rows of blocks, moved within q's own memory (the resident bytes stay what
-    the budget counted), not re-encoded."""
-    data = q.data[:q.rows * q.row_nbytes]
-    rows = data.reshape(heads, 2, width, q.row_nbytes)
-    data[:] = np.concatenate([rows[:, 0], rows[:, 1]]).reshape(-1)  # every query row, then every gate row
-    half = heads * width * q.row_nbytes
-    return tuple(kernels.Matrix(part, q.encoding, heads * width, q.cols) for part in (data[:half], data[half:]))
-
-
-def absorbed_keys(kv_b: kernels.Matrix, c: ModelConfig) -> kernels.Matrix:
-    """The key half of MLA's kv_b transposed per head, [heads * kv_lora_rank, qk_nope_head_dim],
-    so that absorbing a query into the latent space is a product with stored rows (as
-    llama.cpp's attn_k_b). Built once at load: F32 when kv_b is a float encoding, else Q8_0
-    (finer than kv_b's own blocks; F32 when the rows do not fill Q8_0 blocks)."""
-    heads, nope, rank = c.n_heads, c.qk_nope_head_dim, c.kv_lora_rank
-    keys = kv_b.rows_f32(0, kv_b.rows).reshape(heads, nope + c.v_head_dim, rank)[:, :nope]
-    transposed = np.ascontiguousarray(keys.transpose(0, 2, 1)).reshape(heads * rank, nope)
-    encoding = "F32" if kv_b.encoding in FLOAT_DTYPES or nope % 32 else "Q8_0"
-    stored = gguf.quants.quantize(transposed, gguf.GGMLQuantizationType[encoding])
-    return kernels.Matrix(stored.reshape(-1).view(np.uint8), encoding, heads * rank, nope)
-
-
 class DenseFFN:
-    """down(silu(gate(h)) * up(h)) of layer `layer`'s blk.L.ffn_{gate,up,down}{suffix} matrices."""
+    """down(silu(gate(h)) * up(h))."""
 
-    def __init__(self, w: Weights, layer: int, suffix: str = ""):
-        self.gate, self.up, self.down = (w.linear(f"blk.{layer}.ffn_{m}{suffix}.weight") for m in ("gate", "up", "down"))
+    def __init__(self, gate: kernels.Matrix, up: kernels.Matrix, down: kernels.Matrix):
+        self.gate, self.up, self.down = gate, up, down
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
         return self.down(kernels.silu_times(self.gate(h), self.up(h)))
 
 
 class Router:
-    """Scores, the choice of top-k experts and their weights, per the normalized config."""
+    """Scores, the choice of top-k experts and their weights, per the layer's `RouterInput`."""
 
-    def __init__(self, c: ModelConfig, w: Weights, layer: int):
-        self.c = c
-        self.gate = w.linear(f"blk.{layer}.ffn_gate_inp.weight")
-        self.bias = w.vector(f"blk.{layer}.exp_probs_b.bias") if c.router_bias else None
-        self.logit_bias = w.vector(f"blk.{layer}.ffn_gate_inp.bias") if c.router_logit_bias else None
+    def __init__(self, c: ModelConfig, record: LayerRecord):
+        self.k, self.input = c.n_experts_used, record.router
+        self.gate = record.matrices["router"]
+        self.bias = record.router.bias
+        self.logit_bias = record.router.logit_bias if record.router.logit_bias.size else None
 
     def __call__(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(expert ids [n, k], weights [n, k])."""
-        c = self.c
         logits = self.gate(h) if self.logit_bias is None else self.gate(h) + self.logit_bias
-        return kernels.route(logits, self.bias, c.n_experts_used, c.router == "sigmoid", c.router_groups,
-                             c.router_topk_groups, c.router_group_score == "top2_sum", c.router_norm_topk,
-                             c.routed_scaling_factor)
+        return route_by(logits, self.bias, self.k, self.input.rule)
 
 
 class MoE:
-    def __init__(self, c: ModelConfig, w: Weights, layer: int, store: ExpertStore):
-        self.layer, self.store = layer, store
-        self.router = Router(c, w, layer)
-        matrices = [store.tables[layer].matrices[m] for m in ("gate", "up", "down")]
-        biases = tuple(w.array(f"blk.{layer}.ffn_{m}_exps.bias") for m in ("gate", "up", "down")) if c.expert_bias else None
-        self.experts = kernels.ExpertKernel(store.records(layer).shape[1], tuple(m.encoding for m in matrices),
-                                            tuple(m.offset for m in matrices), c.expert_ffn, c.hidden_size,
-                                            glu=c.expert_glu, alpha=c.swiglu_alpha, limit=c.swiglu_limit, biases=biases)
-        self.shared = SharedExpert(w, layer, c.shared_expert_gate) if c.n_shared_experts else None
+    def __init__(self, c: ModelConfig, record: LayerRecord, store: ExpertStore):
+        self.layer, self.store = record.layer, store
+        self.router = Router(c, record)
+        self.experts = record.experts
+        m = record.matrices
+        self.shared = SharedExpert(m["ffn_gate"], m["ffn_up"], m["ffn_down"], m.get("shared_gate")) \
+            if record.ffn is not None else None
         self.last_route: tuple[np.ndarray, np.ndarray] | None = None
         self.last_distinct = 0  # distinct experts the last call used
         self.observe = None  # called as observe(this MoE, h, expert ids) before each call's experts run, when set
@@ -454,11 +397,12 @@ class MoE:
 
 
 class SharedExpert(DenseFFN):
-    """The shared experts' FFN (blk.L.ffn_*_shexp), scaled by a sigmoid of its own gate when `gated`."""
+    """The shared experts' FFN, scaled by a sigmoid of its own gate when it has one."""
 
-    def __init__(self, w: Weights, layer: int, gated: bool):
-        super().__init__(w, layer, "_shexp")
-        self.sigmoid_gate = w.linear(f"blk.{layer}.ffn_gate_inp_shexp.weight") if gated else None
+    def __init__(self, gate: kernels.Matrix, up: kernels.Matrix, down: kernels.Matrix,
+                 sigmoid_gate: kernels.Matrix | None):
+        super().__init__(gate, up, down)
+        self.sigmoid_gate = sigmoid_gate
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
         y = super().__call__(h)
@@ -479,16 +423,18 @@ class Decoder:
         self.output = w.linear("output.weight" if w.has("output.weight") else "token_embd.weight")
         self.output_norm = w.vector("output_norm.weight")
         self.route_log = None  # called as route_log(layer, positions, expert ids, weights) after each MoE layer
-        self.layers = []
-        for i in range(c.n_layers):
+        self.records = [describe_layer(c, w, i, rope, store) for i in range(c.n_layers)]
+        self.layers = []  # (attention norm, token mixer, FFN norm, FFN) of each layer, for the prompt path
+        for record in self.records:
+            i, m = record.layer, record.matrices
             if c.is_linear_layer(i):
                 attention = GatedDeltaNet(c, w, i)
             else:
-                attention = LatentAttention(c, w, i, rope, index_rope) if c.attention == "mla" else Attention(c, w, i, rope)
+                attention = LatentAttention(c, w, record, index_rope) if c.attention == "mla" else Attention(c, record)
             if c.index_topk and attention.indexer is None:  # it reuses the last indexer's choice
                 attention.shares = next(a for _, a, _, _ in reversed(self.layers) if a.indexer is not None)
-            ffn = MoE(c, w, i, store) if c.is_moe_layer(i) else DenseFFN(w, i)
-            self.layers.append((w.vector(f"blk.{i}.attn_norm.weight"), attention, w.vector(f"blk.{i}.ffn_norm.weight"), ffn))
+            ffn = MoE(c, record, store) if record.router is not None else DenseFFN(m["ffn_gate"], m["ffn_up"], m["ffn_down"])
+            self.layers.append((record.attn_norm, attention, record.output.ffn_norm, ffn))
         self.decode_layers = self.fused_steps()
         moe = [(ffn, ffn_norm) for _, _, ffn_norm, ffn in self.layers if isinstance(ffn, MoE)]
         for (this, this_norm), (following, following_norm) in zip(moe, moe[1:]):
@@ -496,10 +442,11 @@ class Decoder:
             this.lookahead = following, ratio
 
     def fused_steps(self) -> list:
-        """Each layer's decode step (a decoded token through it in a few numba calls), its
-        arguments fixed from the config as it is now."""
+        """Each layer's decode step (a decoded token through it in a few numba calls), built on
+        its record and the config as it is now."""
         steps = {LatentAttention: fused.LatentDecodeLayer, Attention: fused.DecodeLayer, GatedDeltaNet: fused.DeltaNetDecodeLayer}
-        return [steps[type(attention)](attention, attn_norm, ffn_norm, ffn) for attn_norm, attention, ffn_norm, ffn in self.layers]
+        return [steps[type(attention)](self.config, record, attention, ffn)
+                for record, (_, attention, _, ffn) in zip(self.records, self.layers)]
 
     @staticmethod
     def resident_bytes(layout: ModelLayout) -> int:

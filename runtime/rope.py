@@ -7,6 +7,7 @@ Frequencies follow transformers' `modeling_rope_utils` (`_compute_default_rope_p
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
@@ -56,6 +57,16 @@ def inverse_frequencies(config: ModelConfig) -> tuple[np.ndarray, float]:
     return inv_freq.astype(np.float32), float(attention_factor)
 
 
+class RopeTable(NamedTuple):
+    """What the rotation kernel takes: cos and sin [ctx, dim / 2] of each position's angles,
+    the rotated features `dim`, and whether pairs are interleaved."""
+
+    cos: np.ndarray
+    sin: np.ndarray
+    dim: int
+    interleaved: bool
+
+
 class Rope:
     """cos/sin tables for positions 0..ctx-1 and the rotation of q/k heads."""
 
@@ -66,19 +77,25 @@ class Rope:
         self.sin = (np.sin(angles) * np.float32(attention_factor)).astype(np.float32)
         self.dim = config.rope_dim
         self.interleaved = config.rope_interleaved
+        self.table = RopeTable(self.cos, self.sin, self.dim, self.interleaved)
 
     def apply(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Rotate the first `dim` features of x [n, heads, width] at `positions` [n]; rest unchanged."""
-        out = np.empty(x.shape, np.float32)
-        rotate_into(x, self.cos, self.sin, np.asarray(positions, dtype=np.int64), self.dim, self.interleaved, out)
-        return out
+        return rotated(x, self.table, positions)
+
+
+def rotated(x: np.ndarray, table: RopeTable, positions: np.ndarray) -> np.ndarray:
+    """x [n, heads, width] with its first `table.dim` features rotated at `positions` [n]."""
+    out = np.empty(x.shape, np.float32)
+    rotate_into(x, table, np.asarray(positions, dtype=np.int64), out)
+    return out
 
 
 @njit(cache=True, nogil=True)
-def rotate_into(x, cos, sin, positions, dim, interleaved, out):
-    """out = x with the pairs of its first `dim` features rotated by each position's angles:
-    features (2j, 2j + 1) when interleaved, else (j, j + dim / 2)."""
-    half = dim // 2
+def rotate_into(x, table, positions, out):
+    """out = x with the pairs of its first `table.dim` features rotated by each position's
+    angles: features (2j, 2j + 1) when interleaved, else (j, j + dim / 2). out may be x."""
+    cos, sin, interleaved, half = table.cos, table.sin, table.interleaved, table.dim // 2
     for i in range(x.shape[0]):
         c, s = cos[positions[i]], sin[positions[i]]
         for h in range(x.shape[1]):

@@ -500,7 +500,7 @@ def test_attention_of_many_slots_gives_each_query_the_bits_of_its_own_cache(stor
     sinks = None if latent else rng.standard_normal(heads).astype(np.float32)
     out = np.empty((which.size, heads, values.shape[3]), np.float32)
     kernel_sinks = np.full(heads, kernels.NO_SINK, np.float32) if sinks is None else sinks
-    kernels.attention_of_slots(q, keys, values, which, positions, kernel_sinks, np.float32(0.1), out)
+    kernels.attention_of_slots(q, keys, values, which, positions, kernels.Scoring(kernel_sinks, np.float32(0.1)), out)
     for i, (slot, position) in enumerate(zip(which, positions)):
         end = position + 1
         alone = kernels.attention(q[i:i + 1], keys[slot, :end], values[slot, :end], int(position), 0.1, sinks=sinks)

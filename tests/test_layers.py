@@ -114,3 +114,31 @@ def test_a_crossing_is_caught(tmp_path, monkeypatch):
     (tmp_path / "runtime" / "other.py").write_text("from colibri.formats.layout import _private\n")
     assert crossings(tmp_path / "runtime" / "other.py") == [
         "runtime/other.py:1: imports private _private of colibri.formats.layout"]
+
+
+MOST_KERNEL_PARAMETERS = 8  # a kernel takes a layer's records (named tuples), not their fields one by one
+
+
+def kernel_widths() -> dict[str, int]:
+    """The parameter count of every numba-compiled function defined in the package's layers."""
+    import importlib
+    import inspect
+
+    from numba.core.registry import CPUDispatcher
+
+    widths = {}
+    for path in sources():
+        module = module_name(path)
+        if not any(_within(module, layer) for layer in ALLOWED):  # the command line compiles nothing
+            continue
+        for name, value in vars(importlib.import_module(module)).items():
+            if isinstance(value, CPUDispatcher) and value.py_func.__module__ == module:
+                widths[f"{module}.{name}"] = len(inspect.signature(value.py_func).parameters)
+    return widths
+
+
+def test_no_kernel_takes_more_than_eight_parameters():
+    widths = kernel_widths()
+    assert {"colibri.runtime.fused._routed_tail_kernel", "colibri.runtime.kernels.experts.moe_steps",
+            "colibri.runtime.kernels.attention._attend"} <= set(widths)  # the walk finds the kernels
+    assert {name: n for name, n in widths.items() if n > MOST_KERNEL_PARAMETERS} == {}

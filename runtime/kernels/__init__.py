@@ -40,7 +40,7 @@ from colibri.runtime.kernels.activations import (  # noqa: E402
 )
 from colibri.runtime.kernels.attention import (
     NO_CHOICE, NO_SINK, PARALLEL_ATTENTION_WORK, PROMPT_ATTENTION_BYTES, PROMPT_ATTENTION_QUERIES, QUERY_BLOCK,
-    attention, attention_into, attention_of_slots,
+    Scoring, Seen, attention, attention_into, attention_of_slots,
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS, CACHE_LINE, PREFETCH_BYTES
 from colibri.runtime.kernels.experts import ExpertKernel, add_weighted_rows, moe_experts, moe_experts_batch, silu_times
@@ -55,7 +55,7 @@ __all__ = [
     "ACT_BLOCKS", "ACTIVATIONS", "DOT_TYPES", "FAST_ENCODINGS", "FAST_PATH_TOLERANCE", "WIDEST_ACT_BLOCK",
     "Q8_0Activation", "Q8_KActivation", "without_tiles",
     "NO_CHOICE", "NO_SINK", "PARALLEL_ATTENTION_WORK", "PROMPT_ATTENTION_BYTES", "PROMPT_ATTENTION_QUERIES",
-    "QUERY_BLOCK", "attention", "attention_into", "attention_of_slots",
+    "QUERY_BLOCK", "Scoring", "Seen", "attention", "attention_into", "attention_of_slots",
     "BLOCK_TAGS", "CACHE_LINE", "PREFETCH_BYTES",
     "ExpertKernel", "add_weighted_rows", "moe_experts", "moe_experts_batch", "silu_times",
     "Matrix", "dequantize_rows", "kernel_paths", "matmul", "matvec", "products",

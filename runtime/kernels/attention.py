@@ -6,6 +6,8 @@ queries through `_prompt_attention`, which converts the cache to float32 once.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
@@ -16,6 +18,25 @@ from colibri.runtime.kernels.threads import part_range, thread_count
 
 F32 = np.float32
 NO_SINK = np.finfo(np.float32).min  # below softmax_in_place's threshold: no sink (finite, for fastmath)
+
+
+class Seen(NamedTuple):
+    """Which cached rows each query sees: cache row r holds position first_key + r; query i
+    (position start + i) sees the `window` positions up to its own, and of them only rows r
+    with chosen[i, r] when `chosen` has rows."""
+
+    start: int
+    first_key: int
+    window: int
+    chosen: np.ndarray
+
+
+class Scoring(NamedTuple):
+    """How a head's scores become weights: scaled by `scale` (float32), then a softmax with
+    the head's sink logit in its denominator (sinks [heads], NO_SINK for none)."""
+
+    sinks: np.ndarray
+    scale: np.float32
 
 
 def _float_row_into(row, target):
@@ -55,12 +76,13 @@ VALUE_TILE = 16  # cached values a decode step converts at a time, then weighs f
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out, first, stop, part, parts):
-    """Work items first..stop-1 of `attention`: (query, kv head) pairs, the query heads that
-    share the kv head together (of them, the `part`-th of `parts` equal shares), so that each
-    cached key and value is converted to float32 once for all of them. Cache row r holds
-    position first_key + r; query i (position start + i) sees the `window` positions up to
-    its own, and of them only rows r with chosen[i, r] when `chosen` has rows."""
+def _attend(q, keys, values, seen, scoring, out, items, share):
+    """Work items first..stop-1 (`items`) of `attention`: (query, kv head) pairs, the query
+    heads that share the kv head together (of them, the part-th of `parts` equal shares:
+    `share`), so that each cached key and value is converted to float32 once for all of them."""
+    (first, stop), (part, parts) = items, share
+    start, first_key, window, chosen = seen
+    sinks, scale = scoring
     n, heads, width = q.shape
     kv_heads, v_width = keys.shape[1], values.shape[2]
     group = heads // kv_heads
@@ -101,7 +123,7 @@ def _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _attention_parallel(q, keys, values, start, first_key, window, sinks, chosen, scale, out, nthreads):
+def _attention_parallel(q, keys, values, seen, scoring, out, nthreads):
     """`attention` on all threads, each taking a share of the (query, kv head) pairs, or, when
     there are fewer pairs than threads (a decoded token's MLA: one), a share of every pair's
     query heads. A function of its own, not the serial one compiled twice: numba's cache
@@ -109,40 +131,39 @@ def _attention_parallel(q, keys, values, start, first_key, window, sinks, chosen
     pairs = q.shape[0] * keys.shape[1]
     for t in prange(nthreads):
         if pairs >= nthreads:
-            first, stop = part_range(pairs, nthreads, t, 1)
-            _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out, first, stop, 0, 1)
+            _attend(q, keys, values, seen, scoring, out, part_range(pairs, nthreads, t, 1), (0, 1))
         else:
-            _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out, 0, pairs, t, nthreads)
+            _attend(q, keys, values, seen, scoring, out, (0, pairs), (t, nthreads))
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _attention_serial(q, keys, values, start, first_key, window, sinks, chosen, scale, out):
+def _attention_serial(q, keys, values, seen, scoring, out):
     """`attention` on this thread: a decode step's is too small to pay for waking the others."""
-    _attend(q, keys, values, start, first_key, window, sinks, chosen, scale, out, 0, q.shape[0] * keys.shape[1], 0, 1)
+    _attend(q, keys, values, seen, scoring, out, (0, q.shape[0] * keys.shape[1]), (0, 1))
 
 
 NO_CHOICE = np.zeros((0, 0), np.uint8)  # attention over every cached position
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _one_position_each(q, keys, values, slots, positions, sinks, scale, out, nthreads):
+def _one_position_each(q, keys, values, slots, positions, scoring, out, nthreads):
     """`attention_of_slots` on all threads, each taking a share of the queries."""
     kv_heads = keys.shape[2]
     for t in prange(nthreads):
         lo, hi = part_range(q.shape[0], nthreads, t, 1)
         for i in range(lo, hi):
             end = positions[i] + 1
-            _attend(q[i:i + 1], keys[slots[i], :end], values[slots[i], :end], positions[i], 0, end + 1, sinks,
-                    NO_CHOICE, scale, out[i:i + 1], 0, kv_heads, 0, 1)
+            _attend(q[i:i + 1], keys[slots[i], :end], values[slots[i], :end], Seen(positions[i], 0, end + 1, NO_CHOICE),
+                    scoring, out[i:i + 1], (0, kv_heads), (0, 1))
 
 
-def attention_of_slots(q, keys, values, slots, positions, sinks, scale, out) -> None:
+def attention_of_slots(q, keys, values, slots, positions, scoring, out) -> None:
     """Query i (q [n, heads, width], one token at position positions[i]) over positions
     0..positions[i] of cache slot slots[i] (keys [slots, rows, kv_heads, width], values [slots,
     rows, kv_heads, v_width], as float32 or float16 bits), into out [n, heads, v_width]: what
     `attention_into` gives each query over its own cache, many sequences' decode steps in one
-    call. `sinks` [heads] (NO_SINK for none), a float32 `scale`; unchecked, as `attention_into`."""
-    _one_position_each(q, keys, values, slots, positions, sinks, scale, out, thread_count())
+    call, with its `Scoring`; unchecked, as `attention_into`."""
+    _one_position_each(q, keys, values, slots, positions, scoring, out, thread_count())
 
 
 PARALLEL_ATTENTION_WORK = 1 << 20  # multiply-adds from which attention runs on all threads
@@ -152,11 +173,13 @@ QUERY_BLOCK = 16  # queries of one head whose scores a thread computes together
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _prompt_attention(q, keys, values, start, first_key, window, sinks, chosen, scale, out, nthreads):
+def _prompt_attention(q, keys, values, seen, scoring, out, nthreads):
     """`attention` for many queries. The cache is converted to float32 once ([kv head, row,
     width]); then each thread takes blocks of QUERY_BLOCK queries of one head: each cached key
     scores the whole block in one `float_dots` (the queries' fixed-order dots interleaved),
     and each query's output is its rows' values weighed in order (`weighted_rows_into`)."""
+    start, first_key, window, chosen = seen.start, seen.first_key, seen.window, seen.chosen
+    sinks, scale = scoring.sinks, scoring.scale
     n, heads, width = q.shape
     kv_heads, v_width, end = keys.shape[1], values.shape[2], keys.shape[0]
     group = heads // kv_heads
@@ -178,25 +201,25 @@ def _prompt_attention(q, keys, values, start, first_key, window, sinks, chosen, 
         for work in range(lo, hi):
             first, h = work // heads * QUERY_BLOCK, work % heads
             kv, count = h // group, min(QUERY_BLOCK, n - first)
-            seen = start + first - first_key  # rows every query of the block sees; query i sees up to seen + i
+            before = start + first - first_key  # rows every query of the block sees; query i sees up to before + i
             for i in range(count):
                 block[i] = q[first + i, h]
             queries = block[:count]
-            for pos in range(max(0, seen + 1 - window), seen + count):  # (a query ignores the rows after its own)
+            for pos in range(max(0, before + 1 - window), before + count):  # (a query ignores the rows after its own)
                 float_dots(queries, keys_f[kv, pos], dots)
                 for i in range(count):
                     scores[i, pos] = dots[i] * scale
             for i in range(count):
-                row_lo = max(0, seen + i + 1 - window)
+                row_lo = max(0, before + i + 1 - window)
                 if chosen.shape[0]:
-                    _leave_out(scores[i:i + 1], chosen[first + i], row_lo, seen + i + 1)
-                softmax_in_place(scores, i, row_lo, seen + i + 1, sinks[h])
+                    _leave_out(scores[i:i + 1], chosen[first + i], row_lo, before + i + 1)
+                softmax_in_place(scores, i, row_lo, before + i + 1, sinks[h])
                 if chosen.shape[0]:
-                    _weigh_none(scores[i:i + 1], chosen[first + i], row_lo, seen + i + 1)
+                    _weigh_none(scores[i:i + 1], chosen[first + i], row_lo, before + i + 1)
             outputs[:count] = 0.0
             for i in range(count):
-                row_lo = max(0, seen + i + 1 - window)
-                weighted_rows_into(scores[i, row_lo:seen + i + 1], values_f[kv, row_lo:seen + i + 1], outputs[i])
+                row_lo = max(0, before + i + 1 - window)
+                weighted_rows_into(scores[i, row_lo:before + i + 1], values_f[kv, row_lo:before + i + 1], outputs[i])
             for i in range(count):
                 out[first + i, h, :] = outputs[i]
 
@@ -228,20 +251,21 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     if chosen.shape[1:] != (rows,) or chosen.shape[0] not in (0, n):
         raise ValueError(f"chosen {chosen.shape} does not fit {n} queries over {rows} cached positions")
     out = np.empty((n, heads, values.shape[2]), np.float32)
-    attention_into(q, keys, values, start, first_key, window, sinks, chosen, F32(scale), out)
+    attention_into(q, keys, values, Seen(start, first_key, window, chosen), Scoring(sinks, F32(scale)), out)
     return out
 
 
-def attention_into(q, keys, values, start, first_key, window, sinks, chosen, scale, out) -> None:
+def attention_into(q, keys, values, seen: Seen, scoring: Scoring, out) -> None:
     """`attention` into out [n, heads, v_width] without its checks: for callers whose arrays
-    are of their own making (a decode step's), with `sinks` [heads] (NO_SINK for none),
-    `chosen` [0 or n, rows] and a float32 `scale`."""
+    are of their own making (a decode step's); `seen.chosen` [0 or n, rows], a window of 0
+    for all positions."""
     n, heads, width = q.shape
-    rows = start + n - first_key
-    window = window if window > 0 else rows + 1
-    work = n * heads * min(rows, window) * (width + values.shape[2])
+    rows = seen.start + n - seen.first_key
+    if seen.window <= 0:
+        seen = seen._replace(window=rows + 1)
+    work = n * heads * min(rows, seen.window) * (width + values.shape[2])
     copy_bytes = 4 * rows * (keys.shape[1] * width + values.shape[1] * values.shape[2])
-    args = (q, keys, values, start, first_key, window, sinks, chosen, scale, out)
+    args = (q, keys, values, seen, scoring, out)
     if n >= PROMPT_ATTENTION_QUERIES and copy_bytes <= PROMPT_ATTENTION_BYTES:
         _prompt_attention(*args, thread_count())
     elif work >= PARALLEL_ATTENTION_WORK:

@@ -9,6 +9,8 @@ rows take when they are multiplied on AMX tiles or exactly.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit, prange
 
@@ -20,7 +22,7 @@ from colibri.runtime.kernels.activations import (
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS
 from colibri.runtime.kernels.matrices import matrix_times
-from colibri.runtime.kernels.numerics import GLU_CLAMPED, GLU_SILU, glu
+from colibri.runtime.kernels.numerics import GLU_KINDS, GLU_SILU, glu
 from colibri.runtime.kernels.rows import GROUP, row_dot, rows_times
 from colibri.runtime.kernels.threads import part_range, thread_count
 
@@ -29,38 +31,99 @@ _njit = njit(cache=True, nogil=True)
 _parallel = njit(cache=True, nogil=True, parallel=True)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def moe_steps(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes, ffn, hidden,
-              x, gate_acts, up_acts, up_distinct, h, up, h_act, weights, out, ids, gate_bias, up_bias, down_bias,
-              glu_kind, alpha, limit, nthreads):
-    """The decode kernel's steps, inlined (as numba IR, its parallel loops with them) into the
-    parallel kernels that call them: `_moe_kernel`, and `fused`'s whole layer tail."""
-    k, biased = slots.shape[0], gate_bias.shape[0] > 0
-    # 0. x [1, hidden] quantized for the gate and (when its dot type differs) the up rows
-    fill_activation(gate_acts, x, 0, hidden)
-    if up_distinct:
-        fill_activation(up_acts, x, 0, hidden)
-    # 1. h[j, i] = glu(gate_j[i] . x, up_j[i] . x) (up [k, ffn] holds the up products), over
-    #    all k * ffn rows at once; each thread then quantizes its own (256-aligned) part of h
-    #    for the down projection.
+class ExpertsRule(NamedTuple):
+    """What the expert kernels take of a layer's routed experts, checked once by `ExpertKernel`:
+    each matrix's block tag, byte offset in an expert's record and bytes per row (gate and up
+    [ffn, hidden], down [hidden, ffn]), the GLU (`GLU_KINDS`, its alpha and limit) and the
+    biases (gate, up [experts, ffn], down [experts, hidden]; 0 rows: none). Flat, for numba's
+    parallel regions."""
+
+    gate_tag: np.dtype
+    up_tag: np.dtype
+    down_tag: np.dtype
+    gate_at: int
+    up_at: int
+    down_at: int
+    gate_row: int
+    up_row: int
+    down_row: int
+    ffn: int
+    hidden: int
+    glu: int
+    alpha: np.float32
+    limit: np.float32
+    gate_bias: np.ndarray
+    up_bias: np.ndarray
+    down_bias: np.ndarray
+
+
+class Choice(NamedTuple):
+    """A token's k experts: their rows of the records (`slots`), their ids, their weights."""
+
+    slots: np.ndarray
+    ids: np.ndarray
+    weights: np.ndarray
+
+
+class Groups(NamedTuple):
+    """Many rows' experts grouped: group g is expert ids[g] in records[slots[g]], applied to
+    batch rows rows[starts[g]:starts[g + 1]] with those rows' routing `weights`."""
+
+    slots: np.ndarray
+    starts: np.ndarray
+    rows: np.ndarray
+    weights: np.ndarray
+    ids: np.ndarray
+
+
+class ExpertScratch(NamedTuple):
+    """A decoded token's buffers for its k experts: x's activations for the gate and the up
+    rows (the same one unless `up_distinct`), the gate and up products [2, k, ffn] (the GLU
+    is written over the gate's), and the GLU's activation for the down rows."""
+
+    gate_act: object
+    up_act: object
+    up_distinct: bool
+    gate_up: np.ndarray
+    h_act: object
+
+
+@_parallel
+def _expert_hidden(rule, records, choice, gate_act, up_act, gate_up, h_act, nthreads):
+    """gate_up[0, j, i] = glu(gate_j[i] . x, up_j[i] . x) (+ biases) over all k * ffn rows at
+    once; each thread then quantizes its own (256-aligned) part for the down rows."""
+    k, ffn, hidden = choice.slots.shape[0], rule.ffn, rule.hidden
+    slots, ids, gate_bias, up_bias = choice.slots, choice.ids, rule.gate_bias, rule.up_bias
+    gate_tag, up_tag, gate_at, up_at, gate_row, up_row = rule.gate_tag, rule.up_tag, rule.gate_at, rule.up_at, \
+        rule.gate_row, rule.up_row
+    kind, alpha, limit = rule.glu, rule.alpha, rule.limit
+    biased = gate_bias.shape[0] > 0
+    gates, ups = gate_up[0].reshape(-1), gate_up[1].reshape(-1)
     for t in prange(nthreads):
         first, stop = part_range(k * ffn, nthreads, t, WIDEST_ACT_BLOCK)
-        gate_act, up_act = activation_row(gate_acts, 0), activation_row(up_acts, 0)
-        gates, ups = h.reshape(-1), up.reshape(-1)
+        gate_x, up_x = activation_row(gate_act, 0), activation_row(up_act, 0)
         for index in range(first, stop):
             j, i = index // ffn, index % ffn
             record = records[slots[j]]
-            gates[index] = row_dot(gate_tag, record, offsets[0] + i * row_nbytes[0], hidden, gate_act)
-            ups[index] = row_dot(up_tag, record, offsets[1] + i * row_nbytes[1], hidden, up_act)
+            gates[index] = row_dot(gate_tag, record, gate_at + i * gate_row, hidden, gate_x)
+            ups[index] = row_dot(up_tag, record, up_at + i * up_row, hidden, up_x)
         if biased:
             for index in range(first, stop):
                 j, i = index // ffn, index % ffn
                 gates[index] += gate_bias[ids[j], i]
                 ups[index] += up_bias[ids[j], i]
         for index in range(first, stop):  # a loop of its own, which vectorizes (in the dots' loop it did not)
-            gates[index] = glu(gates[index], ups[index], glu_kind, alpha, limit)
-        fill_activation(h_act, h, first, stop)
-    # 2. out[r] = sum_j weights[j] * (down_j[r] . h[j] (+ its bias)), one expert's rows at a time.
+            gates[index] = glu(gates[index], ups[index], kind, alpha, limit)
+        fill_activation(h_act, gate_up[0], first, stop)
+
+
+@_parallel
+def _expert_down(rule, records, choice, h_act, out, nthreads):
+    """out[r] = sum_j weights[j] * (down_j[r] . h[j] (+ its bias)), one expert's rows at a time."""
+    k, ffn, hidden = choice.slots.shape[0], rule.ffn, rule.hidden
+    slots, ids, weights, down_bias = choice.slots, choice.ids, choice.weights, rule.down_bias
+    down_tag, down_at, down_row = rule.down_tag, rule.down_at, rule.down_row
+    biased = down_bias.shape[0] > 0
     for t in prange(nthreads):
         first, stop = part_range(hidden, nthreads, t, 1)
         out[first:stop] = 0.0
@@ -68,17 +131,20 @@ def moe_steps(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes, f
             act = activation_row(h_act, j)
             record = records[slots[j]]
             for r in range(first, stop):
-                y = row_dot(down_tag, record, offsets[2] + r * row_nbytes[2], ffn, act)
+                y = row_dot(down_tag, record, down_at + r * down_row, ffn, act)
                 out[r] += weights[j] * (y + down_bias[ids[j], r] if biased else y)
 
 
-@_parallel
-def _moe_kernel(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes, ffn, hidden,
-                x, gate_acts, up_acts, up_distinct, h, up, h_act, weights, out, ids, gate_bias, up_bias, down_bias,
-                glu_kind, alpha, limit, nthreads):
-    moe_steps(gate_tag, up_tag, down_tag, records, slots, offsets, row_nbytes, ffn, hidden, x, gate_acts, up_acts,
-              up_distinct, h, up, h_act, weights, out, ids, gate_bias, up_bias, down_bias, glu_kind, alpha, limit,
-              nthreads)
+@_njit
+def moe_steps(rule, records, choice, scratch, x, out, nthreads):
+    """The k experts of `choice` for one token x [1, hidden] into out [hidden]: x quantized
+    for the gate and (when its dot type differs) the up rows, then `_expert_hidden`, then
+    `_expert_down`. The one-token kernel, and the experts of `fused`'s layer tail."""
+    fill_activation(scratch.gate_act, x, 0, rule.hidden)
+    if scratch.up_distinct:
+        fill_activation(scratch.up_act, x, 0, rule.hidden)
+    _expert_hidden(rule, records, choice, scratch.gate_act, scratch.up_act, scratch.gate_up, scratch.h_act, nthreads)
+    _expert_down(rule, records, choice, scratch.h_act, out, nthreads)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -123,13 +189,19 @@ def _split_row(starts, row):
 
 
 @_parallel
-def _grouped_kernel(gate_tag, up_tag, down_tag, records, slots, starts, rows, weights, offsets, row_nbytes, ffn, hidden,
-                    gate_act, up_act, h_act, out, ids, gate_bias, up_bias, down_bias, glu_kind, alpha, limit, parts):
-    """For each group g (expert ids[g] in record slots[g], rows rows[starts[g]:starts[g+1]] of
-    the batch): out[rows] += weights * down(glu(gate @ x, up @ x)). The groups' rows, in order,
-    are cut into `parts` equal shares run in parallel (a group may be cut between two: a few
-    experts often take most rows), each with the kernels `batch` uses (a product's values do
-    not depend on how its rows are split); the outputs are then added in group order."""
+def _grouped_kernel(rule, records, groups, gate_act, up_act, h_act, out, parts):
+    """For each of the `groups` (expert ids[g] in record slots[g], rows rows[starts[g]:starts[g+1]]
+    of the batch): out[rows] += weights * down(glu(gate @ x, up @ x)). The groups' rows, in
+    order, are cut into `parts` equal shares run in parallel (a group may be cut between two:
+    a few experts often take most rows), each with the kernels `batch` uses (a product's
+    values do not depend on how its rows are split); the outputs are then added in group order."""
+    slots, starts, rows, ids = groups.slots, groups.starts, groups.rows, groups.ids
+    ffn, hidden, biased = rule.ffn, rule.hidden, rule.gate_bias.shape[0] > 0
+    gate_bias, up_bias, down_bias = rule.gate_bias, rule.up_bias, rule.down_bias
+    gate_tag, up_tag, down_tag = rule.gate_tag, rule.up_tag, rule.down_tag
+    gate_at, up_at, down_at, gate_row, up_row, down_row = rule.gate_at, rule.up_at, rule.down_at, rule.gate_row, \
+        rule.up_row, rule.down_row
+    kind, alpha, limit = rule.glu, rule.alpha, rule.limit
     ys = np.empty((starts[-1], hidden), np.float32)
     for part in prange(parts):
         first = _split_row(starts, starts[-1] * part // parts)
@@ -141,23 +213,20 @@ def _grouped_kernel(gate_tag, up_tag, down_tag, records, slots, starts, rows, we
             n, record = mine.size, records[slots[g]]
             gate = np.empty((n, ffn), np.float32)
             up = np.empty((n, ffn), np.float32)
-            rows_times(gate_tag, record[offsets[0]:], 0, ffn, row_nbytes[0], hidden, activation_row(gate_act, mine), gate)
-            rows_times(up_tag, record[offsets[1]:], 0, ffn, row_nbytes[1], hidden, activation_row(up_act, mine), up)
-            if gate_bias.shape[0]:
+            rows_times(gate_tag, record[gate_at:], 0, ffn, gate_row, hidden, activation_row(gate_act, mine), gate)
+            rows_times(up_tag, record[up_at:], 0, ffn, up_row, hidden, activation_row(up_act, mine), up)
+            if biased:
                 gate += gate_bias[ids[g]]
                 up += up_bias[ids[g]]
-            glu_rows(gate, up, 0, n, glu_kind, alpha, limit)
+            glu_rows(gate, up, 0, n, kind, alpha, limit)
             mine_h = activation_row(h_act, slice(first, end))
             fill_activation(mine_h, gate, 0, gate.size)
             y = ys[first:end]
-            rows_times(down_tag, record[offsets[2]:], 0, hidden, row_nbytes[2], ffn, mine_h, y)
-            if gate_bias.shape[0]:
+            rows_times(down_tag, record[down_at:], 0, hidden, down_row, ffn, mine_h, y)
+            if biased:
                 y += down_bias[ids[g]]
             first, g = end, g + 1
-    add_weighted_rows(out, rows, ys, weights)
-
-
-GLU_KINDS = {"silu": GLU_SILU, "clamped_swiglu": GLU_CLAMPED}
+    add_weighted_rows(out, rows, ys, groups.weights)
 
 
 class ExpertKernel:
@@ -181,17 +250,16 @@ class ExpertKernel:
                 raise ValueError(f"{name} [{rows} rows of {size} bytes] at offset {offset} does not fit "
                                  f"in a record of {record_bytes} bytes")
         self.record_bytes, self.ffn, self.hidden = record_bytes, ffn, hidden
-        self.tags = tuple(BLOCK_TAGS[encoding] for encoding in encodings)
-        self.offsets = tuple(int(o) for o in offsets)
         self.dot_types = tuple(dot_type_for(encoding, exact) for encoding in encodings)
-        self.decode_buffers: tuple | None = None  # a decoded token's activations and h, kept for the next
-        self.glu = GLU_KINDS[glu], F32(alpha), F32(limit)
+        self.decode_buffers: tuple | None = None  # a decoded token's activations and products, kept for the next
         if biases is None:
             biases = tuple(np.zeros((0, cols), F32) for cols in (ffn, ffn, hidden))
         for name, bias, cols in zip(("gate", "up", "down"), biases, (ffn, ffn, hidden)):
             if bias.dtype != F32 or bias.ndim != 2 or bias.shape[1] != cols or not bias.flags.c_contiguous:
                 raise ValueError(f"{name} bias must be C-contiguous float32 [experts, {cols}], got {bias.dtype} {bias.shape}")
         self.biases = tuple(biases)
+        self.rule = ExpertsRule(*(BLOCK_TAGS[encoding] for encoding in encodings), *(int(o) for o in offsets),
+                                *self.sizes, ffn, hidden, GLU_KINDS[glu], F32(alpha), F32(limit), *self.biases)
 
     def activations(self, x: np.ndarray) -> dict:
         """x float32 [n, hidden] as the gate and the up kernels take it (by dot type: quantized
@@ -210,24 +278,22 @@ class ExpertKernel:
         float32 [hidden]."""
         row = x.reshape(1, self.hidden)
         out = np.empty(self.hidden, np.float32)
-        _moe_kernel(*self.tags, records, slots, self.offsets, self.sizes, self.ffn, self.hidden, row,
-                    *self.scratch(row, slots.shape[0]), weights, out, self._bias_ids(ids), *self.biases, *self.glu,
-                    thread_count())
+        choice = Choice(slots, self._bias_ids(ids), weights)
+        moe_steps(self.rule, records, choice, self.scratch(row, slots.shape[0]), row, out, thread_count())
         return out
 
-    def scratch(self, row: np.ndarray, k: int) -> tuple:
-        """The one-token kernel's (gate activation, up activation, whether up's is its own, h
-        [k, ffn], up [k, ffn], h's activation) for row [1, hidden] and k experts; the buffers
-        are kept for the next token (the float path reads `row` itself)."""
-        if self.decode_buffers is None or self.decode_buffers[2].shape[0] != k:
+    def scratch(self, row: np.ndarray, k: int) -> ExpertScratch:
+        """The one-token kernel's buffers for row [1, hidden] and k experts (the float path
+        reads `row` itself); the arrays are kept for the next token."""
+        if self.decode_buffers is None or self.decode_buffers[1].shape[1] != k:
             acts = {dot_type: None if dot_type is None else empty_activation(1, self.hidden, dot_type)
                     for dot_type in self.dot_types[:2]}
-            h = np.empty((k, self.ffn), np.float32)
-            self.decode_buffers = acts, self.dot_types[0] != self.dot_types[1], h, np.empty((k, self.ffn), np.float32), \
-                h if self.dot_types[2] is None else empty_activation(k, self.ffn, self.dot_types[2])
-        acts, up_distinct, h, up, h_act = self.decode_buffers
+            gate_up = np.empty((2, k, self.ffn), np.float32)
+            h_act = gate_up[0] if self.dot_types[2] is None else empty_activation(k, self.ffn, self.dot_types[2])
+            self.decode_buffers = acts, gate_up, h_act
+        acts, gate_up, h_act = self.decode_buffers
         gate_act, up_act = (row if acts[dot_type] is None else acts[dot_type] for dot_type in self.dot_types[:2])
-        return gate_act, up_act, up_distinct, h, up, h_act
+        return ExpertScratch(gate_act, up_act, self.dot_types[0] != self.dot_types[1], gate_up, h_act)
 
     def _bias_ids(self, ids: np.ndarray) -> np.ndarray:
         """ids as the kernels index the biases, each checked against their rows."""
@@ -247,7 +313,7 @@ class ExpertKernel:
             expert = int(self._bias_ids(np.array([expert]))[0])
             gate += self.biases[0][expert]
             up += self.biases[1][expert]
-        h = _glu(gate, up, *self.glu, thread_count())
+        h = _glu(gate, up, self.rule.glu, self.rule.alpha, self.rule.limit, thread_count())
         y = self._project(record, 2, self.hidden, self.ffn, make_activation(h, self.dot_types[2]), n)
         return y + self.biases[2][expert] if biased else y
 
@@ -264,12 +330,12 @@ class ExpertKernel:
         whole batch, `groupable`. The rows are shared out in `parts` (default: the thread count)."""
         gate_act, up_act = (acts[dot_type] for dot_type in self.dot_types[:2])
         h_act = empty_activation(rows.size, self.ffn, self.dot_types[2])  # each group quantizes its own rows
-        _grouped_kernel(*self.tags, records, slots, starts, rows, weights, self.offsets, self.sizes, self.ffn, self.hidden,
-                        gate_act, up_act, h_act, out, self._bias_ids(ids), *self.biases, *self.glu,
-                        thread_count() if parts is None else parts)
+        groups = Groups(slots, starts, rows, weights, self._bias_ids(ids))
+        _grouped_kernel(self.rule, records, groups, gate_act, up_act, h_act, out, thread_count() if parts is None else parts)
 
     def _project(self, record: np.ndarray, m: int, rows: int, cols: int, act, n: int) -> np.ndarray:
-        return matrix_times(self.tags[m], record[self.offsets[m]:], rows, cols, self.sizes[m], act, n)
+        tag, offset = self.rule[m], self.rule[3 + m]  # the rule's tags, then its offsets
+        return matrix_times(tag, record[offset:], rows, cols, self.sizes[m], act, n)
 
 
 def moe_experts(records: np.ndarray, encodings: tuple[str, str, str], offsets: tuple[int, int, int], ffn: int,

@@ -30,7 +30,7 @@ from colibri.runtime.kernels.activations import (
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS
 from colibri.runtime.kernels.emitter import target_isa
-from colibri.runtime.kernels.rows import dequantize_into, rows_per_head, rows_times
+from colibri.runtime.kernels.rows import Product, dequantize_into, rows_per_head, rows_times
 from colibri.runtime.kernels.threads import part_range, thread_count
 
 _parallel = njit(cache=True, nogil=True, parallel=True)
@@ -70,9 +70,9 @@ def _tile_matmul_kernel(tag, w, rows, cols, row_nbytes, packed, out, nthreads):
 
 
 @_parallel
-def _per_head_kernel(tag, w, cols, row_nbytes, act, heads, stride, first, out, nthreads):
+def _per_head_kernel(matrix, act, heads, stride, first, out, nthreads):
     for t in prange(nthreads):
-        rows_per_head(t, nthreads, tag, w, row_nbytes, cols, act, heads, stride, first, out)
+        rows_per_head(t, nthreads, matrix, act, heads, stride, first, out)
 
 
 @_parallel
@@ -114,6 +114,7 @@ class Matrix:
         self.encoding, self.rows, self.cols = encoding, rows, cols
         self.tag = BLOCK_TAGS[encoding]
         self.dot_type = dot_type_for(encoding, exact)
+        self.product = Product(self.tag, self.data, self.row_nbytes, rows, cols)  # what the kernels take of it
         self.observe = None  # called with every x this matrix multiplies, when set (importance matrices)
 
     def activation(self, x: np.ndarray, tiles: bool = True):
@@ -146,8 +147,7 @@ class Matrix:
         by_head = np.ascontiguousarray(float_rows(x, self.cols).reshape(n, heads, self.cols).transpose(1, 0, 2))
         out = np.empty((heads, n, rows), np.float32)
         act = self.activation(by_head.reshape(heads * n, self.cols), tiles=False)
-        _per_head_kernel(self.tag, self.data, self.cols, self.row_nbytes, act, heads, stride, first, out,
-                         thread_count())
+        _per_head_kernel(self.product, act, heads, stride, first, out, thread_count())
         return out.transpose(1, 0, 2).reshape(n * heads, rows)
 
     def rows_f32(self, first: int, count: int) -> np.ndarray:

@@ -56,6 +56,7 @@ def silu(v):
 
 
 GLU_SILU, GLU_CLAMPED = 0, 1  # the gated activations of `glu`
+GLU_KINDS = {"silu": GLU_SILU, "clamped_swiglu": GLU_CLAMPED}  # ModelConfig.expert_glu -> its kind
 
 
 @njit(cache=True, nogil=True, fastmath=True, inline="always")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit, prange
 
@@ -12,9 +14,21 @@ _njit = njit(cache=True, nogil=True)
 PARALLEL_ROUTE_ROWS = 16  # rows from which `route` shares them between threads (each row's choice is its own)
 
 
+class RouteRule(NamedTuple):
+    """How a router scores and chooses (see `route`)."""
+
+    sigmoid: bool
+    groups: int
+    topk_groups: int
+    top2_sum: bool
+    norm: bool
+    scale: np.float32
+
+
 @_njit
-def route_into(logits, bias, sigmoid, groups, topk_groups, top2_sum, norm, scale, ids, weights):
+def route_into(logits, bias, rule, ids, weights):
     """`route` into ids int64 [n, k] and weights float32 [n, k] (bias: float32 [experts])."""
+    sigmoid, groups, topk_groups, top2_sum, norm, scale = rule
     n, experts = logits.shape
     k, per_group = ids.shape[1], experts // groups
     scores, choice = np.empty(experts, np.float32), np.empty(experts, np.float32)
@@ -63,11 +77,11 @@ def route_into(logits, bias, sigmoid, groups, topk_groups, top2_sum, norm, scale
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _route_parallel(logits, bias, sigmoid, groups, topk_groups, top2_sum, norm, scale, ids, weights, nthreads):
+def _route_parallel(logits, bias, rule, ids, weights, nthreads):
     """`route_into` on all threads, each taking a share of the rows."""
     for t in prange(nthreads):
         lo, hi = part_range(logits.shape[0], nthreads, t, 1)
-        route_into(logits[lo:hi], bias, sigmoid, groups, topk_groups, top2_sum, norm, scale, ids[lo:hi], weights[lo:hi])
+        route_into(logits[lo:hi], bias, rule, ids[lo:hi], weights[lo:hi])
 
 
 def route(logits: np.ndarray, bias: np.ndarray | None, k: int, sigmoid: bool = False, groups: int = 1,
@@ -77,11 +91,15 @@ def route(logits: np.ndarray, bias: np.ndarray | None, k: int, sigmoid: bool = F
     adds `bias` (DeepSeek-V3's correction) and, with `groups` > 1, keeps only the experts of
     the `topk_groups` groups that score best (sum of their top two choices, or the max);
     weights are the chosen scores, renormalized to sum 1 when `norm`, times `scale`."""
+    return route_by(logits, bias, k, RouteRule(sigmoid, groups, topk_groups, top2_sum, norm, F32(scale)))
+
+
+def route_by(logits: np.ndarray, bias: np.ndarray | None, k: int, rule: RouteRule):
+    """`route` with its scoring and choice given as a `RouteRule`."""
     n, experts = logits.shape
     ids, weights = np.empty((n, k), np.int64), np.empty((n, k), np.float32)
     bias = np.zeros(experts, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
-    args = (np.ascontiguousarray(logits, dtype=np.float32), bias, sigmoid, groups, topk_groups, top2_sum, norm,
-            F32(scale), ids, weights)
+    args = (np.ascontiguousarray(logits, dtype=np.float32), bias, rule, ids, weights)
     if n >= PARALLEL_ROUTE_ROWS:
         _route_parallel(*args, thread_count())
     else:

@@ -11,6 +11,8 @@ stream PREFETCH_BYTES ahead.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -33,6 +35,17 @@ CHUNK = 256  # float weights a row dot prefetches and multiplies at a time
 GROUP = 8  # activations multiplied together by the int8 matmul (each weight block unpacked once);
 # a remainder of at least GROUP // 2 rows is done as one half group
 ROW_TILE = 32  # weight rows the int8 matmul passes each group of activations over (kept in L2)
+
+
+class Product(NamedTuple):
+    """What a kernel takes of a stored [rows, cols] matrix: its block tag, its bytes (uint8)
+    and the bytes of a row. Flat (no tuple inside), so that numba's parallel regions take it."""
+
+    tag: np.dtype
+    data: np.ndarray
+    row_nbytes: int
+    rows: int
+    cols: int
 
 
 @_njit
@@ -278,10 +291,11 @@ def _rows_times_overload(tag, w, first, stop, row_nbytes, cols, act, out):
 
 
 @_njit
-def rows_per_head(t, nthreads, tag, w, row_nbytes, cols, act, heads, stride, first, out):
-    """Thread t's share of a product with a slice of the matrix per head, out [heads, n, rows]:
-    head h's n activations (rows h * n.. of `act`) times rows first + h * stride.. of `w`, each
+def rows_per_head(t, nthreads, matrix, act, heads, stride, first, out):
+    """Thread t's share of a product with a slice of `matrix` per head, out [heads, n, rows]:
+    head h's n activations (rows h * n.. of `act`) times rows first + h * stride.., each
     head's rows unpacked once for GROUP of them (MLA's absorbed projections)."""
+    tag, w, row_nbytes, cols = matrix.tag, matrix.data, matrix.row_nbytes, matrix.cols
     n, rows = out.shape[1], out.shape[2]
     lo, hi = part_range(heads * rows, nthreads, t, 1)
     for h in range(heads):
