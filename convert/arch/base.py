@@ -69,21 +69,26 @@ def check_activation(hf: dict) -> None:
             raise ConfigError(f"config.json: {key} {hf[key]!r} is not supported (colibri computes {', '.join(ACTIVATIONS)})")
 
 
-def check_features(hf: dict) -> None:
-    """Refuse config.json features the runtime does not implement, naming the key."""
-    if hf.get("use_sliding_window") or (hf.get("use_sliding_window") is None and hf.get("sliding_window") is not None
-                                        and hf["sliding_window"] < hf.get("max_position_embeddings", 0)):
-        raise ConfigError(f"config.json: sliding_window {hf.get('sliding_window')!r} is not supported "
-                          "(colibri attends to the whole context)")
+def check_features(hf: dict, windows: bool = False) -> None:
+    """Refuse config.json features the runtime does not implement, naming the key. A sliding
+    window is refused unless the adapter maps it onto its layers (`windows`: gpt-oss's
+    `layer_types`); the runtime keeps a window per layer (`ModelConfig.sliding_layers`)."""
+    window = hf.get("sliding_window")
+    slides = hf.get("use_sliding_window") or (hf.get("use_sliding_window") is None and window is not None
+                                              and window < hf.get("max_position_embeddings", 0))
+    if slides and not windows:
+        raise ConfigError(f"config.json: sliding_window {window!r} is not supported for this "
+                          "architecture (colibri keeps windows only on the layers an adapter names)")
     partial = rope_settings(hf)[2]
     if not 0 < partial <= 1:
         raise ConfigError(f"config.json: partial_rotary_factor {partial!r} is not in (0, 1]")
 
 
-def common_fields(hf: dict, architecture: str, gguf_arch: gguf.MODEL_ARCH) -> dict:
-    """The ModelConfig fields every architecture reads the same way."""
+def common_fields(hf: dict, architecture: str, gguf_arch: gguf.MODEL_ARCH, windows: bool = False) -> dict:
+    """The ModelConfig fields every architecture reads the same way (`windows`: the adapter
+    maps config.json's sliding window onto its layers itself)."""
     check_activation(hf)
-    check_features(hf)
+    check_features(hf, windows)
     vocab, hidden, layers, heads = require(hf, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
     head_dim = hf.get("head_dim") or hidden // heads
     theta, scaling, partial = rope_settings(hf)

@@ -51,9 +51,7 @@ class GptOss(Adapter):
     def normalize(self, hf: dict) -> ModelConfig:
         experts, used, ffn, layers = require(hf, "num_local_experts", ("num_experts_per_tok", "experts_per_token"),
                                              "intermediate_size", "num_hidden_layers")
-        # the sliding window is gpt-oss's own (common_fields refuses it for the other architectures)
-        fields = common_fields({k: v for k, v in hf.items() if k not in ("sliding_window", "use_sliding_window")},
-                               "gpt_oss", self.gguf_arch)
+        fields = common_fields(hf, "gpt_oss", self.gguf_arch, windows=True)  # on the layers `layer_types` names
         kinds = hf.get("layer_types") or [LAYER_TYPES[(i + 1) % 2 == 0] for i in range(layers)]
         if not (isinstance(kinds, list) and len(kinds) == layers and all(k in LAYER_TYPES for k in kinds)):
             raise ConfigError(f"config.json: layer_types is not {layers} of {', '.join(LAYER_TYPES)}")
