@@ -27,7 +27,7 @@ from colibri.convert.synthetic import tiny_config, write_checkpoint
 from colibri.formats.checkpoint import Checkpoint
 from colibri.formats.layout import ModelLayout
 from colibri.formats.recipe import MIXES
-from colibri.runtime.imatrix import ActivationSums
+from colibri.runtime.imatrix_collect import ActivationSums
 
 PERMUTED = ("attn_q.weight", "attn_k.weight")  # llama's GGUF row order differs from the checkpoint's
 EXPERT_KEYS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts"}

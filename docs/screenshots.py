@@ -27,7 +27,7 @@ from pathlib import Path
 from colibri.cli import main as colibri
 from colibri.convert.hf_to_colibri import ConvertOptions, convert
 from colibri.convert.synthetic import write_checkpoint
-from colibri.report import build_report
+from colibri.cli.report import build_report
 
 WINDOW = {"report": "1100,1500", "live": "1100,760"}
 DOCUMENTS = ("The mill by the river", "A letter about bread", "Notes on the bell tower", "The ferry timetable",

@@ -5,7 +5,7 @@
 Imported lazily, so that light modules (`runtime.memory`) do not pull in the kernels.
 """
 
-__all__ = ["BudgetError", "Model", "open_model"]
+__all__ = ["BudgetError", "EngineOptions", "Model", "open_model"]
 
 
 def __getattr__(name):
@@ -13,4 +13,4 @@ def __getattr__(name):
         from colibri.runtime import engine
 
         return getattr(engine, name)
-    raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+    raise AttributeError(f"module 'colibri.runtime' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """`open_model`: a converted model opened for generation inside a RAM budget.
 
-    m = open_model(path, threads=2, ctx=4096, ram_budget="8G", expert_cache="2G", kv_quant="f16")
+    m = open_model(path, threads=2, ctx=4096, ram_budget="8G", expert_cache="2G", kv_quant="f16")  # EngineOptions' fields
     logits = m.prefill(token_ids)      # float32 [len(token_ids), vocab]; fills the KV cache
     last = m.prefill(token_ids, all_logits=False)  # float32 [1, vocab]: only the last position's
     step = m.decode(token_id)          # float32 [vocab] for the next position
@@ -19,10 +19,11 @@ import numpy as np
 
 from colibri.formats.layout import ModelLayout
 from colibri.runtime import kernels
-from colibri.runtime.expert_store import DEFAULT_IO, POLICIES, ExpertStore, cache_bytes_for_all
+from colibri.runtime.expert_store import ExpertStore, cache_bytes_for_all
 from colibri.runtime.kv_cache import FLOAT_KINDS, WRITE_ROOM, ContextOverflow, KVCache, KVPool
 from colibri.runtime.memory import current_rss, format_size, parse_size, peak_rss, total_ram
 from colibri.runtime.model import Decoder
+from colibri.runtime.options import MOST_PARALLEL, EngineOptions
 
 SCRATCH_BYTES = 64 << 20  # activations and attention scores of one step, generously
 PREFILL_CHUNK = WRITE_ROOM  # prompt tokens per forward pass (llama.cpp's ubatch): bounds a prompt's activations
@@ -86,7 +87,7 @@ def plan_budget(layout: ModelLayout, ctx: int, kv_quant: str, ram_budget, expert
     return budget
 
 
-def fitting_parallel(layout: ModelLayout, ctx: int, kv_quant: str, ram_budget=None, most: int = 32) -> int:
+def fitting_parallel(layout: ModelLayout, ctx: int, kv_quant: str, ram_budget=None, most: int = MOST_PARALLEL) -> int:
     """The most KV slots (at most `most`) whose cache takes at most a quarter of what the RAM
     budget leaves after resident weights, scratch and the runtime: the rest stays for experts."""
     ram = parse_size(ram_budget) if ram_budget is not None else default_ram_budget()
@@ -95,21 +96,26 @@ def fitting_parallel(layout: ModelLayout, ctx: int, kv_quant: str, ram_budget=No
     return max(1, min(most, room // 4 // max(per_slot, 1)))
 
 
+def slots_for(layout: ModelLayout, options: EngineOptions, jobs: int) -> int:
+    """The KV slots a model opens: `options.parallel`, else the one default rule: as many as
+    `fitting_parallel` gives, at most MOST_PARALLEL and the `jobs` (sequences the work has)."""
+    if options.parallel is not None:
+        return options.parallel
+    return fitting_parallel(layout, options.ctx, options.kv_quant, options.ram_budget, max(1, min(jobs, MOST_PARALLEL)))
+
+
 class Model:
-    def __init__(self, path, threads: int | None = None, ctx: int = 4096, ram_budget=None, expert_cache=None,
-                 kv_quant: str = "f16", cache_policy: str = "lru", prefetch: bool = False,
-                 io: str = DEFAULT_IO, parallel: int = 1):
-        if parallel < 1:
-            raise ValueError(f"--parallel must be at least 1, got {parallel}")
-        if cache_policy not in POLICIES:
-            raise ValueError(f"cache policy {cache_policy!r} unknown (known: {', '.join(POLICIES)})")
+    def __init__(self, path, options: EngineOptions = EngineOptions(), jobs: int = 1):
         self.layout = ModelLayout(path)
         self.config = c = self.layout.config
-        if threads:
-            kernels.set_threads(threads)
-        self.budget = plan_budget(self.layout, ctx, kv_quant, ram_budget, expert_cache, parallel)
-        self.store = ExpertStore(self.layout, self.budget.expert_cache, max(c.n_experts_used, 1), cache_policy,
-                                 prefetch=prefetch, io=io)
+        self.options = options
+        if options.threads:
+            kernels.set_threads(options.threads)
+        ctx, kv_quant = options.ctx, options.kv_quant
+        parallel = slots_for(self.layout, options, jobs)
+        self.budget = plan_budget(self.layout, ctx, kv_quant, options.ram_budget, options.expert_cache, parallel)
+        self.store = ExpertStore(self.layout, self.budget.expert_cache, max(c.n_experts_used, 1), options.cache_policy,
+                                 prefetch=options.prefetch, io=options.io)
         self.decoder = Decoder(self.layout, self.store, ctx)
         # one KV slot per sequence that can run at once (`generate_many`, `scheduler`); the
         # single-sequence calls use the first
@@ -284,12 +290,10 @@ class Model:
         }
 
 
-def open_model(path, threads: int | None = None, ctx: int = 4096, ram_budget=None, expert_cache=None,
-               kv_quant: str = "f16", cache_policy: str = "lru", prefetch: bool = False,
-               io: str = DEFAULT_IO, parallel: int = 1) -> Model:
-    """Open a converted model; refuses a RAM budget that cannot hold it (see `plan_budget`).
-    `prefetch` reads the next layer's predicted experts in the background; `io` is how
-    experts are read: "pread" (through the page cache), "direct" (O_DIRECT) or "mmap" (the
-    files mapped, read in place); `parallel` KV slots of `ctx` positions let that many
-    sequences run at once (`generate_many`, `scheduler`)."""
-    return Model(path, threads, ctx, ram_budget, expert_cache, kv_quant, cache_policy, prefetch, io, parallel)
+def open_model(path, options: EngineOptions | None = None, *, jobs: int = 1, **changes) -> Model:
+    """Open a converted model with `options` (`EngineOptions`; keyword `changes` replace its
+    fields: `open_model(path, ctx=8192, ram_budget="24G")`); refuses a RAM budget that cannot
+    hold it (see `plan_budget`). Without `parallel`, the KV slots follow `slots_for`, with
+    `jobs` the sequences the caller will run at once (`generate_many`, `scheduler`)."""
+    options = (options or EngineOptions()).replace(**changes)
+    return Model(path, options, jobs)

@@ -13,7 +13,7 @@ from colibri.convert.plan import make_plan
 from colibri.convert.quantize_q4k import dequantize, quantize
 from colibri.formats.checkpoint import Checkpoint
 from colibri.formats.layout import ModelLayout
-from colibri.imatrix_command import read_chunks
+from colibri.cli.imatrix_command import read_chunks
 from colibri.runtime import open_model
 from colibri.runtime.model import MoE
 

@@ -67,7 +67,7 @@ def test_a_ray_job_gives_the_single_machine_answers_once_each_even_when_an_actor
 
 
 def test_the_generator_runs_ray_data_style_batches(job):
-    from colibri.ray_batch import ColibriGenerator
+    from colibri.ray_batch import ColibriGenerator  # the documented import
 
     generator = ColibriGenerator(str(job / "model"), parallel=3, ram_budget="8G", ctx=256)
     batch = {"id": ["a", "b", "c", "d"], "prompt": ["Document 1: the river ", "Document 2: ", "x" * 5000, "hi"],
@@ -81,7 +81,7 @@ def test_the_generator_runs_ray_data_style_batches(job):
 
 def test_ray_data_map_batches_runs_the_generator_on_an_actor_pool(job):
     pytest.importorskip("ray.data", reason="Ray Data is not installed (pip install 'ray[data]')")
-    from colibri.ray_batch import ColibriGenerator
+    from colibri.ray_batch import ColibriGenerator  # the documented import
 
     prompts = [f"Document {i}: the river" for i in range(6)]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -13,7 +13,7 @@ import pytest
 from colibri.cli import main
 from colibri.convert.hf_to_colibri import ConvertOptions, convert
 from colibri.convert.synthetic import write_checkpoint
-from colibri.report import SHARES
+from colibri.cli.report import SHARES
 from colibri.runtime.policy_replay import belady, read_trace, replay
 
 BENCH_POLICY = Path(__file__).resolve().parent.parent / "bench" / "policy.py"
@@ -35,7 +35,7 @@ def job(tmp_path_factory):
 
 
 def test_the_heat_map_counts_are_the_traces(job):
-    from colibri.report import build_report
+    from colibri.cli.report import build_report
 
     records = [json.loads(line) for line in (job / "trace.jsonl").read_text().splitlines()]
     _, numbers = build_report(job / "trace.jsonl", json.loads((job / "stats.json").read_text()))
@@ -51,7 +51,7 @@ def test_the_heat_map_counts_are_the_traces(job):
 
 
 def test_the_replay_is_bench_policy_s_and_the_run_s(job):
-    from colibri.report import build_report
+    from colibri.cli.report import build_report
     from colibri.runtime.expert_store import POLICIES
 
     stats = json.loads((job / "stats.json").read_text())
@@ -71,7 +71,7 @@ def test_the_replay_is_bench_policy_s_and_the_run_s(job):
 
 def test_bench_policy_gives_the_report_s_replay(job, tmp_path):
     """bench/policy.py, run as a script, prints the table the report draws from the same trace."""
-    from colibri.report import build_report
+    from colibri.cli.report import build_report
 
     _, numbers = build_report(job / "trace.jsonl", json.loads((job / "stats.json").read_text()))
     subprocess.run([sys.executable, str(BENCH_POLICY), str(job / "trace.jsonl"), "--sizes", *map(str, SHARES),
@@ -89,7 +89,7 @@ def test_the_report_is_self_contained(job):
 
 
 def test_without_stats_the_cache_is_replayed_at_a_quarter_of_the_experts(job):
-    from colibri.report import build_report
+    from colibri.cli.report import build_report
 
     page, numbers = build_report(job / "trace.jsonl")
     distinct = int(np.count_nonzero(numbers["counts"]))

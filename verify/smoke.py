@@ -30,13 +30,16 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri.runtime.memory import size_argument, total_ram
+from colibri.runtime.memory import total_ram
+from colibri.runtime.options import add_engine_flags, engine_options, option_names
 from colibri.version import __version__
 
 FORMAT = "colibri-smoke"
 VERSION = 1
 HEAD_CHARS = 200
 DEFAULT_MAX_TOKENS = 32
+SMOKE_OPTIONS = option_names("parallel")  # the engine flags a baseline takes: its prompts run one at a time
+SMOKE_CTX = 1024  # positions a baseline's prompt and its tokens get (--ctx's default here)
 PROMPTS = (
     "The river town woke slowly, and",
     "Explain in two sentences why the sky is blue.",
@@ -322,14 +325,7 @@ def add_smoke_arguments(p: argparse.ArgumentParser) -> None:
                    help="--compare: fail (exit 1) when the mean KL divergence is above X")
     p.add_argument("--min-top1", type=float, metavar="Y",
                    help="--compare: fail (exit 1) when the same-top-1 rate (0..1) is below Y")
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
-    p.add_argument("--ctx", type=int, default=1024, help="context length in tokens (default: %(default)s)")
-    p.add_argument("--ram-budget", type=size_argument, default=None, metavar="SIZE",
-                   help="RAM the runtime may use, e.g. 24G (default: 80%% of RAM)")
-    p.add_argument("--expert-cache", type=size_argument, default=None, metavar="SIZE",
-                   help="bytes of hot experts kept in RAM (default: what the budget leaves)")
-    p.add_argument("--kv-quant", default="f16", choices=("f16", "q8_0", "f32"),
-                   help="KV cache storage (default: %(default)s)")
+    add_engine_flags(p, SMOKE_OPTIONS, ctx=SMOKE_CTX)
     p.add_argument("--json", action="store_true", help="print the baseline / the comparison as one JSON object")
 
 
@@ -343,8 +339,7 @@ def smoke_command(args: argparse.Namespace) -> int:
                 raise SmokeError(f"--{name.replace('_', '-')} does not apply to --{'record' if args.record else 'compare'}")
         loaded = load_baseline(args.compare) if args.compare else None
         prompts = read_prompts(args.prompts) if args.prompts else PROMPTS
-        model = open_model(args.model, threads=args.threads, ctx=args.ctx, ram_budget=args.ram_budget,
-                           expert_cache=args.expert_cache, kv_quant=args.kv_quant)
+        model = open_model(args.model, engine_options(args, "smoke"))
         if args.record:
             max_tokens = DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens
             baseline = record(model, args.record, prompts, max_tokens)

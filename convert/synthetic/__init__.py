@@ -13,7 +13,7 @@ used: no torch and no transformers, so this package ships (``colibri demo``, fas
 benchmarks).
 
 - ``configs``: the tiny config.json of each architecture;
-- ``plan``: which tensors a checkpoint holds (``TensorSpec``), named by the adapters;
+- ``tensor_plan``: which tensors a checkpoint holds (``TensorSpec``), named by the adapters;
 - ``values``: the value definition, a tensor's float32 values from its name and seed (a
   fused expert tensor concatenates the per-expert parts, so fused and per-expert
   checkpoints of one seed hold the same weights);
@@ -23,7 +23,7 @@ benchmarks).
 """
 
 from colibri.convert.synthetic.configs import ARCHITECTURES, tiny_config
-from colibri.convert.synthetic.plan import TensorSpec, checkpoint_plan, mtp_layer_indices
+from colibri.convert.synthetic.tensor_plan import TensorSpec, checkpoint_plan, mtp_layer_indices
 from colibri.convert.synthetic.storage import bf16_bits_to_float32, float32_to_bf16_bits, fp8_e4m3_to_float32
 from colibri.convert.synthetic.tokenizer import build_tokenizer, write_tokenizer_files
 from colibri.convert.synthetic.values import stored_values, tensor_values

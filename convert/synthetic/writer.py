@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from colibri.convert.synthetic.configs import resolve_config
-from colibri.convert.synthetic.plan import DTYPES, TensorSpec, checkpoint_plan
+from colibri.convert.synthetic.tensor_plan import DTYPES, TensorSpec, checkpoint_plan
 from colibri.convert.synthetic.storage import bf16_round_inplace, fp8_quantize_2d
 from colibri.convert.synthetic.tokenizer import write_tokenizer_files
 from colibri.convert.synthetic.values import CHUNK, affine, name_key, normal_chunk, part_range

@@ -19,7 +19,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from colibri.formats.checkpoint import CheckpointError
     from colibri.formats.encodings import EncodingError
     from colibri.formats.layout import FormatError
-    from colibri.imatrix_command import ImatrixInputError
+    from colibri.cli.imatrix_command import ImatrixInputError
     from colibri.runtime.engine import BudgetError, PromptError
     from colibri.runtime.kv_cache import ContextOverflow
     from colibri.runtime.plan import TraceError
@@ -109,7 +109,7 @@ def run_export_gguf(args: argparse.Namespace) -> int:
 
 def run_demo(args: argparse.Namespace) -> int:
     """The whole path on a tiny built-in model: build → convert → plan → run with stats → a batch folder."""
-    from colibri.run import format_plan, format_stats
+    from colibri.cli.run import format_plan, format_stats
     from colibri.convert.hf_to_colibri import ConvertOptions, convert, format_summary
     from colibri.convert.synthetic import write_checkpoint
     from colibri.formats.layout import ModelLayout
@@ -152,7 +152,7 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def report_main(args: argparse.Namespace) -> int:
-    from colibri.report import report_command
+    from colibri.cli.report import report_command
 
     return report_command(args)
 
@@ -163,11 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from colibri.run import add_plan_arguments, add_run_arguments, plan_command, run_command
+    from colibri.cli.run import add_plan_arguments, add_run_arguments, plan_command, run_command
     from colibri.verify.cli import add_verify_arguments, add_verify_source_arguments, verify_command, verify_source_command
-    from colibri.server.command import add_serve_arguments, serve_command
+    from colibri.cli.server.command import add_serve_arguments, serve_command
     from colibri.verify.smoke import add_smoke_arguments, smoke_command
-    from colibri.imatrix_command import add_imatrix_arguments, imatrix_command
+    from colibri.cli.imatrix_command import add_imatrix_arguments, imatrix_command
 
     for name, help_text, add_arguments, command in (
         ("convert", "convert a Hugging Face checkpoint or a GGUF file to the colibri layout", add_convert_arguments, run_convert),
@@ -222,6 +222,3 @@ def convert_main(argv: list[str] | None = None) -> int:
     parser.set_defaults(run=run_convert)
     return _dispatch(parser, argv)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

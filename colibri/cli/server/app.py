@@ -21,9 +21,9 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from colibri.formats.safe_json import loads
-from colibri.server import openai_api
-from colibri.server.engine import Engine, Request
-from colibri.server.openai_api import APIError
+from colibri.cli.server import openai_api
+from colibri.cli.server.engine_thread import Engine, Request
+from colibri.cli.server.openai_api import APIError
 
 MAX_BODY_BYTES = 32 << 20  # a completion request larger than this is refused (413)
 
@@ -53,8 +53,8 @@ class Server:
     """The app's state: the model, its engine and the name it is served under."""
 
     def __init__(self, model, name: str, api_key: str | None = None):
-        from colibri.server.live import RecentRouting
-        from colibri.server.metrics import registry_for
+        from colibri.cli.server.live import RecentRouting
+        from colibri.cli.server.metrics import registry_for
 
         self.model, self.name, self.api_key = model, name, api_key
         self.engine = Engine(model)
@@ -80,12 +80,12 @@ class Server:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def live_page(self, request: HTTPRequest) -> Response:
-        from colibri.server.live import PAGE
+        from colibri.cli.server.live import PAGE
 
         return HTMLResponse(PAGE.replace('<span id="model"></span>', f'<span id="model">{html.escape(self.name)}</span>'))
 
     async def live_json(self, request: HTTPRequest) -> Response:
-        from colibri.server.live import live_numbers
+        from colibri.cli.server.live import live_numbers
 
         return JSONResponse({"model": self.name, **live_numbers(self.engine, self.routing)})
 

@@ -42,7 +42,7 @@ class RecentRouting:
 
 def live_numbers(engine, routing: RecentRouting) -> dict:
     """`/live.json`: the engine's numbers (`/metrics`' own) and the recent routing."""
-    from colibri.server.metrics import engine_numbers
+    from colibri.cli.server.metrics import engine_numbers
 
     return {**engine_numbers(engine), "heat": {"layers": routing.layers, "counts": routing.counts(), "steps": RECENT_STEPS}}
 

@@ -20,11 +20,11 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from colibri.formats.safe_json import loads
-from colibri.server import openai_api
-from colibri.server.app import read_json
-from colibri.server.batch_store import BatchStore, new_id
-from colibri.server.engine import Request
-from colibri.server.openai_api import APIError
+from colibri.cli.server import openai_api
+from colibri.cli.server.app import read_json
+from colibri.cli.server.batch_store import BatchStore, new_id
+from colibri.cli.server.engine_thread import Request
+from colibri.cli.server.openai_api import APIError
 
 ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}  # endpoint -> chat
 MAX_REQUESTS = 50_000  # per batch, as OpenAI

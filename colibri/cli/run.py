@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from colibri.runtime.expert_store import DEFAULT_IO, IO_MODES
 from colibri.runtime.memory import format_size, size_argument
+from colibri.runtime.options import add_engine_flags, engine_options
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,10 +20,6 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     source.add_argument("--prompt-dir", type=Path, metavar="IN",
                         help="batch job: one output per prompt file in IN (.txt/.md plain, .json {\"messages\": [...]}); done ones are skipped")
     p.add_argument("--out-dir", type=Path, metavar="OUT", help="where --prompt-dir writes IN's outputs (NAME.out for IN/NAME; not inside IN)")
-    p.add_argument("--parallel", type=int, default=None, metavar="N",
-                   help="--prompt-dir: documents decoded together, each in a KV slot of --ctx positions; each "
-                        "step reads an expert once for all of them (default: as many slots as a quarter of the "
-                        "RAM left after the resident weights holds, at most 32 and the number of documents)")
     p.add_argument("--ray", metavar="ADDRESS",
                    help="--prompt-dir: spread the documents over a Ray cluster (auto = the running one, local = start "
                         "one on this machine for the job, else a cluster address); every node needs the model folder "
@@ -31,11 +27,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-actors", type=int, default=None, metavar="N",
                    help="--ray: actors, each with the model open and --parallel slots (default: one per node)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: %(default)s)")
-    add_engine_arguments(p)
-    p.add_argument("--prefetch", default="off", choices=("on", "off"),
-                   help="read the experts the next layer's router picks for the current hidden state while this "
-                        "layer computes; pays when its accuracy (printed) is high and the disk is not the bottleneck "
-                        "(default: %(default)s)")
+    add_engine_flags(p)  # --parallel: the documents of --prompt-dir decoded together
+    p.add_argument("--direct-io", action="store_const", const="direct", dest="io", default=argparse.SUPPRESS,
+                   help="the same as --io direct")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
@@ -47,24 +41,6 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="--prompt-dir: write the job's numbers (its summary, each document's, the plan's ceiling) "
                         "to FILE as JSON, for colibri report")
     p.add_argument("--trace-routing", type=Path, metavar="FILE", help="write the experts chosen per token per layer (JSON lines)")
-
-
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """The engine's own flags, which `colibri run` and `colibri serve` share."""
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
-    p.add_argument("--ctx", type=int, default=4096,
-                   help="context length in tokens, per KV slot; the KV cache is preallocated for it (default: %(default)s)")
-    p.add_argument("--ram-budget", type=size_argument, default=None, metavar="SIZE",
-                   help="RAM the runtime may use for weights, KV cache, expert cache and scratch, e.g. 24G (default: 80%% of RAM)")
-    p.add_argument("--expert-cache", type=size_argument, default=None, metavar="SIZE",
-                   help="bytes of hot experts kept in RAM, e.g. 4G (default: what the budget leaves)")
-    p.add_argument("--kv-quant", default="f16", choices=("f16", "q8_0", "f32"), help="KV cache storage (default: %(default)s)")
-    p.add_argument("--cache-policy", default="lru", choices=("lru", "lfru"),
-                   help="expert cache eviction: least recently used, or frequency with ageing (default: %(default)s)")
-    p.add_argument("--io", default=DEFAULT_IO, choices=tuple(IO_MODES),
-                   help="how experts are read: " + "; ".join(f"{mode} = {text}" for mode, text in IO_MODES.items())
-                        + " (default: %(default)s; `colibri plan` says which suits this machine)")
-    p.add_argument("--direct-io", action="store_const", const="direct", dest="io", help="the same as --io direct")
 
 
 def _sampling(args) -> dict:
@@ -114,33 +90,26 @@ def run_chat(model, args) -> int:
 def run_command(args: argparse.Namespace) -> int:
     from colibri.runtime import open_model
 
-    parallel, documents = 1, None
-    if args.parallel is not None and args.parallel < 1:
-        raise SystemExit(f"colibri run: error: --parallel must be at least 1, got {args.parallel}")
+    options, jobs, documents = engine_options(args, "run"), 1, None
     if args.ray and not args.prompt_dir:
         raise SystemExit("colibri run: error: --ray needs --prompt-dir")
     if args.prompt_dir:
-        from colibri.batch_job import pending_documents
+        from colibri.cli.batch_job import pending_documents
 
         documents = pending_documents(args.prompt_dir, args.out_dir)
         if args.ray:
-            from colibri.ray_batch import run_prompt_dir
+            from colibri.cli.ray_batch import run_prompt_dir
 
             sampling = {**_sampling(args), "seed": args.seed if args.seed is not None else 0}
-            options = dict(threads=args.threads, ctx=args.ctx, ram_budget=args.ram_budget, expert_cache=args.expert_cache,
-                           kv_quant=args.kv_quant, cache_policy=args.cache_policy, prefetch=args.prefetch == "on",
-                           io=args.io)
             return run_prompt_dir(args, sampling, *documents, options)
-        parallel = args.parallel or _fitting_parallel(args, len(documents[1]))
-    model = open_model(args.model, threads=args.threads, ctx=args.ctx, ram_budget=args.ram_budget,
-                       expert_cache=args.expert_cache, kv_quant=args.kv_quant, cache_policy=args.cache_policy,
-                       prefetch=args.prefetch == "on", io=args.io, parallel=parallel)
+        jobs = len(documents[1])
+    model = open_model(args.model, options, jobs=jobs)
     trace = open(args.trace_routing, "w") if args.trace_routing else None
     if trace:
         model.trace_routing(trace)
     try:
         if args.prompt_dir:
-            from colibri.batch_job import run_batch
+            from colibri.cli.batch_job import run_batch
 
             sampling = {**_sampling(args), "seed": args.seed if args.seed is not None else 0}
             return run_batch(model, args, sampling, *documents)
@@ -164,19 +133,11 @@ def run_command(args: argparse.Namespace) -> int:
             trace.close()
 
 
-def _fitting_parallel(args, documents: int) -> int:
-    from colibri.formats.layout import ModelLayout
-    from colibri.runtime.engine import fitting_parallel
-
-    fits = fitting_parallel(ModelLayout(args.model), args.ctx, args.kv_quant, args.ram_budget)
-    return max(1, min(fits, documents))
-
-
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="a converted model folder")
     p.add_argument("--ram", type=size_argument, required=True, metavar="SIZE", help="the machine's RAM, e.g. 32G")
     p.add_argument("--ctx", type=int, default=None, help="context length (default: the largest power of two whose KV cache takes at most a quarter of the free RAM)")
-    p.add_argument("--kv-quant", default="f16", choices=("f16", "q8_0", "f32"), help="KV cache storage (default: %(default)s)")
+    add_engine_flags(p, ("kv_quant",))
     p.add_argument("--disk-bw", default=None, metavar="GB/s|measure",
                    help="the disk's read bandwidth in GB/s, or 'measure' to read the model's expert files cold (default: not used)")
     p.add_argument("--hit-rate", type=float, default=None, help="expected expert cache hit rate 0..1 (default: cache share of all experts)")

@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from colibri.formats.layout import write_atomic
-from colibri.prompt_dir import check_folders, output_path, prompt_files, read_prompt
+from colibri.cli.prompt_dir import check_folders, output_path, prompt_files, read_prompt
 
 PARTIAL_SUFFIX = ".partial"  # what write_atomic writes beside its target
 LOCK_NAME = ".colibri-run.lock"

@@ -2,7 +2,7 @@
 
 The text is tokenized and cut into chunks of `--chunk` tokens (the first of each replaced by
 BOS where the model has one, as llama-imatrix does); each chunk runs from an empty context,
-every matrix adding the squares of its inputs (`runtime/imatrix.py`). The perplexity of the
+every matrix adding the squares of its inputs (`runtime/imatrix_collect.py`). The perplexity of the
 second half of each chunk is reported as llama-imatrix reports it. OUT is rewritten every
 `--save-every` chunks and at the end, each time whole (a crash keeps the last one).
 """
@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri.runtime.memory import size_argument
+from colibri.runtime.options import add_engine_flags, engine_options, option_names
 
 MAX_TEXT_BYTES = 1 << 30
+IMATRIX_OPTIONS = option_names("ctx", "parallel")  # one sequence, of --chunk positions
 
 
 class ImatrixInputError(ValueError):
@@ -35,11 +36,7 @@ def add_imatrix_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=None, metavar="K", help="run at most K chunks (default: all the text holds)")
     p.add_argument("--save-every", type=int, default=10, metavar="K",
                    help="rewrite OUT every K chunks, so that a crash loses at most K (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
-    p.add_argument("--ram-budget", type=size_argument, default=None, metavar="SIZE",
-                   help="RAM the runtime may use, e.g. 24G (default: 80%% of RAM)")
-    p.add_argument("--expert-cache", type=size_argument, default=None, metavar="SIZE",
-                   help="bytes of hot experts kept in RAM (default: what the budget leaves)")
+    add_engine_flags(p, IMATRIX_OPTIONS)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
@@ -79,13 +76,12 @@ def imatrix_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from colibri.runtime import open_model
-    from colibri.runtime.imatrix import ActivationSums
+    from colibri.runtime.imatrix_collect import ActivationSums
 
     if args.save_every < 1:
         raise ImatrixInputError(f"--save-every {args.save_every}: must be at least 1")
     started = time.perf_counter()
-    model = open_model(args.model, threads=args.threads, ctx=max(args.chunk, 2), ram_budget=args.ram_budget,
-                       expert_cache=args.expert_cache)
+    model = open_model(args.model, engine_options(args, "imatrix", ctx=max(args.chunk, 2)))
     try:
         chunks = read_chunks(model.tokenizer, args.text, args.chunk, args.chunks)
         sums = ActivationSums()

@@ -7,8 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from colibri.run import add_engine_arguments
 from colibri.runtime.memory import size_argument
+from colibri.runtime.options import MOST_PARALLEL, add_engine_flags, engine_options
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,8 +16,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default=None, help="the name clients ask for (default: the folder's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default: %(default)s)")
-    p.add_argument("--parallel", type=int, default=4, metavar="N",
-                   help="sequences decoded together, each in a KV slot of --ctx positions (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("COLIBRI_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $COLIBRI_API_KEY, else none)")
     p.add_argument("--state-dir", type=Path, default=Path.home() / ".cache" / "colibri" / "serve", metavar="DIR",
@@ -25,28 +23,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "its open batches (default: %(default)s)")
     p.add_argument("--max-upload", type=size_argument, default="2G", metavar="SIZE",
                    help="largest file /v1/files takes (default: %(default)s)")
-    add_engine_arguments(p)
+    add_engine_flags(p)  # --parallel: the requests decoded together
 
 
 def serve_command(args: argparse.Namespace) -> int:
     import uvicorn
 
     from colibri.runtime import open_model
-    from colibri.server.app import Server, build_app
-    from colibri.server.batch_store import BatchStore
-    from colibri.server.batches import BatchAPI, BatchRunner
+    from colibri.cli.server.app import Server, build_app
+    from colibri.cli.server.batch_store import BatchStore
+    from colibri.cli.server.batches import BatchAPI, BatchRunner
 
-    if args.parallel < 1:
-        raise SystemExit(f"colibri serve: error: --parallel must be at least 1, got {args.parallel}")
-    model = open_model(args.model, threads=args.threads, ctx=args.ctx, ram_budget=args.ram_budget,
-                       expert_cache=args.expert_cache, kv_quant=args.kv_quant, cache_policy=args.cache_policy,
-                       io=args.io, parallel=args.parallel)
+    model = open_model(args.model, engine_options(args, "serve"), jobs=MOST_PARALLEL)  # requests come without end
     name = args.model_name or Path(args.model).resolve().name
     server = Server(model, name, args.api_key)
     store = BatchStore(args.state_dir)
     runner = BatchRunner(store, server)
     batch_api = BatchAPI(store, runner, args.max_upload)
-    print(f"colibri serve: {name} on http://{args.host}:{args.port}/v1 ({args.parallel} slots of {args.ctx} tokens)",
+    print(f"colibri serve: {name} on http://{args.host}:{args.port}/v1 ({len(model.slots)} slots of {args.ctx} tokens)",
           file=sys.stderr, flush=True)
     uvicorn.run(build_app(server, batch_api.routes(), closers=[runner.close]), host=args.host, port=args.port,
                 log_level="warning")
