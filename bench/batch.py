@@ -40,7 +40,7 @@ from colibri.runtime.expert_store import cache_bytes_for_all
 from colibri.runtime.memory import current_rss
 from colibri.runtime.plan import measure_disk_bandwidth
 
-from decode import evict, read_bandwidth  # bench/decode.py: a script's own folder is first on sys.path
+from machine import evict_experts, read_bandwidth  # bench/machine.py: a script's own folder is first on sys.path
 
 BENCH = Path(__file__).resolve().parent
 
@@ -143,12 +143,12 @@ def main() -> None:
                   f"{theirs:>9}{ratio:>7}{r['distinct_experts_per_step']:>14.1f}{r['step_ms']:>9.1f}")
 
     if "disk" in modes:
-        evict(layout)
+        evict_experts(layout)
         disk_bw = float(np.median([measure_disk_bandwidth(layout, direct_io=True) for _ in range(3)]))
         results["disk_bw"] = disk_bw
         rows = []
         for b in batches:
-            evict(layout)
+            evict_experts(layout)
             model = open_model(args.model, threads=args.threads, ctx=ctx, expert_cache=int(all_experts * args.cache_share),
                                io="direct", parallel=b, ram_budget=args.ram_budget)
             r = decode_batch(model, b, args.prompt_tokens, args.tokens)

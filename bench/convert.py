@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from machine import evict  # bench/machine.py: a script's own folder is first on sys.path
+
 BENCH = Path(__file__).resolve().parent
 LLAMA_QUANTIZE = {"seconds": 117.0, "mb_per_s": 60.0, "peak_rss_mb": 716.0, "threads": 2}
 
@@ -50,17 +52,10 @@ def tree_rss_kb(root: int) -> tuple[int, int]:
     return total, largest
 
 
-def evict(folder: Path) -> None:
-    """Drop `folder`'s files from the page cache so every run reads from disk alike."""
-    for path in folder.rglob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-
-
 def run_once(source: Path, out: Path, quant: str, workers: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    evict(source)
+    for path in source.rglob("*.safetensors"):
+        evict(path)
     command = [sys.executable, "-m", "colibri.cli", "convert", str(source), str(out), "--quant", quant,
                "--workers", str(workers), "--json"]
     started = time.monotonic()

@@ -42,6 +42,8 @@ from colibri.runtime.kernels import kernel_paths
 from colibri.runtime.kernels.emitter import TARGET_CPUS, restart_for
 from colibri.runtime.plan import measure_disk_bandwidth
 
+from machine import evict_experts, read_bandwidth  # bench/machine.py: a script's own folder is first on sys.path
+
 BENCH = Path(__file__).resolve().parent
 LLAMA_CPP = {"tg128": 33.7, "pp512": 142.6}  # an earlier session's llama-bench, when --llama-bench is not given
 
@@ -63,20 +65,6 @@ def reference_model(out: Path) -> Path:
     subprocess.run([sys.executable, str(BENCH / "model.py"), str(source), "--shape", "mixtral-ref"], check=True)
     subprocess.run([sys.executable, "-m", "colibri.cli", "convert", str(source), str(out), "--quant", "Q4_K_M"], check=True)
     return out
-
-
-def read_bandwidth(threads: int) -> float:
-    """Bytes/s a 2-thread numba read reaches (bench/kernel_speed.py's measure)."""
-    from kernel_speed import memory_bandwidth
-
-    return memory_bandwidth(1 << 30, 5, [threads])[f"read_{threads}t_gbs"] * 1e9
-
-
-def evict(layout: ModelLayout) -> None:
-    for table in layout.expert_layers.values():
-        fd = os.open(layout.path(table.file), os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
 
 
 def run(model, prompt_tokens: int, tokens: int) -> dict:
@@ -150,7 +138,7 @@ def main() -> None:
     for io in args.io.split(","):
         for regime, cache, cold in (("in RAM", all_experts, False), (f"cache {args.stream_share:.0%}", share, False),
                                     (f"cache {args.stream_share:.0%}, disk", share, True)):
-            evict(layout)
+            evict_experts(layout)
             model = open_model(layout.directory, threads=args.threads, ctx=1024, expert_cache=cache, io=io,
                                prefetch=args.prefetch)
             if not cold:
@@ -162,7 +150,7 @@ def main() -> None:
             r["read_ceiling"] = None if cache == all_experts else disk_bw / max(r["read_bytes_per_token"], 1)
             model.close()
             if args.batch and regime != f"cache {args.stream_share:.0%}":
-                evict(layout)
+                evict_experts(layout)
                 model = open_model(layout.directory, threads=args.threads, ctx=1024, expert_cache=cache, io=io,
                                    prefetch=args.prefetch, parallel=args.batch)
                 if not cold:

@@ -29,18 +29,11 @@ import sys
 import time
 from pathlib import Path
 
+from machine import evict  # bench/machine.py: a script's own folder is first on sys.path
+
 BENCH = Path(__file__).resolve().parent
 DEFAULT_MODEL = Path("/tmp/bench-q4km") if Path("/tmp/bench-q4km/colibri.json").exists() else BENCH / "out" / "mixtral-ref-q4km"
 READ_BYTES = 16 << 20
-
-
-def evict(path: Path) -> None:
-    """Drop `path` from the page cache (its pages are clean: the exporter fsyncs)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def cold_read_gb_per_s(path: Path) -> float:

@@ -2,12 +2,12 @@
 
 Each sequence owns one of the model's `parallel` KV slots (caches of --ctx positions,
 preallocated and counted in the RAM budget). A `Scheduler.step` pushes the next token of every
-decoding sequence, plus the next PREFILL_CHUNK tokens of sequences still reading their prompt
+decoding sequence, plus the next STEP_PROMPT_TOKENS tokens of sequences still reading their prompt
 (as many chunks as STEP_TOKENS leaves room for), through the model together
 (`Decoder.forward_batch`): each MoE layer reads the union of their experts once. A finished
 sequence frees its slot for the next queued one.
 
-Batch invariance: a prompt is cut at fixed positions (multiples of PREFILL_CHUNK) and every row
+Batch invariance: a prompt is cut at fixed positions (multiples of STEP_PROMPT_TOKENS) and every row
 is computed as it would be alone, so a sequence's logits, and with its own sampler seed its
 tokens, do not depend on what else runs, in which slot, or when it was admitted.
 """
@@ -22,7 +22,7 @@ import numpy as np
 
 from colibri.runtime.sampling import Sampler, SamplingParams
 
-PREFILL_CHUNK = 64  # prompt tokens of one sequence per step
+STEP_PROMPT_TOKENS = 64  # prompt tokens of one sequence per batch step (engine.PREFILL_CHUNK: per pass of one prompt)
 STEP_TOKENS = 256  # rows of one step at most (one decoding sequence's token is one row)
 
 
@@ -140,7 +140,7 @@ class Scheduler:
                 rows += 1
         for sequence in self.running:
             if not sequence.decoding:
-                chunk = sequence.prompt[sequence.read:sequence.read + PREFILL_CHUNK]
+                chunk = sequence.prompt[sequence.read:sequence.read + STEP_PROMPT_TOKENS]
                 if rows and rows + len(chunk) > STEP_TOKENS:
                     break
                 batch.append((chunk, self.model.slots[sequence.slot]))

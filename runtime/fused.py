@@ -446,13 +446,11 @@ class _LayerStep:
 
 
 class DecodeLayer(_LayerStep):
-    """One token through a GQA layer (`attention`: the prompt path's `model.Attention`, for its
-    output gate) and the FFN after it: x [1, hidden] -> the layer's output (x itself gets the
-    attention output added)."""
+    """One token through a GQA layer and the FFN after it: x [1, hidden] -> the layer's output
+    (x itself gets the attention output added)."""
 
-    def __init__(self, c, record: LayerRecord, attention, ffn):
+    def __init__(self, c, record: LayerRecord, ffn):
         super().__init__(c, record, ffn)
-        self.attention = attention
         m = record.matrices
         qkv = (m["q"], m["k"], m["v"])
         out = QKV(*(np.empty((1, x.rows), F32) for x in qkv))

@@ -1,11 +1,12 @@
-"""The forward pass, driven only by the normalized config (`formats.model_config`).
+"""The forward pass, driven only by the normalized config (`formats.model_config`) and each
+layer's record (`runtime.layer_record`, which the fused decode steps of `runtime.fused` run too).
 
 One decoder serves every architecture: attention is GQA/MHA (with optional q/k/v bias,
 per-head or whole-projection q/k RMSNorm, partial or interleaved rotary, an output gate) or
 MLA (the compressed latent is what the KV cache holds, queries are absorbed into it), or a
 layer's token mixer is a gated DeltaNet (`runtime.deltanet`); the FFN is dense or a routed
-mixture with optional shared experts. Resident tensors are read into
-RAM once; routed experts come through the `ExpertStore`.
+mixture with optional shared experts. Resident tensors are read into RAM once; routed experts
+come through the `ExpertStore`.
 """
 
 from __future__ import annotations
@@ -443,10 +444,15 @@ class Decoder:
 
     def fused_steps(self) -> list:
         """Each layer's decode step (a decoded token through it in a few numba calls), built on
-        its record and the config as it is now."""
-        steps = {LatentAttention: fused.LatentDecodeLayer, Attention: fused.DecodeLayer, GatedDeltaNet: fused.DeltaNetDecodeLayer}
-        return [steps[type(attention)](self.config, record, attention, ffn)
-                for record, (_, attention, _, ffn) in zip(self.records, self.layers)]
+        its record."""
+        c, steps = self.config, []
+        for record, (_, mixer, _, ffn) in zip(self.records, self.layers):
+            if isinstance(mixer, Attention):
+                steps.append(fused.DecodeLayer(c, record, ffn))
+            else:  # MLA's sparse attention choice and a DeltaNet's mixer are the prompt path's own
+                layer = fused.LatentDecodeLayer if isinstance(mixer, LatentAttention) else fused.DeltaNetDecodeLayer
+                steps.append(layer(c, record, mixer, ffn))
+        return steps
 
     @staticmethod
     def resident_bytes(layout: ModelLayout) -> int:

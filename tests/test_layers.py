@@ -1,13 +1,16 @@
 """The layers the design draws hold: an ast walk over every source file fails the suite when an
 import crosses a line, or when a module reaches for another module's private names.
 
-    formats   imports nothing of ours
-    convert   formats
-    runtime   formats
-    verify    formats, runtime, and the converter's architecture knowledge (see VERIFY_USES)
-    colibri   (the command line) everything
+    formats       imports nothing of ours
+    convert       formats
+    runtime       formats
+    verify        formats, runtime, and the converter's architecture knowledge (see VERIFY_USES)
+    colibri.cli   (the command line) everything
 
-`colibri.version` and `colibri.kernel_cache` are leaves every layer may read.
+The top of `colibri/` holds only leaves every layer may read (`colibri.version`,
+`colibri.kernel_cache`: they import nothing of ours) and the documented re-exports
+(`colibri.open_model`, lazily; `colibri.ray_batch`). The benchmark scripts of `bench/` may
+import anything of ours, and each other without a cycle; nothing of ours imports them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 FOLDERS = {"formats": "colibri.formats", "convert": "colibri.convert", "runtime": "colibri.runtime",
            "verify": "colibri.verify", "colibri": "colibri"}
 LEAVES = ("colibri.version", "colibri.kernel_cache")
+RE_EXPORTS = {"colibri": ("colibri.runtime",), "colibri.ray_batch": ("colibri.cli.ray_batch",)}
 
 # verify-source asks "would this checkpoint convert?" and verify asks "are these the tensors this
 # config implies?": both answer with the converter's own adapters and planner, so that what a model
@@ -33,6 +37,7 @@ ALLOWED = {
     "colibri.convert": ("colibri.formats", "colibri.convert"),
     "colibri.runtime": ("colibri.formats", "colibri.runtime"),
     "colibri.verify": ("colibri.formats", "colibri.runtime", "colibri.verify") + VERIFY_USES,
+    "colibri.cli": ("colibri",),
 }
 
 
@@ -70,7 +75,8 @@ def imports(path: pathlib.Path, module: str):
 def crossings(path: pathlib.Path) -> list[str]:
     """Why each import of `path` crosses a layer or reaches a private name ([] when none does)."""
     module = module_name(path)
-    layer = next((p for p in ALLOWED if _within(module, p)), None)
+    layer = module if module in RE_EXPORTS else next((p for p in ALLOWED if _within(module, p)), None)
+    allowed = RE_EXPORTS[module] if module in RE_EXPORTS else ALLOWED.get(layer, ())
     problems = []
     for line, target, names in imports(path, module):
         if not _within(target, "colibri"):
@@ -80,7 +86,7 @@ def crossings(path: pathlib.Path) -> list[str]:
         if module in LEAVES:
             problems.append(f"{where}: {module} imports {target}")
         elif layer and not any(_within(m, leaf) for m in modules for leaf in LEAVES):
-            if not any(_within(m, allowed) for m in modules for allowed in ALLOWED[layer]):
+            if not any(_within(m, reached) for m in modules for reached in allowed):
                 problems.append(f"{where}: {layer} imports {target}")
         private = [n for n in names if n.startswith("_") and not n.startswith("__")]
         if private and not _within(module, target):
@@ -91,7 +97,12 @@ def crossings(path: pathlib.Path) -> list[str]:
 def test_every_source_file_is_walked():
     walked = {module_name(p) for p in sources()}
     assert {"colibri.formats.layout", "colibri.convert.pipeline", "colibri.runtime.engine",
-            "colibri.verify.model_check", "colibri.cli"} <= walked
+            "colibri.verify.model_check", "colibri.cli.commands"} <= walked
+
+
+def test_the_top_of_colibri_holds_only_leaves_and_re_exports():
+    top = {module_name(p) for p in (ROOT / "colibri").glob("*.py")}
+    assert top == {*LEAVES, *RE_EXPORTS}
 
 
 @pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -116,6 +127,55 @@ def test_a_crossing_is_caught(tmp_path, monkeypatch):
         "runtime/other.py:1: imports private _private of colibri.formats.layout"]
 
 
+def bench_imports() -> dict[str, set[str]]:
+    """For each script of bench/, the other scripts it imports (a script's folder is first on
+    sys.path, so `from decode import run` is bench/decode.py)."""
+    scripts = {p.stem: p for p in (ROOT / "bench").glob("*.py")}
+    return {name: {target.split(".")[0] for _, target, _ in imports(path, name)} & set(scripts) - {name}
+            for name, path in scripts.items()}
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str]:
+    """A cycle of `graph` (each node's successors) as its nodes in order, [] when there is none."""
+    done, path = set(), []
+
+    def visit(node):
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return []
+        path.append(node)
+        for following in sorted(graph[node]):
+            if found := visit(following):
+                return found
+        path.pop()
+        done.add(node)
+        return []
+
+    return next((found for node in sorted(graph) if (found := visit(node))), [])
+
+
+def test_bench_scripts_import_each_other_without_a_cycle():
+    graph = bench_imports()
+    assert {"decode", "batch", "compare"} <= set(graph) and graph["compare"]  # the walk sees their imports
+    assert cycle(graph) == []
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]  # and finds one
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "bench").glob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_bench_scripts_use_only_public_names(path):
+    private = [f"{path.name}:{line}: {target}.{n}" for line, target, names in imports(path, path.stem)
+               if _within(target, "colibri") for n in names if n.startswith("_") and not n.startswith("__")]
+    assert private == []
+
+
+def test_nothing_of_ours_imports_a_bench_script():
+    scripts = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    reached = [f"{p.relative_to(ROOT)}: {target}" for p in sources() for _, target, _ in imports(p, module_name(p))
+               if target.split(".")[0] in scripts]
+    assert reached == []
+
+
 MOST_KERNEL_PARAMETERS = 8  # a kernel takes a layer's records (named tuples), not their fields one by one
 
 
@@ -129,8 +189,8 @@ def kernel_widths() -> dict[str, int]:
     widths = {}
     for path in sources():
         module = module_name(path)
-        if not any(_within(module, layer) for layer in ALLOWED):  # the command line compiles nothing
-            continue
+        if _within(module, "colibri.cli") or not any(_within(module, layer) for layer in ALLOWED):
+            continue  # the command line compiles nothing (and its __main__ would run)
         for name, value in vars(importlib.import_module(module)).items():
             if isinstance(value, CPUDispatcher) and value.py_func.__module__ == module:
                 widths[f"{module}.{name}"] = len(inspect.signature(value.py_func).parameters)

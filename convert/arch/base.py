@@ -20,7 +20,7 @@ from colibri.formats.config_check import MAX_EXPERTS, MAX_LAYERS, config_problem
 from colibri.formats.model_config import ModelConfig
 from colibri.formats.safe_json import is_int
 
-ACTIVATIONS = ("silu", "swish")  # the runtime's FFNs apply SiLU (= swish) and nothing else
+FFN_ACTIVATIONS = ("silu", "swish")  # the runtime's FFNs apply SiLU (= swish) and nothing else
 
 
 @lru_cache(maxsize=8)
@@ -65,8 +65,8 @@ def require(hf: dict, *keys):
 def check_activation(hf: dict) -> None:
     """Refuse an FFN activation the runtime does not compute (transformers' default is SiLU)."""
     for key in ("hidden_act", "hidden_activation"):
-        if hf.get(key) is not None and hf[key] not in ACTIVATIONS:
-            raise ConfigError(f"config.json: {key} {hf[key]!r} is not supported (colibri computes {', '.join(ACTIVATIONS)})")
+        if hf.get(key) is not None and hf[key] not in FFN_ACTIVATIONS:
+            raise ConfigError(f"config.json: {key} {hf[key]!r} is not supported (colibri computes {', '.join(FFN_ACTIVATIONS)})")
 
 
 def check_features(hf: dict, windows: bool = False) -> None:

@@ -1,4 +1,6 @@
-"""GGML block quantizers, byte-identical to ggml's reference C code (ggml-quants.c).
+"""GGML block quantizers, byte-identical to ggml's reference C code (ggml-quants.c): every block
+type colibri-convert makes, not only Q4_K (the package keeps the name of the design's first
+module, `convert/quantize_q4k.py`).
 
 Each numba function ports its namesake in ggml-quants.c: `quantize_<type>(x, nrows, n,
 imatrix)`, which runs `quantize_row_<type>_ref` without an imatrix and the `_impl` variant

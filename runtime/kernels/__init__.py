@@ -7,14 +7,18 @@ The package re-exports the public names of its modules, one job each:
 
 - `matrices`: `Matrix`, `matmul`, `matvec`, `products`, `dequantize_rows`, and the three paths of a
   product (fast int8, AMX tiles, exact);
-- `experts`: `ExpertKernel`, `moe_experts`, `moe_experts_batch`, `add_weighted_rows`, `silu_times`;
-- `attention`: causal softmax attention over the KV cache;
-- `routing`: `route`, the router's top-k choice;
+- `experts`: `ExpertKernel` (its `ExpertsRule`), `moe_experts`, `moe_experts_batch`, `add_weighted_rows`,
+  `silu_times`;
+- `attention`: causal softmax attention over the KV cache (which rows a query sees: `Seen`; how its
+  scores become weights: `Scoring`);
+- `routing`: `route`, the router's top-k choice (`RouteRule`);
 - `recurrence`: `gated_delta_rule`, a DeltaNet layer's recurrence;
-- `numerics`: softmax, silu, `rms_norm` and `sigmoid_gated`;
+- `numerics`: softmax, silu, the gated activations (`GLU_KINDS`), `rms_norm` and `sigmoid_gated`;
 - `activations`: the activation formats (`DOT_TYPES`) and their int8 quantization;
-- `rows`: a row of weights times activations, the building block of every kernel;
-- `blocks`: each quantized block type as LLVM IR (unpacker, dot, dequantizer);
+- `rows`: a row of weights times activations, the building block of every kernel, and `Product`,
+  what a kernel takes of a matrix;
+- `blocks`: each quantized block type as LLVM IR (unpacker, dot, dequantizer); `grid_blocks`: the
+  IQ1/IQ2/IQ3 ones, whose weights come from ggml's grids; `unpacked`: what an unpacker returns;
 - `emitter`: the LLVM IR builder those are written with;
 - `threads`: `set_threads`, `thread_count`, each thread's rows, `measure_read_bandwidth`.
 
@@ -35,7 +39,7 @@ kernel_cache.drop_if_stale("runtime", [*_HERE.glob("*.py"), _HERE.parent / "amx.
                            [_HERE / "__pycache__", _HERE.parent / "__pycache__"])
 
 from colibri.runtime.kernels.activations import (  # noqa: E402
-    ACT_BLOCKS, ACTIVATIONS, DOT_TYPES, FAST_ENCODINGS, FAST_PATH_TOLERANCE, WIDEST_ACT_BLOCK, Q8_0Activation,
+    ACT_BLOCKS, INT8_ACTIVATIONS, DOT_TYPES, FAST_ENCODINGS, FAST_PATH_TOLERANCE, WIDEST_ACT_BLOCK, Q8_0Activation,
     Q8_KActivation, without_tiles,
 )
 from colibri.runtime.kernels.attention import (
@@ -52,7 +56,7 @@ from colibri.runtime.kernels.rows import CHUNK, GROUP, ROW_TILE
 from colibri.runtime.kernels.threads import measure_read_bandwidth, read_seconds, set_threads, thread_count
 
 __all__ = [
-    "ACT_BLOCKS", "ACTIVATIONS", "DOT_TYPES", "FAST_ENCODINGS", "FAST_PATH_TOLERANCE", "WIDEST_ACT_BLOCK",
+    "ACT_BLOCKS", "INT8_ACTIVATIONS", "DOT_TYPES", "FAST_ENCODINGS", "FAST_PATH_TOLERANCE", "WIDEST_ACT_BLOCK",
     "Q8_0Activation", "Q8_KActivation", "without_tiles",
     "NO_CHOICE", "NO_SINK", "PARALLEL_ATTENTION_WORK", "PROMPT_ATTENTION_BYTES", "PROMPT_ATTENTION_QUERIES",
     "QUERY_BLOCK", "Scoring", "Seen", "attention", "attention_into", "attention_of_slots",

@@ -34,7 +34,7 @@ DOT_TYPES = {e: "Q8_K" if block_size(e)[0] == ACT_BLOCKS["Q8_K"] else "Q8_0" for
 WIDEST_ACT_BLOCK = 256
 Q8_0Activation = namedtuple("Q8_0Activation", "q d sums")
 Q8_KActivation = namedtuple("Q8_KActivation", "q d sums")
-ACTIVATIONS = {"Q8_0": Q8_0Activation, "Q8_K": Q8_KActivation}
+INT8_ACTIVATIONS = {"Q8_0": Q8_0Activation, "Q8_K": Q8_KActivation}
 
 # Bound on the fast path's error relative to the output's max-abs, against float64 products of
 # the same weights with gaussian activations (tests/test_kernels.py). Heavy-tailed activations
@@ -75,14 +75,14 @@ def _quantize_blocks(values, q, d, sums, start, stop, block):
 
 def empty_activation(n, cols, dot_type):
     """Uninitialized int8 activations of n rows of `cols` values in `dot_type`."""
-    return ACTIVATIONS[dot_type](np.empty((n, cols), np.int8), np.empty((n, cols // ACT_BLOCKS[dot_type]), np.float32),
+    return INT8_ACTIVATIONS[dot_type](np.empty((n, cols), np.int8), np.empty((n, cols // ACT_BLOCKS[dot_type]), np.float32),
                                  np.empty((n, cols // 16), np.float32))
 
 
 def activation_dot_type(act) -> str | None:
     """The dot type of a numba activation type ("Q8_0", "Q8_K"), None for float32 arrays."""
     if isinstance(act, types.BaseNamedTuple):
-        for dot_type, activation in ACTIVATIONS.items():
+        for dot_type, activation in INT8_ACTIVATIONS.items():
             if act.instance_class is activation:
                 return dot_type
     return None
