@@ -75,7 +75,8 @@ def importable(checkout: Path) -> Path:
 
 def measure(checkout: Path, args) -> dict:
     root = importable(checkout)
-    env = dict(os.environ, PYTHONPATH=str(root))
+    # the checkout's code first, then this tree's bench/ (decode.py's own imports: machine, kernel_speed)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(ROOT / "bench")]))
     if args.isa != "native":
         env.update(target_environment(args.isa))
     command = [sys.executable, "-c", MEASURE, str(ROOT / "bench" / "decode.py"), str(args.model),
