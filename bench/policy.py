@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from colibri.runtime.expert_store import POLICIES
-from colibri.runtime.policy_replay import belady, read_trace, replay
+from colibri.runtime.policy_replay import SHARES, policy_table, read_trace
 
 BENCH = Path(__file__).resolve().parent
 
@@ -24,21 +24,17 @@ BENCH = Path(__file__).resolve().parent
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="+", type=Path)
-    parser.add_argument("--sizes", type=float, nargs="+", default=[0.05, 0.1, 0.25, 0.5],
+    parser.add_argument("--sizes", type=float, nargs="+", default=list(SHARES),
                         help="cache sizes as shares of all distinct experts in the trace")
     parser.add_argument("--out", type=Path, default=BENCH / "out" / "policy.json", help="the JSON results (default: %(default)s)")
     args = parser.parse_args()
     results = []
     print(f"{'trace':<28}{'cache':>7}" + "".join(f"{p:>9}" for p in POLICIES) + f"{'Belady':>9}")
     for path in args.traces:
-        requests = read_trace(path)
-        distinct = len({key for request in requests for key in request})
-        for share in args.sizes:
-            capacity = max(1, int(distinct * share))
-            row = {"trace": path.name, "cache_share": share, "cache_experts": capacity,
-                   **{p: replay(requests, capacity, p) for p in POLICIES}, "belady": belady(requests, capacity)}
-            results.append(row)
-            print(f"{path.name:<28}{share:>6.0%} " + "".join(f"{row[p]:>9.1%}" for p in POLICIES) + f"{row['belady']:>9.1%}")
+        for row in policy_table(read_trace(path), args.sizes):
+            results.append({"trace": path.name, **row})
+            print(f"{path.name:<28}{row['cache_share']:>6.0%} " + "".join(f"{row[p]:>9.1%}" for p in POLICIES)
+                  + f"{row['belady']:>9.1%}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "results": results}, indent=1))
 

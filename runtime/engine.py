@@ -193,12 +193,17 @@ class Model:
         self.store.close()
 
     def trace_routing(self, file) -> None:
-        """Write a JSON line per token per MoE layer to `file`: position, layer, expert ids, weights."""
+        """Write a JSON line per token per MoE layer to `file`: the forward step and its row
+        that token was, its position, the layer, expert ids and weights."""
+        last = {"step": -1, "layer": None}  # a step logs each MoE layer once, in order
 
         def log(layer, positions, ids, weights):
-            for position, experts, expert_weights in zip(positions, ids, weights):
-                record = {"position": int(position), "layer": layer, "experts": [int(e) for e in experts],
-                          "weights": [round(float(w), 6) for w in expert_weights]}
+            if last["layer"] is None or layer <= last["layer"]:
+                last["step"] += 1
+            last["layer"] = layer
+            for row, (position, experts, expert_weights) in enumerate(zip(positions, ids, weights)):
+                record = {"step": last["step"], "row": row, "position": int(position), "layer": layer,
+                          "experts": [int(e) for e in experts], "weights": [round(float(w), 6) for w in expert_weights]}
                 file.write(json.dumps(record) + "\n")
 
         self.decoder.route_log = log

@@ -47,7 +47,9 @@ def test_a_ray_job_gives_the_single_machine_answers_once_each_even_when_an_actor
     want = answers(job / "alone")
     assert len(want) == DOCUMENTS + 1
 
-    spread = colibri(*common, "--out-dir", str(job / "ray"), "--ray", "local", "--ray-actors", "2", "--json")
+    # --ray local starts a cluster of its own, even where RAY_ADDRESS names another (here: nothing)
+    spread = colibri(*common, "--out-dir", str(job / "ray"), "--ray", "local", "--ray-actors", "2", "--json",
+                     env=dict(os.environ, RAY_ADDRESS="127.0.0.1:9"))
     deadline = time.monotonic() + 600
     while not list((job / "ray").glob("*.out")) and time.monotonic() < deadline and spread.poll() is None:
         time.sleep(0.05)

@@ -333,3 +333,45 @@ def test_ray_without_the_extra_says_how_to_install_it(model_dir, tmp_path, capsy
         main(argv)
     with pytest.raises(SystemExit, match="--ray needs --prompt-dir"):
         main(["run", "--model", str(model_dir), "--prompt", "hi", "--ray", "local"])
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["run", "--model", "{model}", "--prompt-file", "{tmp}/missing.txt"], "{tmp}/missing.txt: No such file"),
+    (["run", "--model", "{model}", "--prompt", "hi", "--trace-routing", "{tmp}/no/dir/t.jsonl"],
+     "{tmp}/no/dir/t.jsonl: No such file"),
+    (["run", "--model", "{model}", "--prompt", "hi", "--parallel", "0"], "--parallel must be at least 1, got 0"),
+    (["run", "--model", "{model}", "--prompt", "hi", "--kv-quant", "q4"], "--kv-quant: invalid choice: 'q4'"),
+    (["plan", "--model", "{model}", "--ram", "8G", "--disk-bw", "abc"], "--disk-bw: 'abc' is not a read bandwidth"),
+    (["plan", "--model", "{model}", "--ram", "8G", "--disk-bw", "-1"], "--disk-bw: '-1' is not a read bandwidth"),
+    (["smoke", "{tmp}/nowhere", "--record", "{tmp}/b.json"], "{tmp}/nowhere"),
+])
+def test_ordinary_mistakes_are_one_line_naming_the_file_or_flag(model_dir, tmp_path, capsys, argv, named):
+    fill = {"model": str(model_dir), "tmp": str(tmp_path)}
+    argv, named = [a.format(**fill) for a in argv], named.format(**fill)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's usage errors, and the commands' own one-line exits
+        code, message = e.code, e.code if isinstance(e.code, str) else ""
+    else:
+        message = ""
+    err = message or capsys.readouterr().err
+    assert code not in (0, None)
+    assert "Traceback" not in err
+    assert named in err.strip().splitlines()[-1], err
+
+
+def test_serve_without_its_extra_says_how_to_install_it(model_dir, monkeypatch):
+    import importlib.util
+
+    from colibri.cli.server import command
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    with pytest.raises(SystemExit, match=r"^colibri serve: error: the server needs uvicorn: pip install 'colibri-moe\[serve\]'$"):
+        command.serve_command(command_args(["serve", "--model", str(model_dir)]))
+
+
+def command_args(argv):
+    from colibri.cli import build_parser
+
+    return build_parser().parse_args(argv)

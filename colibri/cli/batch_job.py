@@ -14,6 +14,7 @@ import json
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
@@ -25,14 +26,22 @@ PARTIAL_SUFFIX = ".partial"  # what write_atomic writes beside its target
 LOCK_NAME = ".colibri-run.lock"
 
 
-def pending_documents(prompt_dir: Path, out_dir: Path) -> tuple[list[Path], list[Path]]:
-    """(every prompt file, those without an answer yet); leftovers of a killed run are removed."""
+@contextmanager
+def claimed_documents(prompt_dir: Path, out_dir: Path):
+    """Hold OUT for this job while the block runs, and yield (every prompt file, those without
+    an answer yet). OUT is locked before anything in it is touched: a second job on it is
+    refused in one line and leaves the first one's files alone; then a killed run's leftovers
+    (NAME.partial) are removed."""
     check_folders(prompt_dir, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob("*" + PARTIAL_SUFFIX):
-        stale.unlink()
-    inputs = prompt_files(prompt_dir)
-    return inputs, [p for p in inputs if not output_path(out_dir, p).exists()]
+    lock = lock_out_dir(out_dir)
+    try:
+        for stale in out_dir.glob("*" + PARTIAL_SUFFIX):
+            stale.unlink()
+        inputs = prompt_files(prompt_dir)
+        yield inputs, [p for p in inputs if not output_path(out_dir, p).exists()]
+    finally:
+        lock.close()
 
 
 def write_answer(target: Path, text: str) -> None:
@@ -111,14 +120,11 @@ def plan_for(model) -> dict:
 
 
 def run_batch(model, args, sampling: dict, inputs: list[Path], todo: list[Path]) -> int:
-    """The nightly batch job over `todo` (the documents of `inputs` without an answer)."""
-    lock = lock_out_dir(args.out_dir)
-    try:
-        with tqdm(total=len(inputs), initial=len(inputs) - len(todo), unit="doc", desc="documents",
-                  disable=None, file=sys.stderr) as progress:
-            written, failed, documents, stats = run_documents(model, todo, args.out_dir, sampling, progress, args.debug)
-    finally:
-        lock.close()
+    """The nightly batch job over `todo` (the documents of `inputs` without an answer), in the
+    OUT that `claimed_documents` holds."""
+    with tqdm(total=len(inputs), initial=len(inputs) - len(todo), unit="doc", desc="documents",
+              disable=None, file=sys.stderr) as progress:
+        written, failed, documents, stats = run_documents(model, todo, args.out_dir, sampling, progress, args.debug)
     skipped = len(inputs) - len(todo)
     summary = {"inputs": len(inputs), "written": written, "skipped_done": skipped, "failed": failed,
                "parallel": len(model.slots), "documents": documents, "stats": stats}

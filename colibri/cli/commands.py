@@ -197,14 +197,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(error: BaseException) -> str:
+    """An error as one line; an OSError names its file first (`--trace-routing /ro/t.jsonl:
+    Permission denied`), as a user would look for it."""
+    if isinstance(error, OSError) and error.filename is not None:
+        return f"{error.filename}: {error.strerror or error}"
+    return " ".join(str(error).split())
+
+
 def _dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except _user_errors() as e:
+    except (*_user_errors(), OSError) as e:
         if args.debug:
             traceback.print_exc()
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        print(f"{parser.prog}: error: {_one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted; rerun the same command to resume", file=sys.stderr)

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from colibri.cli.batch_job import lock_out_dir, write_answer
+from colibri.cli.batch_job import write_answer
 from colibri.cli.prompt_dir import output_path, read_prompt
 from colibri.runtime.options import MOST_PARALLEL, EngineOptions
 
@@ -93,21 +93,18 @@ def _plain(value):
     return value.tolist() if hasattr(value, "tolist") else value
 
 
-def _address(ray_option: str) -> str | None:
-    """ray.init's address: None starts a cluster on this machine ("local")."""
-    return None if ray_option == "local" else ray_option
-
-
 def run_prompt_dir(args, sampling: dict, inputs: list[Path], todo: list[Path], options: EngineOptions) -> int:
     """`colibri run --prompt-dir --ray`: the documents of `todo` answered by actors of a Ray
-    cluster; the driver writes the answers (see the module)."""
+    cluster; the driver writes the answers (see the module) into the OUT that
+    `batch_job.claimed_documents` holds."""
     ray = import_ray()
     from colibri.runtime.text import Tokenizer
     from colibri.runtime.engine import NORMALIZER_SLACK
 
     limit = args.ctx * Tokenizer.from_dir(args.model).max_token_bytes * NORMALIZER_SLACK
-    lock = lock_out_dir(args.out_dir)
-    ray.init(address=_address(args.ray), log_to_driver=False, include_dashboard=False)
+    # "local" starts a cluster on this machine for the job whatever RAY_ADDRESS says (shutdown
+    # stops it), "auto" joins the running one, anything else is a cluster's address
+    ray.init(address=args.ray, log_to_driver=False, include_dashboard=False)
     try:
         count = args.ray_actors or len([n for n in ray.nodes() if n.get("Alive")])
         # no CPU reservation (the engine sets its own threads), spread: one actor per node
@@ -119,7 +116,6 @@ def run_prompt_dir(args, sampling: dict, inputs: list[Path], todo: list[Path], o
         written, failed = _dispatch(ray, actors, todo, parallel, limit, sampling, args.out_dir)
     finally:
         ray.shutdown()
-        lock.close()
     skipped = len(inputs) - len(todo)
     summary = {"inputs": len(inputs), "written": written, "skipped_done": skipped, "failed": failed,
                "actors": count, "parallel": parallel, "seconds": time.perf_counter() - started}

@@ -19,9 +19,8 @@ import numpy as np
 
 from colibri.formats.layout import write_atomic
 from colibri.runtime.expert_store import POLICIES, CacheIndex
-from colibri.runtime.policy_replay import belady, replay
+from colibri.runtime.policy_replay import policy_table, step_requests, steps_of
 
-SHARES = (0.05, 0.1, 0.25, 0.5)  # cache sizes of the policy replay, as shares of the trace's distinct experts
 WINDOW = 16  # tokens the hit rate over time is averaged over
 
 
@@ -30,18 +29,20 @@ class ReportError(ValueError):
 
 
 def read_records(path: Path) -> list[dict]:
-    """The trace's lines ({"position", "layer", "experts"}), checked."""
+    """The trace's lines ({"step", "row", "position", "layer", "experts"}; step and row None
+    in a trace written before they were), checked."""
     records = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             try:
                 record = json.loads(line)
                 layer, experts = int(record["layer"]), [int(e) for e in record["experts"]]
+                step, row = (None, None) if "step" not in record else (int(record["step"]), int(record["row"]))
             except (ValueError, KeyError, TypeError) as e:
                 raise ReportError(f"{path}: line {number} is not a routing record ({type(e).__name__}: {e})") from None
-            if layer < 0 or any(e < 0 for e in experts):
-                raise ReportError(f"{path}: line {number} has a negative layer or expert")
-            records.append({"layer": layer, "experts": experts})
+            if layer < 0 or any(e < 0 for e in experts) or (step is not None and (step < 0 or not 0 <= row < 1 << 20)):
+                raise ReportError(f"{path}: line {number} has a negative layer, expert, step or row")
+            records.append({"step": step, "row": row, "layer": layer, "experts": experts})
     if not records:
         raise ReportError(f"{path}: no routing records (write one with colibri run --trace-routing)")
     return records
@@ -57,39 +58,18 @@ def heat_counts(records: list[dict]) -> tuple[list[int], np.ndarray]:
     return layers, counts
 
 
-def tokens_of(records: list[dict]) -> list[list[list[tuple[int, int]]]]:
-    """The trace cut into tokens (a token's requests run through the layers in order; the
-    layer index going down starts the next), each request a layer's (layer, expert) keys."""
-    tokens, previous = [], None
-    for r in records:
-        if previous is None or r["layer"] <= previous:
-            tokens.append([])
-        tokens[-1].append([(r["layer"], e) for e in r["experts"]])
-        previous = r["layer"]
-    return tokens
-
-
-def hit_rate_over_time(tokens, capacity: int, policy: str = "lru") -> tuple[list[float], list[int]]:
-    """Per token: the hit rate of its lookups and its misses, replayed at `capacity` experts."""
+def hit_rate_over_time(steps, capacity: int, policy: str = "lru") -> tuple[list[float], list[float]]:
+    """Per token (a row of a step): its step's hit rate and its share of the step's misses,
+    the steps' requests (`step_requests`) replayed at `capacity` experts."""
     index, rates, misses = CacheIndex(capacity, policy), [], []
-    for token in tokens:
+    for step in steps:
         hits, missed = index.hits, index.misses
-        for request in token:
+        for request in step_requests(step):
             index.place(request)
         lookups = index.hits - hits + index.misses - missed
-        rates.append((index.hits - hits) / max(lookups, 1))
-        misses.append(index.misses - missed)
+        rates += [(index.hits - hits) / max(lookups, 1)] * len(step)
+        misses += [(index.misses - missed) / len(step)] * len(step)
     return rates, misses
-
-
-def policy_table(requests, distinct: int) -> list[dict]:
-    """bench/policy.py's rows for this trace: each policy and Belady at each share of SHARES."""
-    rows = []
-    for share in SHARES:
-        capacity = max(1, int(distinct * share))
-        rows.append({"cache_share": share, "cache_experts": capacity,
-                     **{p: replay(requests, capacity, p) for p in POLICIES}, "belady": belady(requests, capacity)})
-    return rows
 
 
 def _heat_svg(layers: list[int], counts: np.ndarray) -> str:
@@ -140,15 +120,16 @@ def build_report(trace: Path, stats: dict | None = None) -> tuple[str, dict]:
     """(the HTML, the numbers drawn in it)."""
     records = read_records(trace)
     layers, counts = heat_counts(records)
-    tokens = tokens_of(records)
-    requests = [request for token in tokens for request in token]
+    steps = steps_of(records)
+    tokens = [row for step in steps for row in step]
+    requests = [request for step in steps for request in step_requests(step)]
     distinct = int(np.count_nonzero(counts))
     capacity = int(stats["stats"]["expert_cache_slots"]) if stats else max(1, distinct // 4)
-    rates, misses = hit_rate_over_time(tokens, capacity)
+    rates, misses = hit_rate_over_time(steps, capacity)
     per_miss = stats["stats"]["expert_bytes_read"] / max(stats["stats"]["expert_misses"], 1) if stats else None
     numbers = {"layers": layers, "counts": counts.tolist(), "tokens": len(tokens), "cache_experts": capacity,
                "hit_rate_per_token": rates, "misses_per_token": misses,
-               "policies": policy_table(requests, distinct)}
+               "policies": policy_table(requests)}
     window = [float(np.mean(rates[max(0, i - WINDOW + 1):i + 1])) for i in range(len(rates))]
     parts = [f"<h1>colibri report: {html.escape(trace.name)}</h1>",
              f"<p>{len(tokens)} tokens × {len(layers)} MoE layers, {distinct} distinct experts chosen.</p>",

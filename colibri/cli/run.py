@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from colibri.runtime.memory import format_size, size_argument
@@ -90,47 +91,65 @@ def run_chat(model, args) -> int:
 def run_command(args: argparse.Namespace) -> int:
     from colibri.runtime import open_model
 
-    options, jobs, documents = engine_options(args, "run"), 1, None
+    options = engine_options(args, "run")
     if args.ray and not args.prompt_dir:
         raise SystemExit("colibri run: error: --ray needs --prompt-dir")
-    if args.prompt_dir:
-        from colibri.cli.batch_job import pending_documents
+    if not args.prompt_dir:
+        model = open_model(args.model, options)
+        with _routing_trace(model, args):
+            return run_chat(model, args) if args.chat else run_prompt(model, args)
+    from colibri.cli.batch_job import claimed_documents, run_batch
 
-        documents = pending_documents(args.prompt_dir, args.out_dir)
+    sampling = {**_sampling(args), "seed": args.seed if args.seed is not None else 0}
+    with claimed_documents(args.prompt_dir, args.out_dir) as (inputs, todo):  # OUT is this job's from here
         if args.ray:
             from colibri.cli.ray_batch import run_prompt_dir
 
-            sampling = {**_sampling(args), "seed": args.seed if args.seed is not None else 0}
-            return run_prompt_dir(args, sampling, *documents, options)
-        jobs = len(documents[1])
-    model = open_model(args.model, options, jobs=jobs)
-    trace = open(args.trace_routing, "w") if args.trace_routing else None
-    if trace:
-        model.trace_routing(trace)
-    try:
-        if args.prompt_dir:
-            from colibri.cli.batch_job import run_batch
+            return run_prompt_dir(args, sampling, inputs, todo, options)
+        model = open_model(args.model, options, jobs=len(todo))
+        with _routing_trace(model, args):
+            return run_batch(model, args, sampling, inputs, todo)
 
-            sampling = {**_sampling(args), "seed": args.seed if args.seed is not None else 0}
-            return run_batch(model, args, sampling, *documents)
-        if args.chat:
-            return run_chat(model, args)
-        prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
-        pieces = []
-        for piece in model.generate(prompt, **_sampling(args)):
-            pieces.append(piece)
-            if not args.json:
-                print(piece, end="", flush=True)
-        stats = model.stats()
-        if args.json:
-            print(json.dumps({"output": "".join(pieces), "stats": stats}))
-        else:
-            print()
-            print(format_stats(stats), file=sys.stderr)
-        return 0
-    finally:
-        if trace:
-            trace.close()
+
+@contextmanager
+def _routing_trace(model, args):
+    """The experts chosen per token per layer written to --trace-routing while the block runs."""
+    if not args.trace_routing:
+        yield
+        return
+    with open(args.trace_routing, "w") as trace:
+        model.trace_routing(trace)
+        yield
+
+
+def run_prompt(model, args) -> int:
+    """--prompt or --prompt-file: one continuation, streamed, then the run's numbers."""
+    prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
+    pieces = []
+    for piece in model.generate(prompt, **_sampling(args)):
+        pieces.append(piece)
+        if not args.json:
+            print(piece, end="", flush=True)
+    stats = model.stats()
+    if args.json:
+        print(json.dumps({"output": "".join(pieces), "stats": stats}))
+    else:
+        print()
+        print(format_stats(stats), file=sys.stderr)
+    return 0
+
+
+def _disk_bandwidth(text: str):
+    """--disk-bw: "measure", or GB/s as bytes/s."""
+    if text == "measure":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a read bandwidth in GB/s (e.g. 3.5) nor 'measure'")
+    return value * 1e9
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -138,7 +157,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram", type=size_argument, required=True, metavar="SIZE", help="the machine's RAM, e.g. 32G")
     p.add_argument("--ctx", type=int, default=None, help="context length (default: the largest power of two whose KV cache takes at most a quarter of the free RAM)")
     add_engine_flags(p, ("kv_quant",))
-    p.add_argument("--disk-bw", default=None, metavar="GB/s|measure",
+    p.add_argument("--disk-bw", type=_disk_bandwidth, default=None, metavar="GB/s|measure",
                    help="the disk's read bandwidth in GB/s, or 'measure' to read the model's expert files cold (default: not used)")
     p.add_argument("--hit-rate", type=float, default=None, help="expected expert cache hit rate 0..1 (default: cache share of all experts)")
     p.add_argument("--measure-speed", action="store_true",
@@ -156,11 +175,7 @@ def plan_command(args: argparse.Namespace) -> int:
     from colibri.runtime.plan import measure_disk_bandwidth, plan
 
     layout = ModelLayout(args.model)
-    disk_bw = None
-    if args.disk_bw == "measure":
-        disk_bw = measure_disk_bandwidth(layout)
-    elif args.disk_bw is not None:
-        disk_bw = float(args.disk_bw) * 1e9
+    disk_bw = measure_disk_bandwidth(layout) if args.disk_bw == "measure" else args.disk_bw
     from colibri.runtime.plan import measure_step_costs, traced_choices
 
     costs = measure_step_costs(args.model, threads=args.threads) if args.measure_speed else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -26,7 +27,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_flags(p)  # --parallel: the requests decoded together
 
 
+SERVE_EXTRA = "pip install 'colibri-moe[serve]'"
+SERVE_MODULES = ("uvicorn", "starlette", "prometheus_client", "python_multipart")  # what the serve extra installs
+
+
 def serve_command(args: argparse.Namespace) -> int:
+    missing = [name for name in SERVE_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(f"colibri serve: error: the server needs {', '.join(missing)}: {SERVE_EXTRA}")
     import uvicorn
 
     from colibri.runtime import open_model
