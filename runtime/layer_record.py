@@ -148,11 +148,12 @@ class LayerRecord:
 
 
 def route_rule(c: ModelConfig) -> RouteRule:
+    """The config's router as the routing kernel takes it."""
     return RouteRule(c.router == "sigmoid", c.router_groups, c.router_topk_groups, c.router_group_score == "top2_sum",
                      c.router_norm_topk, F32(c.routed_scaling_factor))
 
 
-def describe_layer(c: ModelConfig, w, layer: int, rope: Rope, store=None) -> LayerRecord:
+def describe_layer(c: ModelConfig, w, layer: int, rope: Rope, store) -> LayerRecord:
     """Layer `layer`'s record from the resident weights `w` (`model.Weights`) and the config;
     `store` (an `ExpertStore`) holds a routed layer's experts."""
     p = f"blk.{layer}."

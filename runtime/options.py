@@ -50,7 +50,7 @@ class EngineOptions:
                       + " (default: %(default)s; `colibri plan` says which suits this machine)", choices=tuple(IO_MODES),
                       kind="choice")
     parallel: int | None = _option(None, "sequences decoded together, each in a KV slot of --ctx positions; each step "
-                                         f"reads an expert once for all of them (default: as many slots as a quarter of "
+                                         "reads an expert once for all of them (default: as many slots as a quarter of "
                                          f"the RAM left after the resident weights holds, at most {MOST_PARALLEL} and "
                                          "the number of sequences the job has)", metavar="N")
 
