@@ -262,22 +262,22 @@ def test_a_second_job_on_a_busy_out_dir_is_refused_before_it_touches_anything(mo
     leaves OUT as it found it (a NAME.partial the first is writing stays); the first finishes
     with every document answered."""
     model = models("qwen3_moe")
-    inputs = documents(tmp_path / "in")
+    inputs = documents(tmp_path / "in", count=40)  # enough work that the first job outlasts the second's start
     out = tmp_path / "out"
     first = subprocess.Popen(prompt_dir_argv(model, inputs, out, 1, 400), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not list(out.glob("*.out")) and first.poll() is None:
         time.sleep(0.01)  # the first job holds OUT from before its model opens until it ends
-    in_flight = out / "doc15.txt.out.partial"  # what the first job's write_answer has beside an answer it writes
+    in_flight = out / "doc39.txt.out.partial"  # what the first job's write_answer has beside an answer it writes
     in_flight.write_bytes(b"half an answer")
     second = subprocess.run(prompt_dir_argv(model, inputs, out, 1, 400), capture_output=True, text=True)
-    left = in_flight.read_bytes()  # (before the first job reaches doc15, its last, and writes it for real)
+    left = in_flight.read_bytes()  # (before the first job reaches doc39, its last, and writes it for real)
     still_running = first.poll() is None
     stdout, _ = first.communicate(timeout=600)
     assert still_running, "the first job ended before the second started"
     assert second.returncode != 0
     assert second.stderr.strip().splitlines() == [f"colibri run: error: --out-dir {out} is in use by another colibri run"]
     assert left == b"half an answer"
-    assert first.returncode == 0 and "16 written, 0 already done, 0 failed" in stdout
-    assert sorted(p.name for p in out.glob("*.out")) == [f"doc{i:02d}.txt.out" for i in range(16)]
+    assert first.returncode == 0 and "40 written, 0 already done, 0 failed" in stdout
+    assert sorted(p.name for p in out.glob("*.out")) == [f"doc{i:02d}.txt.out" for i in range(40)]

@@ -8,8 +8,8 @@
   A batch's rows hold `prompt` (text) or `messages` (chat), and optionally `id` and the
   sampling settings (`max_tokens`, `temperature`, `top_k`, `top_p`, `min_p`, `seed`); they
   run through the batch engine, `parallel` at a time (the other keyword arguments are
-  `EngineOptions` fields; without `parallel`, as many as fit: `engine.slots_for`), and come back with `text`,
-  `prompt_tokens`, `generated_tokens` and `finish_reason` added.
+  `EngineOptions` fields; without `parallel`, as many as fit: `engine.slots_for`), and come
+  back with `text`, `prompt_tokens`, `generated_tokens` and `finish_reason` added.
 - `run_prompt_dir`, `colibri run --prompt-dir IN --out-dir OUT --ray ADDRESS`: the driver
   reads IN, hands the documents to the actors a few at a time (one actor per node unless
   `--ray-actors` says otherwise) and writes each answer itself, atomically, as it comes back:
