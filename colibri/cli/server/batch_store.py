@@ -3,7 +3,8 @@
 A request's result is committed (synchronous=FULL) the moment it is answered, and the output
 file is written from those rows only when the batch ends, so a server killed at any moment
 comes back knowing which requests are answered (never redone) and which are not (redone);
-no `custom_id` is lost or written twice.
+no `custom_id` is lost or written twice. Files are synced before they are recorded. A state
+folder belongs to one model: opening it for another is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, input_file_id TEXT NOT NULL, endpoint TEXT NOT NULL, completion_window TEXT NOT NULL,
     status TEXT NOT NULL, created_at INTEGER NOT NULL, times TEXT NOT NULL, metadata TEXT,
     errors TEXT, output_file_id TEXT, error_file_id TEXT);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS requests (
     batch_id TEXT NOT NULL, line INTEGER NOT NULL, custom_id TEXT NOT NULL, body TEXT NOT NULL,
     status TEXT NOT NULL, result TEXT, PRIMARY KEY (batch_id, line));
@@ -31,6 +33,11 @@ CREATE TABLE IF NOT EXISTS requests (
 OPEN_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 TIME_FIELDS = ("in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
                "cancelling_at", "cancelled_at")
+WINDOW_SECONDS = {"24h": 24 * 3600}  # completion_window -> seconds until the batch expires
+
+
+class StateError(Exception):
+    """A state folder that cannot serve this model."""
 
 
 def new_id(prefix: str) -> str:
@@ -38,8 +45,10 @@ def new_id(prefix: str) -> str:
 
 
 class BatchStore:
-    def __init__(self, state_dir: Path):
-        self.dir = Path(state_dir)
+    """`model` names what the state belongs to (`model_key`); `clock` gives the time in seconds."""
+
+    def __init__(self, state_dir: Path, model: str, clock=time.time):
+        self.dir, self.clock = Path(state_dir), clock
         self.files_dir = self.dir / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
         for leftover in self.files_dir.glob("*.partial"):  # an upload cut off by a crash
@@ -49,6 +58,15 @@ class BatchStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(SCHEMA)
+        self._claim(model)
+
+    def _claim(self, model: str) -> None:
+        self.db.execute("INSERT OR IGNORE INTO meta VALUES ('model', ?)", (model,))
+        (owner,), = self.db.execute("SELECT value FROM meta WHERE key = 'model'").fetchall()
+        if owner != model:
+            self.db.close()
+            raise StateError(f"{self.dir} holds the Batch API state of another model ({owner}); "
+                             f"give this one its own --state-dir")
 
     def _rows(self, sql: str, args=()) -> list[tuple]:
         with self.lock:
@@ -72,7 +90,7 @@ class BatchStore:
         return self.files_dir / file_id
 
     def add_file(self, file_id: str, purpose: str, filename: str, size: int) -> dict:
-        self._write([("INSERT INTO files VALUES (?, ?, ?, ?, ?)", (file_id, purpose, filename, size, int(time.time())))])
+        self._write([("INSERT INTO files VALUES (?, ?, ?, ?, ?)", (file_id, purpose, filename, size, int(self.clock())))])
         return self.file(file_id)
 
     def file(self, file_id: str) -> dict | None:
@@ -83,16 +101,27 @@ class BatchStore:
         return {"id": fid, "object": "file", "bytes": size, "created_at": created, "filename": filename,
                 "purpose": purpose, "status": "processed", "status_details": None}
 
+    def save(self, file_id: str, chunks) -> int:
+        """Write the byte strings of `chunks` as `file_id`, synced to disk; its size. If
+        `chunks` raises, nothing is left behind."""
+        partial, size = self.file_path(file_id).with_suffix(".partial"), 0
+        try:
+            with open(partial, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                    size += len(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        partial.replace(self.file_path(file_id))
+        return size
+
     def write_file(self, purpose: str, filename: str, data: bytes) -> str:
         """A file the server makes (a batch's output or errors), synced before it is recorded."""
         file_id = new_id("file")
-        partial = self.file_path(file_id).with_suffix(".partial")
-        with open(partial, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        partial.replace(self.file_path(file_id))
-        self.add_file(file_id, purpose, filename, len(data))
+        self.add_file(file_id, purpose, filename, self.save(file_id, [data]))
         return file_id
 
     # --- batches -------------------------------------------------------------------
@@ -100,9 +129,9 @@ class BatchStore:
     def create_batch(self, input_file_id: str, endpoint: str, window: str, metadata, requests: list[tuple[str, str]],
                      errors: list[dict]) -> dict:
         """A batch of (custom_id, body JSON) requests, in progress; or failed with `errors`."""
-        batch_id, now = new_id("batch"), int(time.time())
+        batch_id, now = new_id("batch"), int(self.clock())
         status = "failed" if errors else "in_progress"
-        times = {"in_progress_at": now} if not errors else {"failed_at": now}
+        times = {"in_progress_at": now, "expires_at": now + WINDOW_SECONDS[window]} if not errors else {"failed_at": now}
         statements = [("INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL)",
                        (batch_id, input_file_id, endpoint, window, status, now, json.dumps(times),
                         json.dumps(metadata) if metadata is not None else None,
@@ -150,7 +179,7 @@ class BatchStore:
 
     def set_status(self, batch_id: str, status: str, **columns) -> None:
         times = json.loads(self._rows("SELECT times FROM batches WHERE id = ?", (batch_id,))[0][0])
-        times[f"{status}_at"] = int(time.time())
+        times[f"{status}_at"] = int(self.clock())
         sets = ", ".join(f"{c} = ?" for c in columns)
         self._write([(f"UPDATE batches SET status = ?, times = ?{', ' + sets if sets else ''} WHERE id = ?",
                       (status, json.dumps(times), *columns.values(), batch_id))])
@@ -161,8 +190,12 @@ class BatchStore:
                           "ORDER BY line", (batch_id,))
 
     def answer(self, batch_id: str, line: int, ok: bool, result: dict) -> None:
+        self.answer_all(batch_id, [(line, result)], ok)
+
+    def answer_all(self, batch_id: str, answers: list[tuple[int, dict]], ok: bool) -> None:
+        """Record (line, result) answers in one transaction; lines already answered keep theirs."""
         self._write([("UPDATE requests SET status = ?, result = ? WHERE batch_id = ? AND line = ? AND status = 'pending'",
-                      ("done" if ok else "failed", json.dumps(result), batch_id, line))])
+                      ("done" if ok else "failed", json.dumps(result), batch_id, line)) for line, result in answers])
 
     def results(self, batch_id: str, status: str) -> list[str]:
         return [r for (r,) in self._rows("SELECT result FROM requests WHERE batch_id = ? AND status = ? ORDER BY line",

@@ -53,30 +53,39 @@ class BatchRunner:
             try:
                 for batch_id in self.store.open_batches():
                     self._advance(batch_id)
-            except Exception:  # noqa: BLE001 - an engine failure: /health says so; keep the state, retry
+            except Exception:  # noqa: BLE001 - a dead engine fails the open batches; anything else is retried
+                failure = self.server.engine.failure
+                if failure is not None:
+                    self._fail_open_batches(f"the engine stopped: {type(failure).__name__}: {failure}")
+                    return
                 logging.getLogger("colibri.serve").exception("batch runner")
                 self.wake.wait(1.0)
             self.wake.wait(POLL_SECONDS)
             self.wake.clear()
 
     def _advance(self, batch_id: str) -> None:
-        status = self.store.status(batch_id)
+        batch = self.store.batch(batch_id)
         with self.lock:
             mine = {line: r for (b, line), r in self.in_flight.items() if b == batch_id}
-        if status == "cancelling":
+        expired = batch["expires_at"] is not None and self.store.clock() >= batch["expires_at"]
+        if batch["status"] == "cancelling" or expired:
             for request in mine.values():
                 self.server.engine.cancel(request)
-            if not mine:
+            if mine:
+                return
+            if batch["status"] == "cancelling":
                 self._finish(batch_id, "cancelled")
+            else:
+                self._finish(batch_id, "expired", ("batch_expired", "This request could not be executed before the "
+                                                                     "completion window expired."))
             return
         pending = [p for p in self.store.pending(batch_id) if p[0] not in mine]
         if not pending and not mine:
             self._finish(batch_id, "completed")
             return
         room = 2 * len(self.server.model.slots) - len(self.in_flight)
-        endpoint = self.store.batch(batch_id)["endpoint"]
         for line, custom_id, body in pending[:max(room, 0)]:
-            self._submit(batch_id, line, custom_id, loads(body, "request body", ValueError), ENDPOINTS[endpoint])
+            self._submit(batch_id, line, custom_id, loads(body, "request body", ValueError), ENDPOINTS[batch["endpoint"]])
 
     def _submit(self, batch_id: str, line: int, custom_id: str, body: dict, chat: bool) -> None:
         request_id = new_id("req")
@@ -109,21 +118,40 @@ class BatchRunner:
         with self.lock:
             self.in_flight.pop((batch_id, line), None)
 
-    def _finish(self, batch_id: str, status: str) -> None:
-        """Write the output and error files from the recorded answers, then end the batch."""
+    def _finish(self, batch_id: str, status: str, unanswered: tuple[str, str] | None = None, **columns) -> None:
+        """Write the output and error files from the recorded answers, then end the batch.
+        `unanswered` (code, message): the error each request still pending gets."""
         self.store.set_status(batch_id, "finalizing")
+        if unanswered is not None:
+            code, message = unanswered
+            self.store.answer_all(batch_id, [(line, _error_line(custom_id, code, message))
+                                             for line, custom_id, _ in self.store.pending(batch_id)], ok=False)
         files = {}
         for kind, rows in (("output_file_id", self.store.results(batch_id, "done")),
                            ("error_file_id", self.store.results(batch_id, "failed"))):
             if rows:
                 data = "".join(r + "\n" for r in rows).encode()
                 files[kind] = self.store.write_file("batch_output", f"{batch_id}_{kind[:-8]}.jsonl", data)
-        self.store.set_status(batch_id, status, **files)
+        self.store.set_status(batch_id, status, **files, **columns)
+
+    def _fail_open_batches(self, cause: str) -> None:
+        """The engine is gone: every open batch fails, its unanswered requests naming `cause`."""
+        log = logging.getLogger("colibri.serve")
+        for batch_id in self.store.open_batches():
+            log.error("batch %s failed: %s", batch_id, cause)
+            errors = {"object": "list", "data": [{"code": "engine_failed", "message": cause, "param": None, "line": None}]}
+            self._finish(batch_id, "failed", ("engine_failed", cause), errors=json.dumps(errors))
 
 
 def _line(custom_id: str, request_id: str, status_code: int, body: dict) -> dict:
     return {"id": new_id("batch_req"), "custom_id": custom_id,
             "response": {"status_code": status_code, "request_id": request_id, "body": body}, "error": None}
+
+
+def _error_line(custom_id: str, code: str, message: str) -> dict:
+    """An error-file line for a request that got no response, as OpenAI writes one."""
+    return {"id": new_id("batch_req"), "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message}}
 
 
 def parse_requests(data: bytes, endpoint: str) -> tuple[list[tuple[str, str]], list[dict]]:
@@ -196,17 +224,15 @@ class BatchAPI:
         return JSONResponse(self.store.add_file(file_id, purpose, name, size))
 
     def _store_upload(self, source, file_id: str) -> int:
-        partial, size = self.store.file_path(file_id).with_suffix(".partial"), 0
-        with open(partial, "wb") as out:
+        def chunks():
+            size = 0
             while part := source.read(1 << 20):
                 size += len(part)
                 if size > self.max_upload:
-                    out.close()
-                    partial.unlink()
                     raise APIError(413, f"upload over {self.max_upload} bytes (--max-upload)", "file", "file_too_large")
-                out.write(part)
-        partial.replace(self.store.file_path(file_id))
-        return size
+                yield part
+
+        return self.store.save(file_id, chunks())
 
     def _file(self, file_id: str) -> dict:
         found = self.store.file(file_id)

@@ -10,6 +10,7 @@ events go to its own callback, from this thread.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -28,6 +29,7 @@ class Request:
     on_event: Callable
     interactive: bool = True
     cancelled: bool = False
+    cancel_reason: str | None = None  # why the engine ended it early, when it did
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -126,11 +128,15 @@ class Engine:
 
     @staticmethod
     def _deliver(request: Request, event) -> None:
-        """Hand `event` (or the engine's failure) to the request; a receiver that is gone
-        (a closed connection's loop) must not stop the engine."""
+        """Hand `event` (or the engine's failure) to the request. A receiver that raises (a
+        closed connection's loop) must not stop the engine: it is logged, and its sequence is
+        cancelled at the next step with the error as the reason."""
         try:
             request.on_event(event)
-        except Exception:  # noqa: BLE001 - the receiver's problem, not the batch's
-            request.cancelled = True
+        except Exception as e:  # noqa: BLE001 - the receiver's problem, not the batch's
+            if not request.cancelled:
+                request.cancelled, request.cancel_reason = True, f"its receiver failed: {type(e).__name__}: {e}"
+                logging.getLogger("colibri.serve").warning("request cancelled: %s", request.cancel_reason,
+                                                           exc_info=True)
         if isinstance(event, BaseException) or event is None or event.finish_reason is not None:  # None: ended before
             request.done.set()
