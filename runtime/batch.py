@@ -219,6 +219,38 @@ class Scheduler:
         }
 
 
+STEP_WEIGHTED = {"rows_per_step": "steps", "distinct_experts_per_step": "steps",
+                 "prefetch_accuracy": "prefetched_experts", "read_hidden_share": "read_seconds"}
+SUMMED = ("steps", "prompt_tokens", "generated_tokens", "expert_hits", "expert_misses", "expert_bytes_read",
+          "expert_evictions", "prefetched_experts", "read_seconds", "expert_resident_bytes", "expert_page_cache_bytes")
+
+
+def merge_stats(parts: list[dict]) -> dict:
+    """`Scheduler.stats` of schedulers that ran side by side (Ray actors, each with its own
+    cache) as one: counts summed, tok/s the sum of their rates, the rest recomputed from the
+    sums or weighted by what they are per; settings (cache size, policy, io) the first's. A
+    number no part knows (None) stays unknown."""
+    merged = {**parts[0], **{key: _sum_known(p[key] for p in parts) for key in SUMMED}}
+    for key, weight in STEP_WEIGHTED.items():
+        known = [p for p in parts if p[key] is not None and p[weight]]
+        merged[key] = sum(p[key] * p[weight] for p in known) / sum(p[weight] for p in known) if known else None
+    rates = [p["tok_per_s"] for p in parts if p["tok_per_s"] is not None]
+    lookups = merged["expert_hits"] + merged["expert_misses"]
+    tokens = merged["prompt_tokens"] + merged["generated_tokens"]
+    merged.update(
+        tok_per_s=sum(rates) if rates else None,
+        expert_hit_rate=merged["expert_hits"] / lookups if lookups else 0.0,
+        expert_bytes_read_per_generated_token=merged["expert_bytes_read"] / merged["generated_tokens"]
+        if merged["generated_tokens"] else None,
+        expert_bytes_read_per_token=merged["expert_bytes_read"] / tokens if tokens else 0.0)
+    return merged
+
+
+def _sum_known(values):
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
 def _is_text(prompt) -> bool:
     """A string or chat messages, as opposed to token ids."""
     return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict))

@@ -281,3 +281,27 @@ def test_a_second_job_on_a_busy_out_dir_is_refused_before_it_touches_anything(mo
     assert left == b"half an answer"
     assert first.returncode == 0 and "40 written, 0 already done, 0 failed" in stdout
     assert sorted(p.name for p in out.glob("*.out")) == [f"doc{i:02d}.txt.out" for i in range(40)]
+
+
+def test_merged_stats_are_the_sums_and_the_step_weighted_means_of_the_parts(models):
+    from colibri.runtime.batch import merge_stats
+    from colibri.runtime.engine import open_model
+
+    parts = []
+    for prompts in (["The river", "A mill"], ["Bells", "Bread and", "The town of"]):
+        model = open_model(models("qwen3_moe"), parallel=3, ram_budget=2 << 30, ctx=128)
+        scheduler = model.scheduler()
+        for p in prompts:
+            scheduler.add(p, max_tokens=4 + len(p) % 3)
+        while scheduler.busy:
+            scheduler.step()
+        parts.append(scheduler.stats())
+        model.close()
+    merged = merge_stats(parts)
+    a, b = parts
+    assert merged["steps"] == a["steps"] + b["steps"] and merged["expert_misses"] == a["expert_misses"] + b["expert_misses"]
+    assert merged["rows_per_step"] == pytest.approx(
+        (a["rows_per_step"] * a["steps"] + b["rows_per_step"] * b["steps"]) / (a["steps"] + b["steps"]))
+    assert merged["expert_hit_rate"] == merged["expert_hits"] / (merged["expert_hits"] + merged["expert_misses"])
+    assert merged["tok_per_s"] == a["tok_per_s"] + b["tok_per_s"]  # side by side: their rates add
+    assert merge_stats([a]) == a

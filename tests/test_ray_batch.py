@@ -98,3 +98,34 @@ def test_ray_data_map_batches_runs_the_generator_on_an_actor_pool(job):
     want = alone({"prompt": prompts, "max_tokens": [5] * len(prompts)})["text"]
     assert sorted((row["id"], row["text"], row["generated_tokens"]) for row in rows) == \
         [(i, text, 5) for i, text in enumerate(want)]
+
+def test_stats_and_trace_routing_are_merged_from_the_actors(job, tmp_path):
+    from colibri.runtime.policy_replay import steps_of
+
+    run = colibri("--model", str(job / "model"), "--prompt-dir", str(job / "in"), "--out-dir", str(tmp_path / "out"),
+                  "--max-tokens", "8", "--threads", "1", "--ram-budget", "2G", "--parallel", "2", "--ray", "local",
+                  "--ray-actors", "2", "--stats", str(tmp_path / "stats.json"),
+                  "--trace-routing", str(tmp_path / "trace.jsonl"))
+    out, err = run.communicate(timeout=600)
+    assert run.returncode == 0, err
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    each, merged, documents = stats["actor_stats"], stats["stats"], stats["documents"]
+    assert len(each) == 2 and all(s["generated_tokens"] > 0 for s in each)  # both actors worked
+    assert merged["generated_tokens"] == sum(d["generated_tokens"] for d in documents.values())
+    assert merged["prompt_tokens"] == sum(d["prompt_tokens"] for d in documents.values()) == sum(
+        s["prompt_tokens"] for s in each)
+    assert merged["expert_hits"] == sum(s["expert_hits"] for s in each)
+    hits, lookups = merged["expert_hits"], merged["expert_hits"] + merged["expert_misses"]
+    assert merged["expert_hit_rate"] == hits / lookups and len(documents) == DOCUMENTS + 1
+    records = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert {r["actor"] for r in records} == {0, 1}
+    # the trace's tokens are the ones the actors ran: every prompt token and every generated
+    # one that was fed back (all but each document's last)
+    rows = sum(len(step) for step in steps_of(records))
+    assert rows == merged["prompt_tokens"] + merged["generated_tokens"] - len(documents)
+    steps = [r["step"] for r in records]
+    assert steps == sorted(steps) and len(set(steps)) == merged["steps"]
+    from colibri.cli import main
+
+    assert main(["report", str(tmp_path / "trace.jsonl"), "--stats", str(tmp_path / "stats.json"),
+                 "-o", str(tmp_path / "r.html")]) == 0
