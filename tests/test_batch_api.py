@@ -80,7 +80,7 @@ def test_a_batch_past_its_window_expires_and_its_unanswered_requests_go_to_the_e
         wait_until(lambda: store.batch(batch["id"])["status"] == "expired")
     finally:
         runner.close()
-        server.engine.close()
+        server.close()
     done = store.batch(batch["id"])
     answered, unanswered = rows(store, done["output_file_id"]), rows(store, done["error_file_id"])
     assert done["expired_at"] == int(clock.now) and len(answered) >= 1 and unanswered
@@ -114,7 +114,7 @@ def test_a_dead_engine_fails_the_open_batches_with_its_cause(model, tmp_path, ca
     unanswered = rows(store, failed["error_file_id"])
     assert len(unanswered) == 6 and all("the disk is gone" in r["error"]["message"] for r in unanswered)
     assert any("the disk is gone" in r.getMessage() for r in caplog.records)
-    server.engine.close()
+    server.close()
 
 
 def test_a_receiver_that_raises_is_logged_and_its_sequence_cancelled(model, caplog):

@@ -98,6 +98,10 @@ def test_the_report_shows_the_run(shots):
     assert heat.count("<title>layer ") == drawn > 8
     assert [int(t) for t in re.findall(r'text-anchor="end">(\d+)</text>', heat)] == numbers["layers"]  # the layer axis
     assert f"expert 0 .. {len(numbers['counts'][0]) - 1}" in heat  # the expert axis
+    assert 'class="colour-scale"' in heat and f"<title>{np.max(numbers['counts'])} choices</title>" in heat
+    for chart in ("hit-rate", "bytes-read"):  # the line charts: both axes ticked and numbered
+        body = dom.split(f'id="{chart}"', 1)[1].split("</svg>", 1)[0]
+        assert body.count('class="tick"') >= 4 and 'text-anchor="end">0</text>' in body, chart
     assert f"{numbers['tokens']} tokens" in dom and f"{numbers['job_tok_per_s']:.2f} tok/s" in dom
     for row in numbers["policies"]:
         assert f"<td>{row['lru']:.1%}</td>" in dom and f"<td>{row['belady']:.1%}</td>" in dom
@@ -112,5 +116,8 @@ def test_the_live_page_shows_the_server(shots):
     assert [int(t) for t in re.findall(r'text-anchor="end">(\d+)</text>', heat)] == live["heat"]["layers"]
     assert f"expert 0 .. {len(live['heat']['counts'][0]) - 1}" in heat
     assert f'id="generated">{live["generated_tokens"]}<' in dom and live["generated_tokens"] >= 24
+    assert 'class="colour-scale"' in heat and "choices</title>" in heat
+    for chart in ("history-rate", "history-hits", "history-read"):  # the time charts, axes numbered
+        assert re.search(f'id="{chart}"' + r'.*?text-anchor="end">0</text>', dom), chart
     assert re.search(r'id="rate">\d+\.\d\d<', dom) and re.search(r'id="hits">\d+\.\d%<', dom)
     assert not console_errors((evidence / "live.console.txt").read_text())

@@ -285,7 +285,7 @@ def test_the_live_page_and_its_numbers(client, server):
     client.completions.create(model="tiny", prompt="The live page", max_tokens=5, temperature=0)
     with urllib.request.urlopen(server + "/") as r:  # the page itself holds no data: no key needed
         page = r.read().decode()
-    assert 'id="heat-map"' in page and "/live.json" in page and "/v1/batches" in page
+    assert 'id="heat-box"' in page and 'id="history"' in page and "/live.json" in page and "/v1/batches" in page
     for outside in ("http://", "https://", "<link", "src="):
         assert outside not in page
     with pytest.raises(urllib.error.HTTPError) as refused:
@@ -297,3 +297,8 @@ def test_the_live_page_and_its_numbers(client, server):
     counts = live["heat"]["counts"]
     assert live["slots"] == 3 and live["generated_tokens"] >= 5 and live["heat"]["layers"]
     assert len(counts) == len(live["heat"]["layers"]) and sum(map(sum, counts)) > 0
+    heat = live["charts"]["heat"]  # drawn by the server: a cell per expert chosen, a colour scale
+    assert heat.count("<title>layer ") == sum(1 for row in counts for n in row if n)
+    assert 'class="colour-scale"' in heat and f"<title>{max(map(max, counts))} choices</title>" in heat
+    assert [chart.split('"', 2)[1] for chart in live["charts"]["history"]] == [
+        "history-rate", "history-hits", "history-read"]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri.cli.charts import heat_svg, line_svg
 from colibri.formats.layout import write_atomic
 from colibri.runtime.expert_store import POLICIES, CacheIndex
 from colibri.runtime.policy_replay import policy_table, step_requests, steps_of
@@ -29,8 +30,8 @@ class ReportError(ValueError):
 
 
 def read_records(path: Path) -> list[dict]:
-    """The trace's lines ({"step", "row", "position", "layer", "experts"}; step and row None
-    in a trace written before they were), checked."""
+    """The trace's lines ({"step", "row", "layer", "experts", "actor"}; step and row None in a
+    trace written before they were, actor None but in a Ray job's), checked."""
     records = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -38,11 +39,12 @@ def read_records(path: Path) -> list[dict]:
                 record = json.loads(line)
                 layer, experts = int(record["layer"]), [int(e) for e in record["experts"]]
                 step, row = (None, None) if "step" not in record else (int(record["step"]), int(record["row"]))
+                actor = None if record.get("actor") is None else int(record["actor"])
             except (ValueError, KeyError, TypeError) as e:
                 raise ReportError(f"{path}: line {number} is not a routing record ({type(e).__name__}: {e})") from None
             if layer < 0 or any(e < 0 for e in experts) or (step is not None and (step < 0 or not 0 <= row < 1 << 20)):
                 raise ReportError(f"{path}: line {number} has a negative layer, expert, step or row")
-            records.append({"step": step, "row": row, "layer": layer, "experts": experts})
+            records.append({"step": step, "row": row, "layer": layer, "experts": experts, "actor": actor})
     if not records:
         raise ReportError(f"{path}: no routing records (write one with colibri run --trace-routing)")
     return records
@@ -72,50 +74,6 @@ def hit_rate_over_time(steps, capacity: int, policy: str = "lru") -> tuple[list[
     return rates, misses
 
 
-def _heat_svg(layers: list[int], counts: np.ndarray) -> str:
-    cell_w, cell_h = max(2, 900 // max(counts.shape[1], 1)), max(3, 480 // max(len(layers), 1))
-    width, height = 40 + cell_w * counts.shape[1], 20 + cell_h * len(layers)
-    scale = np.log1p(counts) / max(np.log1p(counts.max()), 1e-9)
-    cells = []
-    for i, layer in enumerate(layers):
-        for e in np.flatnonzero(counts[i]):
-            shade = int(255 - 215 * scale[i, e])
-            cells.append(f'<rect x="{40 + e * cell_w}" y="{i * cell_h}" width="{cell_w}" height="{cell_h}" '
-                         f'fill="rgb({shade},{shade},255)"><title>layer {layer} expert {e}: {counts[i, e]}</title></rect>')
-    labels = "".join(f'<text x="36" y="{i * cell_h + (cell_h + min(cell_h, 10)) // 2}" font-size="{min(cell_h, 10)}" text-anchor="end">{layer}</text>'
-                     for i, layer in enumerate(layers) if len(layers) <= 64 or i % 4 == 0)
-    return (f'<svg id="heat-map" width="{width}" height="{height}" role="img" aria-label="routing heat map">'
-            f'<rect x="40" y="0" width="{width - 40}" height="{cell_h * len(layers)}" fill="white" stroke="#ccc"/>'
-            f'{"".join(cells)}{labels}<text x="40" y="{height - 4}" font-size="11">expert 0 .. {counts.shape[1] - 1} →'
-            f'</text></svg>')
-
-
-def _line_svg(ident: str, series: list[tuple[str, list[float]]], y_label: str, x_label: str,
-              level: float | None = None) -> str:
-    """A line chart of equal-length series (name, values) over their index; `level`, a
-    horizontal reference line."""
-    width, height, pad = 900, 220, 40
-    top = max([max(values, default=0) for _, values in series] + [level or 0, 1e-9])
-    count = max(len(values) for _, values in series)
-    colours = ("#1f5fbf", "#c0392b", "#27ae60")
-
-    def point(i, v):
-        return f"{pad + (width - 2 * pad) * i / max(count - 1, 1):.1f},{height - pad - (height - 2 * pad) * v / top:.1f}"
-
-    lines = [f'<polyline fill="none" stroke="{colours[k % 3]}" stroke-width="1.5" points="'
-             + " ".join(point(i, v) for i, v in enumerate(values)) + f'"><title>{html.escape(name)}</title></polyline>'
-             for k, (name, values) in enumerate(series)]
-    if level is not None:
-        lines.append(f'<line x1="{pad}" x2="{width - pad}" y1="{point(0, level).split(",")[1]}" '
-                     f'y2="{point(0, level).split(",")[1]}" stroke="#888" stroke-dasharray="4 3"/>')
-    legend = " · ".join(html.escape(name) for name, _ in series)
-    return (f'<svg id="{ident}" width="{width}" height="{height}" role="img" aria-label="{html.escape(y_label)}">'
-            f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="#000"/>'
-            f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="#000"/>{"".join(lines)}'
-            f'<text x="{pad}" y="{pad - 8}" font-size="11">{html.escape(y_label)} (top {top:.3g}) — {legend}</text>'
-            f'<text x="{width - pad}" y="{height - 10}" font-size="11" text-anchor="end">{html.escape(x_label)}</text></svg>')
-
-
 def build_report(trace: Path, stats: dict | None = None) -> tuple[str, dict]:
     """(the HTML, the numbers drawn in it)."""
     records = read_records(trace)
@@ -133,12 +91,13 @@ def build_report(trace: Path, stats: dict | None = None) -> tuple[str, dict]:
     window = [float(np.mean(rates[max(0, i - WINDOW + 1):i + 1])) for i in range(len(rates))]
     parts = [f"<h1>colibri report: {html.escape(trace.name)}</h1>",
              f"<p>{len(tokens)} tokens × {len(layers)} MoE layers, {distinct} distinct experts chosen.</p>",
-             "<h2>Routing: how often each expert was chosen</h2>", _heat_svg(layers, counts),
+             *_actors_note(records),
+             "<h2>Routing: how often each expert was chosen</h2>", heat_svg(layers, counts),
              f"<h2>Expert cache over the run (LRU replay at {capacity} experts)</h2>",
-             _line_svg("hit-rate", [(f"hit rate, mean of {WINDOW} tokens", window)], "hit rate", "token"),
-             _line_svg("bytes-read", [("MB read per token" if per_miss else "misses per token",
-                                       [m * per_miss / 1e6 if per_miss else m for m in misses])],
-                       "MB read per token" if per_miss else "expert misses per token", "token"),
+             line_svg("hit-rate", [(f"hit rate, mean of {WINDOW} tokens", window)], "hit rate", "token"),
+             line_svg("bytes-read", [("MB read per token" if per_miss else "misses per token",
+                                      [m * per_miss / 1e6 if per_miss else m for m in misses])],
+                      "MB read per token" if per_miss else "expert misses per token", "token"),
              "<h2>What another cache size or policy would give (replay of this trace)</h2>",
              _policy_html(numbers["policies"])]
     if stats:
@@ -148,6 +107,14 @@ def build_report(trace: Path, stats: dict | None = None) -> tuple[str, dict]:
             "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}</style></head><body>"
             + "".join(parts) + "</body></html>")
     return page, numbers
+
+
+def _actors_note(records: list[dict]) -> list[str]:
+    actors = {r["actor"] for r in records if r["actor"] is not None}
+    if len(actors) < 2:
+        return []
+    return [f"<p>This trace comes from {len(actors)} Ray actors, each with its own expert cache; the replays "
+            "below treat it as one cache, so their hit rates are not the actors'.</p>"]
 
 
 def _policy_html(rows: list[dict]) -> str:
@@ -175,8 +142,8 @@ def _job_html(stats: dict, numbers: dict) -> list[str]:
         + (f", {plan['disk_ceiling_tok_per_s']:.2f} disk-bound" if plan.get("disk_ceiling_tok_per_s") else "")
         if predicted else "") + ".</p>"
     return ["<h2>The job</h2>", line,
-            _line_svg("job-tokens", [("tokens generated, cumulative, by document finished", [float(v) for v in done])],
-                      "tokens", "documents finished")]
+            line_svg("job-tokens", [("tokens generated by the documents finished", [float(v) for v in done])],
+                     "tokens", "seconds into the job", x_values=[d.get("finished_s") or 0 for d in documents])]
 
 
 def report_command(args) -> int:

@@ -53,13 +53,19 @@ class Server:
     """The app's state: the model, its engine and the name it is served under."""
 
     def __init__(self, model, name: str, api_key: str | None = None):
-        from colibri.cli.server.live import RecentRouting
+        from colibri.cli.server.live import History, RecentRouting
         from colibri.cli.server.metrics import registry_for
 
         self.model, self.name, self.api_key = model, name, api_key
         self.engine = Engine(model)
         self.registry = registry_for(self.engine)
         self.routing = model.decoder.route_log = RecentRouting(model.config.moe_layers, model.config.n_experts)
+        self.history = History(self.engine)
+
+    def close(self) -> None:
+        """Stop the history's sampling and the engine (after the requests it holds end)."""
+        self.history.close()
+        self.engine.close()
 
     def authorized(self, request: HTTPRequest) -> bool:
         if self.api_key is None:
@@ -87,7 +93,7 @@ class Server:
     async def live_json(self, request: HTTPRequest) -> Response:
         from colibri.cli.server.live import live_numbers
 
-        return JSONResponse({"model": self.name, **live_numbers(self.engine, self.routing)})
+        return JSONResponse({"model": self.name, **live_numbers(self.engine, self.routing, self.history)})
 
     async def models(self, request: HTTPRequest) -> Response:
         return JSONResponse({"object": "list", "data": [self.model_card()]})
@@ -159,7 +165,7 @@ def _sse(value: dict) -> str:
 
 def build_app(server: Server, extra_routes=(), closers=()):
     """The ASGI app: the routes, OpenAI-style errors, the API key check; `closers` run at
-    shutdown before the engine stops."""
+    shutdown before the server closes."""
     routes = [
         Route("/", server.live_page),
         Route("/live.json", server.live_json),
@@ -183,7 +189,7 @@ def build_app(server: Server, extra_routes=(), closers=()):
         yield
         for close in closers:
             close()
-        server.engine.close()
+        server.close()
 
     app = Starlette(routes=routes, exception_handlers={APIError: on_api_error, 404: not_found, 405: not_found},
                     lifespan=lifespan)

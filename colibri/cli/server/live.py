@@ -1,20 +1,26 @@
 """The live page at `/`: what the engine is doing, refreshed every second.
 
 Plain HTML with a little script and no build step or fetch outside this server: it polls
-`/live.json` (sequences running and queued, aggregate tok/s, hit rate, expert bytes read, and
-the routing of the last RECENT_STEPS engine steps as a layer × expert heat map) and, every
-few seconds, `/v1/batches` (the Batch API's jobs and their progress). With `--api-key` the
-page asks for the key once and sends it as the API does.
+`/live.json` (sequences running and queued, aggregate tok/s, hit rate, expert bytes read; the
+routing of the last RECENT_STEPS engine steps as a layer × expert heat map, and the last
+HISTORY_SECONDS of tok/s, hit rate and MB/s as time charts, both drawn here as SVG by
+`colibri.cli.charts`) and, every few seconds, `/v1/batches` (the Batch API's jobs and their
+progress). With `--api-key` the page asks for the key once and sends it as the API does.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import numpy as np
 
+from colibri.cli.charts import heat_svg, line_svg
+
 RECENT_STEPS = 64  # engine steps whose routing the heat map shows
+HISTORY_SECONDS = 300  # the time charts' span
+SAMPLE_SECONDS = 2.0  # between two points of the time charts
 
 
 class RecentRouting:
@@ -40,11 +46,53 @@ class RecentRouting:
         return counts.tolist()
 
 
-def live_numbers(engine, routing: RecentRouting) -> dict:
-    """`/live.json`: the engine's numbers (`/metrics`' own) and the recent routing."""
+class History:
+    """The engine's rates over the last HISTORY_SECONDS, one point every SAMPLE_SECONDS: tok/s
+    generated, the expert hit rate of the lookups in between (None without any) and MB/s read."""
+
+    def __init__(self, engine, every: float = SAMPLE_SECONDS):
+        self.engine, self.every = engine, every
+        self.points: deque = deque(maxlen=int(HISTORY_SECONDS / every))
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="colibri-live-history", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join()
+
+    def _totals(self) -> tuple[float, int, int, int, int]:
+        store = self.engine.model.store.stats()
+        return (time.monotonic(), self.engine.scheduler.counters["generated_tokens"], store["expert_hits"],
+                store["expert_misses"], store["expert_bytes_read"])
+
+    def _run(self) -> None:
+        last = self._totals()
+        while not self.stopping.wait(self.every):
+            now = self._totals()
+            seconds, tokens, hits, misses, read = (b - a for a, b in zip(last, now))
+            self.points.append((now[0], tokens / seconds, hits / (hits + misses) if hits + misses else None,
+                                read / 1e6 / seconds))
+            last = now
+
+    def charts(self) -> list[str]:
+        points = list(self.points)
+        now = time.monotonic()
+        ago = [round(t - now, 1) for t, *_ in points]
+        return [line_svg(ident, [(name, [p[k] for p in points])], name, "seconds ago", x_values=ago, width=440,
+                         height=160)
+                for ident, name, k in (("history-rate", "tok/s", 1), ("history-hits", "expert hit rate", 2),
+                                       ("history-read", "expert MB read/s", 3))]
+
+
+def live_numbers(engine, routing: RecentRouting, history: History) -> dict:
+    """`/live.json`: the engine's numbers (`/metrics`' own), the recent routing and the charts."""
     from colibri.cli.server.metrics import engine_numbers
 
-    return {**engine_numbers(engine), "heat": {"layers": routing.layers, "counts": routing.counts(), "steps": RECENT_STEPS}}
+    counts = routing.counts()
+    return {**engine_numbers(engine), "heat": {"layers": routing.layers, "counts": counts, "steps": RECENT_STEPS},
+            "charts": {"heat": heat_svg(routing.layers, np.array(counts, np.int64), height=280),
+                       "history": history.charts()}}
 
 
 PAGE = """<!DOCTYPE html>
@@ -60,7 +108,8 @@ body{font-family:sans-serif;margin:1.5em;max-width:1000px}
 <div class="card">expert MB read/s<b id="read">-</b></div><div class="card">tokens generated<b id="generated">-</b></div>
 </div>
 <h2>Routing of the last <span id="steps"></span> steps (layer × expert)</h2>
-<svg id="heat-map" width="940" height="300" role="img" aria-label="routing heat map"></svg>
+<div id="heat-box"></div>
+<h2>The last minutes</h2><div id="history" class="cards"></div>
 <h2>Batch jobs</h2><table id="batches"><tr><th>batch</th><th>status</th><th>done</th><th>failed</th><th>total</th></tr></table>
 <p id="error" style="color:#c0392b"></p>
 <script>
@@ -77,26 +126,6 @@ async function get(path) {
   return reply.json();
 }
 let last = null;
-function heat(h) {
-  const svg = document.getElementById("heat-map"), rows = h.counts.length, cols = rows ? h.counts[0].length : 0;
-  const w = Math.max(2, Math.floor(900 / Math.max(cols, 1))), r = Math.max(3, Math.floor(280 / Math.max(rows, 1)));
-  const top = Math.max(1, ...h.counts.flat());
-  const cells = [`<rect x="40" y="0" width="${w * cols}" height="${r * rows}" fill="white" stroke="#ccc"/>`];
-  h.counts.forEach((row, i) => row.forEach((n, e) => {
-    if (!n) return;
-    const shade = Math.round(255 - 215 * Math.log1p(n) / Math.log1p(top));
-    cells.push(`<rect x="${40 + e * w}" y="${i * r}" width="${w}" height="${r}" fill="rgb(${shade},${shade},255)">` +
-               `<title>layer ${h.layers[i]} expert ${e}: ${n}</title></rect>`);
-  }));
-  h.layers.forEach((layer, i) => {  // the axes: each layer's number, then the experts' span
-    if (rows <= 64 || i % 4 === 0)
-      cells.push(`<text x="36" y="${i * r + Math.floor((r + Math.min(r, 10)) / 2)}" font-size="${Math.min(r, 10)}" text-anchor="end">${layer}</text>`);
-  });
-  cells.push(`<text x="40" y="${r * rows + 13}" font-size="11">expert 0 .. ${cols - 1} →</text>`);
-  svg.setAttribute("height", String(r * rows + 18));
-  svg.innerHTML = cells.join("");
-  document.getElementById("steps").textContent = h.steps;
-}
 async function tick() {
   try {
     const now = await get("/live.json"), t = performance.now();
@@ -107,7 +136,9 @@ async function tick() {
     if (last) document.getElementById("read").textContent =
       ((now.expert_bytes_read - last.now.expert_bytes_read) / 1e6 / ((t - last.t) / 1000)).toFixed(1);
     last = {now, t};
-    heat(now.heat);
+    document.getElementById("heat-box").innerHTML = now.charts.heat;  // drawn by the server
+    document.getElementById("history").innerHTML = now.charts.history.join("");
+    document.getElementById("steps").textContent = now.heat.steps;
     document.getElementById("error").textContent = "";
   } catch (error) { document.getElementById("error").textContent = String(error); }
 }
