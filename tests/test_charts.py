@@ -19,9 +19,10 @@ def test_ticks_are_round_and_span_the_range():
 
 def test_a_line_chart_has_numbered_axes_a_legend_and_gaps():
     svg = line_svg("c", [("hit rate", [0.5, None, 0.7, 0.8]), ("predicted", [0.4, 0.4, 0.4, 0.4])], "rate", "step")
-    assert svg.count("<polyline") == 3  # the gap splits the first series in two
+    assert svg.count("<polyline") == 2 and svg.count("<circle") == 1  # the gap leaves 0.5 alone: a dot
     assert re.findall(r'text-anchor="end">([\d.]+)</text>', svg) == ["0", "0.2", "0.4", "0.6", "0.8"]
     assert svg.count(">hit rate</text>") == 1 and svg.count(">predicted</text>") == 1
+    assert "no points yet" in line_svg("e", [("rate", [])], "rate", "s") and "no points yet" not in svg
 
 
 def test_the_heat_map_titles_every_cell_and_scales_its_colours():

@@ -89,7 +89,7 @@ def line_svg(ident: str, series: list[tuple[str, list]], y_label: str, x_label: 
     count = max((len(values) for _, values in series), default=0)
     xs = list(range(count)) if x_values is None else list(x_values)
     known = [v for _, values in series for v in values if v is not None]
-    y_top = max(known + [level or 0, 1e-9])
+    y_top = max(known + [level or 0]) or 1.0  # an empty or all-zero chart still has a 0..1 axis
     y_ticks = nice_ticks(0, y_top, 5)
     y_top = max(y_top, y_ticks[-1])
     x_low, x_high = (min(xs), max(xs)) if xs else (0, 1)
@@ -117,10 +117,18 @@ def line_svg(ident: str, series: list[tuple[str, list]], y_label: str, x_label: 
             else:
                 runs[-1].append(at(x, v))
         for points in filter(None, runs):
+            if len(points) == 1:  # a point between two gaps: a dot, or it would not show
+                x, y = points[0].split(",")
+                parts.append(f'<circle cx="{x}" cy="{y}" r="2.5" fill="{COLOURS[k % 3]}"><title>{html.escape(name)}'
+                             f'</title></circle>')
+                continue
             parts.append(f'<polyline fill="none" stroke="{COLOURS[k % 3]}" stroke-width="1.5" points="{" ".join(points)}">'
                          f'<title>{html.escape(name)}</title></polyline>')
         parts.append(f'<rect x="{left + 10 + 200 * k}" y="4" width="10" height="10" fill="{COLOURS[k % 3]}"/>'
                      f'<text x="{left + 24 + 200 * k}" y="13" font-size="11">{html.escape(name)}</text>')
+    if not known:
+        parts.append(f'<text x="{(left + width - right) // 2}" y="{(top + bottom) // 2}" font-size="11" '
+                     f'text-anchor="middle" fill="#888">no points yet</text>')
     if level is not None:
         y = at(x_low, level).split(",")[1]
         parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y}" y2="{y}" stroke="#888" stroke-dasharray="4 3"/>')
