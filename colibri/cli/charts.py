@@ -95,18 +95,21 @@ def line_svg(ident: str, series: list[tuple[str, list]], y_label: str, x_label: 
     x_low, x_high = (min(xs), max(xs)) if xs else (0, 1)
     left, right, top, bottom = 56, 16, 24, height - 34
 
-    def at(x, y) -> str:
+    def x_at(x) -> float:
         fx = (x - x_low) / (x_high - x_low) if x_high > x_low else 0.5
-        return f"{left + (width - left - right) * fx:.1f},{bottom - (bottom - top) * y / y_top:.1f}"
+        return round(left + (width - left - right) * fx, 1)
+
+    def y_at(y) -> float:
+        return round(bottom - (bottom - top) * y / y_top, 1)
 
     parts = [f'<line x1="{left}" y1="{bottom}" x2="{width - right}" y2="{bottom}" stroke="#000"/>',
              f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom}" stroke="#000"/>']
     for v in y_ticks:
-        y = at(x_low, v).split(",")[1]
+        y = y_at(v)
         parts.append(f'<line class="tick" x1="{left - 4}" x2="{width - right}" y1="{y}" y2="{y}" stroke="#eee"/>'
-                     f'<text x="{left - 6}" y="{float(y) + 3:.1f}" font-size="10" text-anchor="end">{_tick_text(v)}</text>')
+                     f'<text x="{left - 6}" y="{y + 3:.1f}" font-size="10" text-anchor="end">{_tick_text(v)}</text>')
     for v in nice_ticks(x_low, x_high, 10) if xs else []:
-        x = at(v, 0).split(",")[0]
+        x = x_at(v)
         parts.append(f'<line class="tick" x1="{x}" x2="{x}" y1="{bottom}" y2="{bottom + 4}" stroke="#000"/>'
                      f'<text x="{x}" y="{bottom + 15}" font-size="10" text-anchor="middle">{_tick_text(v)}</text>')
     for k, (name, values) in enumerate(series):
@@ -115,14 +118,15 @@ def line_svg(ident: str, series: list[tuple[str, list]], y_label: str, x_label: 
             if v is None:
                 runs.append([])
             else:
-                runs[-1].append(at(x, v))
+                runs[-1].append((x_at(x), y_at(v)))
         for points in filter(None, runs):
             if len(points) == 1:  # a point between two gaps: a dot, or it would not show
-                x, y = points[0].split(",")
+                (x, y), = points
                 parts.append(f'<circle cx="{x}" cy="{y}" r="2.5" fill="{COLOURS[k % 3]}"><title>{html.escape(name)}'
                              f'</title></circle>')
                 continue
-            parts.append(f'<polyline fill="none" stroke="{COLOURS[k % 3]}" stroke-width="1.5" points="{" ".join(points)}">'
+            line = " ".join(f"{x},{y}" for x, y in points)
+            parts.append(f'<polyline fill="none" stroke="{COLOURS[k % 3]}" stroke-width="1.5" points="{line}">'
                          f'<title>{html.escape(name)}</title></polyline>')
         parts.append(f'<rect x="{left + 10 + 200 * k}" y="4" width="10" height="10" fill="{COLOURS[k % 3]}"/>'
                      f'<text x="{left + 24 + 200 * k}" y="13" font-size="11">{html.escape(name)}</text>')
@@ -130,7 +134,7 @@ def line_svg(ident: str, series: list[tuple[str, list]], y_label: str, x_label: 
         parts.append(f'<text x="{(left + width - right) // 2}" y="{(top + bottom) // 2}" font-size="11" '
                      f'text-anchor="middle" fill="#888">no points yet</text>')
     if level is not None:
-        y = at(x_low, level).split(",")[1]
+        y = y_at(level)
         parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y}" y2="{y}" stroke="#888" stroke-dasharray="4 3"/>')
     parts.append(f'<text x="12" y="{(top + bottom) // 2}" font-size="11" text-anchor="middle" '
                  f'transform="rotate(-90 12 {(top + bottom) // 2})">{html.escape(y_label)}</text>'
