@@ -72,8 +72,18 @@ def gguf_tensor_name(config: ModelConfig, name: str) -> str:
 # --- metadata → ModelConfig -----------------------------------------------------------
 
 
+# The type each key must have, as llama.cpp's loader checks it (a key of another type is refused,
+# not reinterpreted); a key not named here holds whole numbers.
+KEY_TYPES = {key: float for key in (A.CLAMP_KQV, A.LAYERNORM_RMS_EPS, K.EXPERT_WEIGHTS_SCALE, R.FREQ_BASE,
+                                    R.SCALING_FACTOR, R.SCALING_YARN_LOG_MUL, R.SCALING_YARN_BETA_FAST,
+                                    R.SCALING_YARN_BETA_SLOW, R.SCALING_YARN_ATTN_FACTOR)}
+KEY_TYPES |= {K.EXPERT_WEIGHTS_NORM: bool, R.SCALING_TYPE: str}
+_TYPE_NAMES = {float: "a float", bool: "a bool", str: "a string", int: "an integer"}
+
+
 class GGUFMetadata:
-    """The `{arch}.*` keys of a GGUF, read with the architecture filled in."""
+    """The `{arch}.*` keys of a GGUF, read with the architecture filled in and each checked for
+    its type."""
 
     def __init__(self, source):
         self.source, self.file = source, source.name
@@ -83,11 +93,17 @@ class GGUFMetadata:
         self.adapter = GGUF_ADAPTERS[self.arch]
 
     def get(self, template: str, default=None):
-        value = self.source.get(template.format(arch=self.arch), default)
+        key = template.format(arch=self.arch)
+        value = self.source.get(key)
+        if value is None:
+            return default
         if isinstance(value, list):  # a per-layer array; colibri needs one value for all layers
             if len(set(value)) != 1:
-                raise GGUFError(f"{self.file}: {template.format(arch=self.arch)} differs between layers ({value[:4]}...), not supported")
+                raise GGUFError(f"{self.file}: {key} differs between layers ({value[:4]}...), not supported")
             value = value[0]
+        kind = KEY_TYPES.get(template, int)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise GGUFError(f"{self.file}: metadata {key} is {type(value).__name__} {value!r:.40}, not {_TYPE_NAMES[kind]}")
         return value
 
     def require(self, template: str):

@@ -34,7 +34,7 @@ from colibri.convert.pipeline import ConvertOptions, Job
 from colibri.convert.quantize_q4k import dequantize
 from colibri.convert.resident_layout import ResidentTensorData, resident_file_bytes, write_resident_file
 from colibri.formats.encodings import ENCODINGS, row_bytes
-from colibri.formats.layout import EXPERT_MATRICES
+from colibri.formats.layout import EXPERT_MATRICES, VECTOR_ENCODINGS
 from colibri.formats.messages import some
 from colibri.formats.model_config import ModelConfig
 
@@ -267,6 +267,10 @@ class ImportPlan:
         if unsupported:
             raise GGUFError(f"{file}: {len(unsupported)} tensors have types colibri cannot compute "
                             f"(supported: {', '.join(ENCODINGS)}): {some(unsupported, MAX_LISTED)}")
+        packed = [f"{n} ({t.type})" for n, t in self.present.items() if len(t.shape) == 1 and t.type not in VECTOR_ENCODINGS]
+        if packed:
+            raise GGUFError(f"{file}: vectors stored block-quantized (norms and biases are "
+                            f"{', '.join(VECTOR_ENCODINGS)}): {some(packed, MAX_LISTED)}")
 
 
 def tokenizer_files(source: GGUFSource) -> dict[str, bytes]:

@@ -10,7 +10,11 @@ named as the runtime reads them (gguf's canonical names, `blk.3.attn_q.weight`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
+
+import gguf
 
 from colibri.formats.messages import some
 from colibri.formats.model_config import ModelConfig
@@ -33,15 +37,56 @@ IMPLEMENTED = {  # what the runtime computes; anything else is refused naming th
     "rope_scaling": ("default", "yarn"),
 }
 _YARN_NUMBERS = ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # an architecture's name, as transformers and gguf spell them
+MAX_LIST = MAX_LAYERS  # per-layer lists and token-id lists are no longer than this
 
 
 def _is_finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A JSON number a float can hold (an integer of 10**400 digits is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return value.bit_length() < 1024 if isinstance(value, int) else math.isfinite(value)
+
+
+def _field_problem(name: str, kind: str, value) -> str | None:
+    """What is wrong with one field's value for its declared type, whatever the architecture."""
+    if kind == "str":
+        ok = isinstance(value, str) and _NAME.fullmatch(value) is not None
+        return None if ok else f"{name} is {_shown(value)}, not a name of 1 to 64 letters, digits or _.-"
+    if kind.endswith(" | None") and value is None:
+        return None
+    kind = kind.removesuffix(" | None")
+    if kind == "int":
+        ok = is_int(value) and 0 <= value <= MAX_POSITIONS
+        return None if ok else f"{name} is {_shown(value)}, not a whole number in 0..{MAX_POSITIONS}"
+    if kind == "float":
+        return None if _is_finite(value) else f"{name} is {_shown(value)}, not a finite number"
+    if kind == "bool":
+        return None if isinstance(value, bool) else f"{name} is {_shown(value)}, not true or false"
+    if kind == "list[int]":
+        ok = isinstance(value, list) and len(value) <= MAX_LIST and all(is_int(i) and 0 <= i <= MAX_POSITIONS for i in value)
+        return None if ok else f"{name} is {_shown(value)}, not a list of at most {MAX_LIST} whole numbers in 0..{MAX_POSITIONS}"
+    if kind == "dict":
+        return None if isinstance(value, dict) else f"{name} is {_shown(value)}, not an object"
+    raise TypeError(f"ModelConfig.{name}: no check for its type {kind!r}")
+
+
+def _shown(value) -> str:
+    """A value as an error names it: at most 40 characters of its repr."""
+    text = repr(value) if not (is_int(value) and value.bit_length() > 128) else f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def config_problems(c: ModelConfig) -> list[str]:
-    """Everything wrong with `c` on its own, one phrase each naming the field ([] when sound)."""
-    problems = []
+    """Everything wrong with `c` on its own, one phrase each naming the field ([] when sound).
+
+    Every field is first checked for its declared type and a range, whether or not the
+    architecture uses it; then the fields are checked against each other."""
+    problems = [p for f in dataclasses.fields(ModelConfig) if (p := _field_problem(f.name, f.type, getattr(c, f.name)))]
+    if c.gguf_architecture not in gguf.MODEL_ARCH.__members__ and not any("gguf_architecture" in p for p in problems):
+        problems.append(f"gguf_architecture {_shown(c.gguf_architecture)} is not one of gguf's architectures")
+    if problems:
+        return problems
 
     def need(ok: bool, text: str) -> bool:
         if not ok:
@@ -65,15 +110,11 @@ def config_problems(c: ModelConfig) -> list[str]:
     need(_is_finite(c.norm_eps) and 0 < c.norm_eps < 1, f"norm_eps is {c.norm_eps!r}, not a number in (0, 1)")
     need(_is_finite(c.rope_theta) and c.rope_theta > 0, f"rope_theta is {c.rope_theta!r}, not a positive number")
     need(c.clip_qkv is None or (_is_finite(c.clip_qkv) and c.clip_qkv > 0), f"clip_qkv is {c.clip_qkv!r}, not a positive number")
-    for name in ("tie_word_embeddings", "attn_bias", "attn_output_bias", "attn_sinks", "attn_output_gate", "linear_v_tiled",
-                 "rope_interleaved", "router_norm_topk", "router_bias", "router_logit_bias", "expert_bias",
-                 "shared_expert_gate"):
-        need(isinstance(getattr(c, name), bool), f"{name} is {getattr(c, name)!r}, not true or false")
     if problems:  # the checks below combine the fields above
         return problems
     need(c.n_heads % c.n_kv_heads == 0, f"n_heads {c.n_heads} is not a multiple of n_kv_heads {c.n_kv_heads}")
     width = c.qk_rope_head_dim if c.attention == "mla" else c.head_dim
-    need(is_int(c.rope_dim) and 0 <= c.rope_dim <= (width if is_int(width) else 0) and c.rope_dim % 2 == 0,
+    need(is_int(c.rope_dim) and 2 <= c.rope_dim <= (width if is_int(width) else 0) and c.rope_dim % 2 == 0,
          f"rope_dim is {c.rope_dim!r}, not an even number of rotated features within the head's {width}")
     if c.attention == "mla":
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"):
@@ -103,7 +144,6 @@ def config_problems(c: ModelConfig) -> list[str]:
 
 def _check_indexer(c: ModelConfig, dim, need) -> None:
     """DeepSeek sparse attention's fields, through `config_problems`' `dim` and `need`."""
-    need(isinstance(c.index_rope_interleaved, bool), f"index_rope_interleaved is {c.index_rope_interleaved!r}, not true or false")
     if not dim("index_topk", 0, MAX_POSITIONS) or not c.index_topk:
         need(c.index_layers == [], f"index_layers {c.index_layers!r} without an index_topk")
         return

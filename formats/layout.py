@@ -38,6 +38,7 @@ UNSET_DIGEST = "0" * 64
 TENSOR_ALIGN = 64
 EXPERT_ALIGN = 4096
 EXPERT_MATRICES = ("gate", "up", "down")
+VECTOR_ENCODINGS = ("F32", "F16", "BF16")  # norms, biases, sinks: never block-quantized, as llama-quantize keeps them
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
 
 
@@ -255,11 +256,12 @@ def read_manifest(directory: Path, strict: bool = True) -> tuple[dict, str | Non
         raise FormatError(f"{path}: {path.stat().st_size} bytes, more than a manifest may have")
     raw = path.read_bytes()
     manifest = loads(raw, str(path), FormatError)
-    problem = self_digest_problem(raw, manifest) if isinstance(manifest, dict) else None
+    if not isinstance(manifest, dict):
+        raise FormatError(f"{path}: the manifest is {type(manifest).__name__}, not a JSON object")
+    problem = self_digest_problem(raw, manifest)
     if problem and strict:
         raise FormatError(f"{path}: {problem}")
-    if isinstance(manifest, dict):
-        manifest.pop(SELF_DIGEST, None)
+    manifest.pop(SELF_DIGEST, None)
     validate_manifest(manifest, str(path))
     return manifest, problem
 
@@ -366,7 +368,9 @@ class ModelLayout:
         problems = []
         for t in self.tensors.values():
             size = files.get(t.file, {}).get("size")
-            if _bytes_of(t.encoding, t.shape) != t.nbytes:
+            if len(t.shape) == 1 and t.encoding not in VECTOR_ENCODINGS:
+                problems.append(f"tensor {t.name}: a vector stored as {t.encoding} (vectors are {', '.join(VECTOR_ENCODINGS)})")
+            elif _bytes_of(t.encoding, t.shape) != t.nbytes:
                 problems.append(f"tensor {t.name}: {t.nbytes} bytes, but {t.encoding} {list(t.shape)} takes "
                                 f"{_bytes_of(t.encoding, t.shape)}")
             elif size is None or t.offset + t.nbytes > size:
@@ -384,7 +388,17 @@ class ModelLayout:
                                 f"do not hold the matrices of {self.config.n_experts} experts")
             elif size is None or e.offset + (e.count - 1) * e.stride + e.expert_bytes > size:
                 problems.append(f"layer {e.layer} experts: records reach past the end of {e.file}")
-        return problems
+        return problems or self._overlap_problems()
+
+    def _overlap_problems(self) -> list[str]:
+        """Two records sharing bytes: a hostile manifest can point one tensor at another's data."""
+        spans = sorted([(t.file, t.offset, t.offset + t.nbytes, f"tensor {t.name}") for t in self.tensors.values()]
+                       + [(e.file, e.offset, e.offset + (e.count - 1) * e.stride + e.expert_bytes, f"layer {e.layer} experts")
+                          for e in self.expert_layers.values()])
+        for (file, _, end, first), (next_file, start, _, second) in zip(spans, spans[1:]):
+            if file == next_file and start < end:
+                return [f"{first} and {second} share bytes of {file}"]
+        return []
 
     def path(self, file: str) -> Path:
         """A file of the model; FormatError when it would lie outside the model folder."""

@@ -193,6 +193,8 @@ class Tokenizer:
                 self._compiled = environment(self._template_source, ChatTemplateError).from_string(template)
             except jinja2.TemplateError as e:
                 raise ChatTemplateError(f"chat template {self._template_source} is invalid: {one_line(e)}") from None
+            except (RecursionError, SyntaxError):  # jinja's parser recurses once per nested bracket
+                raise ChatTemplateError(f"chat template {self._template_source} is nested too deeply to parse") from None
         return self._compiled
 
 

@@ -47,16 +47,18 @@ def refused(capsys, tmp_path, source, *words, options=()):
     return err
 
 
-def rewrite_gguf(src, dst, *, arch=None, drop=(), keys=None, tensor=None):
+def rewrite_gguf(src, dst, *, arch=None, drop=(), keys=None, tensor=None, types=None):
     """Copy a GGUF through gguf-py, without the keys/tensors in `drop`, with `keys` changed
-    (same value type) and each tensor passed through `tensor(name, data, type) -> (data, type)`."""
+    (same value type unless `types` names another) and each tensor passed through
+    `tensor(name, data, type) -> (data, type)`."""
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(dst, arch or reader.get_field("general.architecture").contents())
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture" or field.name in drop:
             continue
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, (keys or {}).get(field.name, field.contents()), field.types[0], sub_type)
+        writer.add_key_value(field.name, (keys or {}).get(field.name, field.contents()),
+                             (types or {}).get(field.name, field.types[0]), sub_type)
     for t in reader.tensors:
         if t.name not in drop:
             data, kind = tensor(t.name, np.asarray(t.data), t.tensor_type) if tensor else (np.asarray(t.data), t.tensor_type)

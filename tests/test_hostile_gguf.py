@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llama_cpp_gguf import write_reference_gguf
-from test_gguf_import import refused
+from test_gguf_import import refused, rewrite_gguf
 
 
 @pytest.fixture
@@ -77,6 +77,28 @@ def test_metadata_string_that_is_not_utf8(source, tmp_path, capsys):
         f.seek(position)
         f.write(b"\xff")
     refused(capsys, tmp_path, source)
+
+
+@pytest.mark.parametrize("key, value, kind", [
+    ("qwen3moe.rope.freq_base", 1_232_348_160, gguf.GGUFValueType.UINT32),  # a float's bits read as an integer
+    ("qwen3moe.block_count", 2.0, gguf.GGUFValueType.FLOAT32),
+    ("qwen3moe.expert_count", True, gguf.GGUFValueType.BOOL),
+    ("qwen3moe.attention.layer_norm_rms_epsilon", "1e-6", gguf.GGUFValueType.STRING),
+])
+def test_metadata_key_of_the_wrong_type(source, tmp_path, capsys, key, value, kind):
+    """llama.cpp refuses a key whose type is not the one its loader reads; so do we."""
+    wrong = rewrite_gguf(source, tmp_path / "wrong.gguf", keys={key: value}, types={key: kind})
+    refused(capsys, tmp_path, wrong, f"metadata {key} is")
+
+
+def test_norm_stored_block_quantized(source, tmp_path, capsys):
+    def q3_k(name, data, kind):
+        if name == "output_norm.weight":
+            return np.zeros(110 * data.shape[0] // 256, np.uint8), gguf.GGMLQuantizationType.Q3_K
+        return data, kind
+
+    wrong = rewrite_gguf(source, tmp_path / "q3k-norm.gguf", tensor=q3_k)
+    refused(capsys, tmp_path, wrong, "vectors stored block-quantized", "output_norm.weight (Q3_K)")
 
 
 @pytest.fixture(scope="module")

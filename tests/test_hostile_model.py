@@ -46,6 +46,10 @@ def rewrite_config(model, **fields):
 @pytest.mark.parametrize("fields", [
     {"rope_dim": 10_000}, {"head_dim": 7}, {"n_experts_used": 99}, {"moe_layers": [0, 0]},
     {"hidden_size": 10**30}, {"norm_eps": -1.0}, {"rope_theta": 0.0}, {"vocab_size": 3},
+    # values the architecture does not use are checked all the same (a Qwen3-MoE has no linear layers)
+    {"gguf_architecture": -1}, {"gguf_architecture": "NOT_AN_ARCH"}, {"architecture": "x" * (1 << 20)},
+    {"linear_k_heads": -1}, {"linear_k_head_dim": 10**400}, {"linear_v_heads": 2**63}, {"swiglu_alpha": "1"},
+    {"rope_dim": 0},
 ])
 def test_manifest_config_contradicting_the_tensors(model, capsys, fields):
     rewrite_config(model, **fields)
@@ -54,6 +58,37 @@ def test_manifest_config_contradicting_the_tensors(model, capsys, fields):
     for argv in (["verify", str(model)], ["run", "--model", str(model), "--prompt", "hi", "--max-tokens", "1"]):
         code, out, err = run(argv, capsys)
         assert code == 1 and "colibri.json" in out + err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("top", ["7", '"colibri"', "null", "[]"])
+def test_manifest_that_is_no_object(model, capsys, top):
+    (model / "colibri.json").write_text(top)
+    with pytest.raises(FormatError, match="colibri.json: the manifest is .*, not a JSON object"):
+        open_model(model, ctx=64, ram_budget="8G")
+    code, out, err = run(["verify", str(model)], capsys)
+    assert code == 1 and "not a JSON object" in out + err and "Traceback" not in err
+
+
+def test_tensors_sharing_bytes(model, capsys):
+    """output.weight pointed at token_embd.weight's bytes: each record lies inside its file, but
+    verify refused it while open_model ran it into non-finite logits."""
+    manifest = load_manifest(model)
+    tensors = manifest["tensors"]
+    tensors["output.weight"]["offset"] = tensors["token_embd.weight"]["offset"] + 64
+    write_manifest(model, manifest)
+    with pytest.raises(FormatError, match="colibri.json: tensor .* share bytes of resident.bin"):
+        open_model(model, ctx=64, ram_budget="8G")
+    code, out, err = run(["verify", str(model)], capsys)
+    assert code == 1 and "share bytes" in out + err and "Traceback" not in err
+
+
+def test_vector_stored_block_quantized(model, capsys):
+    manifest = load_manifest(model)
+    norm = manifest["tensors"]["output_norm.weight"]
+    norm.update(encoding="Q3_K", nbytes=110 * norm["shape"][0] // 256)  # Q3_K: 110 bytes a block of 256
+    write_manifest(model, manifest)
+    with pytest.raises(FormatError, match="output_norm.weight: a vector stored as Q3_K"):
+        open_model(model, ctx=64, ram_budget="8G")
 
 
 @pytest.mark.parametrize("target", ["experts/blk.000.bin", "resident.bin", "tokenizer.json", "experts", "chat_template.jinja"])

@@ -282,6 +282,8 @@ def test_template_errors_are_one_line(tok_dirs, tmp_path):
         ("{{ raise_exception('only user and assistant roles') }}", "raised: only user and assistant roles"),
         ("{% for %}", "is invalid"),
         ("{{ messages[0].content + 1 }}", "failed: TypeError"),
+        ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "nested too deeply"),  # jinja's parser recursed past Python's limit
+        ("{{ " + "[" * 300 + "]" * 300 + " }}", "nested too deeply"),  # parsed, then too deep for Python's compiler
     ):
         (d / "chat_template.jinja").write_text(template, "utf-8")
         with pytest.raises(ChatTemplateError) as err:
