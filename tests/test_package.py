@@ -86,3 +86,14 @@ def test_no_test_or_bench_script_edits_sys_path():
     for folder in ("bench", "docs", "tests"):
         for module in (ROOT / folder).glob("*.py"):
             assert not re.search(r"sys\.path\.(insert|append)\(", module.read_text()), f"{folder}/{module.name}"
+
+
+def test_results_cite_only_scripts_the_repository_holds():
+    """bench/RESULTS.md names the script behind each figure: it is in the repository, or the
+    citation says plainly that it was not kept (a session's throwaway script in /tmp)."""
+    text = (ROOT / "bench" / "RESULTS.md").read_text()
+    for match in re.finditer(r"[\w./-]+\.py\b", text):
+        if (ROOT / match.group()).is_file():
+            continue
+        after = text[match.end():match.end() + 80]
+        assert re.match(r"[^()]*?`? \(script not kept\)", after), f"bench/RESULTS.md cites {match.group()}, which is not here"
