@@ -14,9 +14,12 @@ For each I/O mode:
 first touch may be served by the page cache, as on a real machine (O_DIRECT always reads the
 disk); the effective read bandwidth is reported next to the cold disk bandwidth, with prefetch
 accuracy and the share of read time hidden behind compute. Every row must produce the same tokens.
-Prints a table against the ceilings and llama.cpp: `--llama-bench BIN --gguf FILE` runs its
-tg128 and pp512 in the same run (else an earlier session's figures). `--isa avx2` compiles the
-kernels for an AVX2-only CPU, to compare with a llama.cpp built so. Writes bench/out/decode.json.
+Decode feeds seeded random token ids, as llama-bench does (a greedy loop on a random model
+revisits the same few experts and flatters the cache); the tokens compared across modes are
+each step's argmax. Prints a table against the ceilings and llama.cpp: `--llama-bench BIN --gguf
+FILE` runs llama-bench in the same run with the same prompt and decode lengths (-p, -n); without
+it there is no anchor and the llama.cpp columns say so. `--isa avx2` compiles the kernels for an
+AVX2-only CPU, to compare with a llama.cpp built so. Writes bench/out/decode.json.
 
     python bench/decode.py [--model DIR] [--prompt-tokens 64] [--tokens 48] [--stream-share 0.25]
         [--io pread,direct,mmap] [--batch 8] [--repeat 3] [--prefetch] [--isa avx2] [--llama-bench BIN --gguf FILE]
@@ -45,16 +48,16 @@ from colibri.runtime.plan import measure_disk_bandwidth
 from machine import evict_experts, read_bandwidth  # bench/machine.py: a script's own folder is first on sys.path
 
 BENCH = Path(__file__).resolve().parent
-LLAMA_CPP = {"tg128": 33.7, "pp512": 142.6}  # an earlier session's llama-bench, when --llama-bench is not given
 
 
-def llama_bench(binary: Path, gguf: Path, threads: int) -> dict:
-    """llama.cpp's tg128 and pp512 (tok/s, mean of 3) on `gguf`, from its `llama-bench -o json`."""
-    done = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-p", "512", "-n", "128", "-r", "3",
-                           "-o", "json"], capture_output=True, text=True, check=True)
+def llama_bench(binary: Path, gguf: Path, threads: int, prompt_tokens: int, tokens: int) -> dict:
+    """llama.cpp's prompt and decode tok/s (mean of 3) on `gguf` at our lengths, from `llama-bench -o json`."""
+    done = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(prompt_tokens),
+                           "-n", str(tokens), "-r", "3", "-o", "json"], capture_output=True, text=True, check=True)
     rows = json.loads(done.stdout)
-    return {"tg128": next(r["avg_ts"] for r in rows if r["n_gen"] == 128),
-            "pp512": next(r["avg_ts"] for r in rows if r["n_prompt"] == 512), "binary": str(binary)}
+    return {"decode": next(r["avg_ts"] for r in rows if r["n_gen"] == tokens),
+            "prompt": next(r["avg_ts"] for r in rows if r["n_prompt"] == prompt_tokens),
+            "prompt_tokens": prompt_tokens, "tokens": tokens, "binary": str(binary)}
 
 
 def reference_model(out: Path) -> Path:
@@ -68,25 +71,26 @@ def reference_model(out: Path) -> Path:
 
 
 def run(model, prompt_tokens: int, tokens: int) -> dict:
+    """One prompt of random ids, then `tokens` decode steps fed random ids; `tokens` holds each step's argmax."""
     high = min(30000, model.config.vocab_size)  # the same ids as ever on the reference model, any vocabulary's
-    ids = [int(t) for t in np.random.default_rng(0).integers(min(100, high // 2), high, prompt_tokens)]
+    ids = [int(t) for t in np.random.default_rng(0).integers(min(100, high // 2), high, prompt_tokens + tokens)]
     model.reset()
     started = time.perf_counter()
-    logits = model.prefill(ids, all_logits=False)[-1]
+    logits = model.prefill(ids[:prompt_tokens], all_logits=False)[-1]
     prefill_seconds = time.perf_counter() - started
     read_before = model.store.bytes_read
-    generated = []
+    predicted = []
     started = time.perf_counter()
-    for _ in range(tokens):
-        generated.append(int(np.argmax(logits)))
-        logits = model.decode(generated[-1])
+    for token in ids[prompt_tokens:]:
+        predicted.append(int(np.argmax(logits)))
+        logits = model.decode(token)
     seconds = time.perf_counter() - started
     stats = model.stats()
     return {"prompt_tok_per_s": prompt_tokens / prefill_seconds, "decode_tok_per_s": tokens / seconds,
             "hit_rate": stats["expert_hit_rate"], "read_bytes_per_token": (model.store.bytes_read - read_before) / tokens,
             "effective_read_bw": (model.store.bytes_read - read_before) / seconds,
             "prefetch_accuracy": stats["prefetch_accuracy"], "read_hidden_share": stats["read_hidden_share"],
-            "tokens": generated}
+            "tokens": predicted}
 
 
 def median_run(model, prompt_tokens: int, tokens: int, repeat: int) -> dict:
@@ -121,7 +125,10 @@ def main() -> None:
     parser.add_argument("--prefetch", action="store_true", help="read ahead the next layer's predicted experts in every row")
     args = parser.parse_args()
     restart_for(args.isa)
-    llama = llama_bench(args.llama_bench, args.gguf, args.threads) if args.llama_bench else LLAMA_CPP
+    if args.llama_bench and not args.gguf:
+        parser.error("--llama-bench needs --gguf, the same model as a GGUF")
+    llama = llama_bench(args.llama_bench, args.gguf, args.threads, args.prompt_tokens, args.tokens) \
+        if args.llama_bench else None
 
     layout = ModelLayout(reference_model(args.model))
     c = layout.config
@@ -169,21 +176,24 @@ def main() -> None:
           f"{'ceiling':>9}{'of it':>7}{'read ceil.':>11}{'of it':>7}{'eff. read GB/s':>15}{'prefetch acc.':>14}{'read hidden':>12}")
     for name, r in results.items():
         speed, read_ceiling = r["decode_tok_per_s"], r["read_ceiling"]
-        cells = [f"{r['prompt_tok_per_s']:>13.1f}", f"{speed:>13.2f}", f"{speed / llama['tg128']:>11.2f}x",
+        cells = [f"{r['prompt_tok_per_s']:>13.1f}", f"{speed:>13.2f}",
+                 f"{optional(llama and speed / llama['decode'], '.2f') + ('x' if llama else ''):>12}",
                  f"{r['hit_rate']:>9.1%}", f"{r['read_bytes_per_token'] / 1e6:>12.1f}", f"{r['ceiling']:>9.1f}",
                  f"{speed / r['ceiling']:>7.0%}", f"{optional(read_ceiling, '.1f'):>11}",
                  f"{optional(read_ceiling and speed / read_ceiling, '.0%'):>7}", f"{r['effective_read_bw'] / 1e9:>15.2f}",
                  f"{optional(r['prefetch_accuracy'], '.0%'):>14}", f"{optional(r['read_hidden_share'], '.0%'):>12}"]
         print(f"{name:<24}" + "".join(cells))
-    print(f"kernels compiled for: {args.isa}: {kernel_paths()}; llama.cpp "
-          f"{llama.get('binary', 'from an earlier session')}: tg128 {llama['tg128']:.1f}, pp512 {llama['pp512']:.1f} tok/s")
+    anchor = (f"llama.cpp {llama['binary']} in this run: prompt {args.prompt_tokens} {llama['prompt']:.1f}, "
+              f"decode {args.tokens} {llama['decode']:.1f} tok/s" if llama else "no llama.cpp anchor (--llama-bench not given)")
+    print(f"kernels compiled for: {args.isa}: {kernel_paths()}; {anchor}")
     if batched:
         print(f"\nbatched, {args.batch} sequences decoding together: aggregate tok/s (ms a step, hit rate, MB read a step)")
         for name, b in batched.items():
             print(f"{name:<24}{b['tok_per_s']:>13.1f}{b['step_ms']:>10.1f} ms{b['hit_rate']:>9.1%}"
                   f"{b['read_bytes_per_step'] / 1e6:>10.1f} MB")
-    print(f"same tokens in every mode: {'yes' if same else 'NO'}; prompt tok/s vs llama.cpp pp512: "
-          f"{first['prompt_tok_per_s'] / llama['pp512']:.2f}x")
+    print(f"same tokens in every mode: {'yes' if same else 'NO'}"
+          + (f"; prompt tok/s vs llama.cpp's, {args.prompt_tokens} tokens each: "
+             f"{first['prompt_tok_per_s'] / llama['prompt']:.2f}x" if llama else ""))
     (BENCH / "out").mkdir(exist_ok=True)
     (BENCH / "out" / "decode.json").write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "threads": args.threads, "memory_read_bw": mem_bw, "disk_bw": disk_bw,

@@ -1,17 +1,21 @@
 """Single-thread throughput of convert.quantize_q4k, per GGML type.
 
-Run from the repo root: .venv/bin/python bench/quantize.py [--rows 4096] [--n 4096] [--repeats 3]
-Prints M weights/s per type (best of --repeats, the first compiling call excluded) and, for
-Q4_K and Q6_K, the ratio to the speed of ggml's reference C quantizer on one core of the
-reference machine. Writes the same numbers to bench/out/quantize.json.
+Run from the repo root: .venv/bin/python bench/quantize.py [--rows 4096] [--n 4096] [--repeats 3] [--ggml-lib SO]
+Prints M weights/s per type (best of --repeats, the first compiling call excluded) and, in the
+same run on the same rows, ggml's own quantizer (`ggml_quantize_chunk` of libggml-base, one
+thread, called through tests/data/make_golden.py's binding) and the ratio. The library is
+--ggml-lib, else the one the `llama` extra installs; without either there is no anchor and the
+table says so. Writes the same numbers to bench/out/quantize.json.
 """
 
 import argparse
+import importlib.util
 import json
 import platform
 import time
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from colibri.convert.quantize_q4k import dequantize, quantize
@@ -20,7 +24,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"]
 IMATRIX_TYPES = {"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"}  # types whose output depends on it
-TARGET_MW_S = {"Q4_K": 11.0, "Q6_K": 16.0}  # ggml's C reference, one core
+
+
+def ggml_binding(library: Path | None):
+    """tests/data/make_golden.py's `Ggml` on `library` (else llama-cpp-python's), or None when there is none."""
+    spec = importlib.util.spec_from_file_location("make_golden", REPO / "tests" / "data" / "make_golden.py")
+    make_golden = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_golden)
+    if library is None:
+        try:
+            library = make_golden.find_library()
+        except SystemExit:
+            return None
+    return make_golden.Ggml(library)
 
 
 def cpu_name() -> str:
@@ -47,16 +63,19 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4096, help="row length (a multiple of 256)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "quantize.json")
+    parser.add_argument("--ggml-lib", type=Path, help="libggml-base to time as the anchor (default: the llama extra's)")
     args = parser.parse_args()
+    ggml = ggml_binding(args.ggml_lib)
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.rows, args.n), dtype=np.float32)
     imatrix = rng.random(args.n, dtype=np.float32) + np.float32(0.01)
 
     results = {}
-    print(f"{args.rows}x{args.n} float32 weights, 1 thread, best of {args.repeats}")
+    print(f"{args.rows}x{args.n} float32 weights, 1 thread, best of {args.repeats}; "
+          + (f"ggml: {ggml.lib._name}, in this run" if ggml else "no ggml anchor (no libggml-base found)"))
     print("M weights/s")
-    print(f"{'type':6} {'quantize':>10} {'+imatrix':>10} {'dequantize':>11}  {'target':>7} {'ratio':>6}")
+    print(f"{'type':6} {'quantize':>10} {'+imatrix':>10} {'dequantize':>11}  {'ggml':>7} {'ratio':>6}")
     for qtype in TYPES:
         data = quantize(x[:2], qtype, imatrix)  # compile outside the timing
         dequantize(data, qtype, args.n)
@@ -66,12 +85,14 @@ def main() -> None:
             row["quantize_imatrix"] = best_rate(lambda: quantize(x, qtype, imatrix), x.size, args.repeats)
         data = quantize(x, qtype)
         row["dequantize"] = best_rate(lambda: dequantize(data, qtype, args.n), x.size, args.repeats)
-        if qtype in TARGET_MW_S:
-            row["target"] = TARGET_MW_S[qtype]
-            row["ratio"] = row["quantize"] / row["target"]
+        if ggml and qtype not in ("F32", "F16", "BF16"):
+            ggml_type = gguf.GGMLQuantizationType[qtype]
+            ggml.quantize(ggml_type, x[:2], None)
+            row["ggml"] = best_rate(lambda: ggml.quantize(ggml_type, x, None), x.size, args.repeats)
+            row["ratio"] = row["quantize"] / row["ggml"]
         results[qtype] = row
         with_imatrix = f"{row['quantize_imatrix']:10.1f}" if "quantize_imatrix" in row else f"{'-':>10}"
-        target = f"{row['target']:7.1f} {row['ratio']:6.2f}" if "target" in row else f"{'-':>7} {'-':>6}"
+        target = f"{row['ggml']:7.1f} {row['ratio']:6.2f}" if "ggml" in row else f"{'-':>7} {'-':>6}"
         print(f"{qtype:6} {row['quantize']:10.1f} {with_imatrix} {row['dequantize']:11.1f}  {target}")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -80,6 +101,7 @@ def main() -> None:
         "shape": [args.rows, args.n],
         "repeats": args.repeats,
         "machine": {"cpu": cpu_name(), "python": platform.python_version()},
+        "ggml": ggml.lib._name if ggml else None,
         "results": results,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
