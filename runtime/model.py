@@ -480,11 +480,12 @@ class Decoder:
         x = self.hidden_states(tokens, [Segment(0, len(tokens), cache.length, cache)], batch_invariant=False)
         return self.logits(x if all_logits else x[-1:])
 
-    def forward_batch(self, batch: list[tuple[list[int], KVCache]]) -> np.ndarray:
+    def forward_batch(self, batch: list[tuple[list[int], KVCache]], rows: list[int] | None = None) -> np.ndarray:
         """Logits [len(batch), vocab] of the last token of each (tokens, cache) pair, the tokens
-        placed after that cache's contents, all sequences through each layer together. Every row
-        is computed as it would be in a batch of its own (the int8 path, the many-row expert
-        kernel, attention over its own cache), so a sequence gets the same bits with any company."""
+        placed after that cache's contents, all sequences through each layer together; or of
+        the tokens `rows` (places in the batch's tokens, in order). Every row is computed as it
+        would be in a batch of its own (the int8 path, the many-row expert kernel, attention
+        over its own cache), so a sequence gets the same bits with any company."""
         tokens, segments, first = [], [], 0
         for ids, cache in batch:
             segments.append(Segment(first, len(ids), cache.length, cache))
@@ -492,7 +493,9 @@ class Decoder:
             first += len(ids)
         with kernels.without_tiles():
             x = self.hidden_states(tokens, segments, batch_invariant=True)
-            return self.logits(x[[s.first + s.count - 1 for s in segments]])
+            if rows is not None and not rows:
+                return np.zeros((0, self.config.vocab_size), np.float32)
+            return self.logits(x[[s.first + s.count - 1 for s in segments] if rows is None else rows])
 
     def hidden_states(self, tokens, segments: list[Segment], batch_invariant: bool) -> np.ndarray:
         """The last layer's output [len(tokens), hidden]; each segment's tokens are appended to its cache."""

@@ -17,6 +17,7 @@ COMMANDS = {
     "serve": (["serve", "--model", "M"], {}),
     "smoke": (["smoke", "M", "--record", "B.json"], {"ctx": 1024}),
     "imatrix": (["imatrix", "M", "--text", "T", "-o", "O"], {}),
+    "perplexity": (["perplexity", "M", "--text", "T"], {"ctx": 512, "parallel": 4}),
 }
 
 

@@ -88,3 +88,30 @@ def test_split_export_loads_in_llama_cpp(tmp_path):
     parts = sorted(tmp_path.glob("split-*-of-*.gguf"))
     assert len(parts) >= 3
     assert np.array_equal(llama_cpp_logits(parts[0]), llama_cpp_logits(tmp_path / "one.gguf"))
+
+
+def test_perplexity_matches_llama_cpp_on_our_export(tmp_path):
+    """`colibri perplexity` on a Q8_0 model against llama.cpp on its export: the same chunks,
+    each evaluated by llama.cpp from an empty cache and scored as llama-perplexity scores them
+    (the last ctx − 1 − ctx/2 tokens); within 0.5%."""
+    from colibri.verify.perplexity import leading_bos, perplexity
+
+    ctx = 64
+    convert(str(write_checkpoint(tmp_path / "src", "qwen3_moe")), tmp_path / "colibri", ConvertOptions(quant="Q8_0", progress=False))
+    export_gguf(tmp_path / "colibri", tmp_path / "model.gguf", progress=False)
+    ids = [int(t) for t in np.random.default_rng(3).integers(0, 512, 6 * ctx)]
+    chunks = [ids[i * ctx:(i + 1) * ctx] for i in range(6)]
+    model = open_model(tmp_path / "colibri", ctx=ctx, parallel=2, ram_budget="8G")
+    ours = perplexity(model, chunks, 2)["ppl"]
+    bos = leading_bos(model.tokenizer)
+    model.close()
+    theirs = llama_cpp.Llama(model_path=str(tmp_path / "model.gguf"), logits_all=True, n_ctx=ctx, n_threads=2, verbose=False)
+    nll, first = [], ctx // 2
+    for chunk in chunks:
+        theirs.reset()
+        theirs.eval(([bos] if bos is not None else chunk[:1]) + chunk[1:])
+        rows = np.array(theirs.scores[first:ctx - 1], dtype=np.float64)
+        log_norm = np.log(np.exp(rows - rows.max(1, keepdims=True)).sum(1)) + rows.max(1)
+        nll.append(log_norm - rows[np.arange(len(rows)), chunk[first + 1:]])
+    theirs.close()
+    assert ours == pytest.approx(np.exp(np.concatenate(nll).mean()), rel=5e-3)

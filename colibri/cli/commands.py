@@ -24,9 +24,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from colibri.runtime.kv_cache import ContextOverflow
     from colibri.runtime.plan import TraceError
     from colibri.runtime.text import TokenizerError
+    from colibri.verify.perplexity import PerplexityError
 
     return (ConfigError, ConvertError, CheckpointError, EncodingError, FormatError, BudgetError, ContextOverflow,
-            TokenizerError, PromptError, TraceError, ImatrixInputError)
+            TokenizerError, PromptError, TraceError, ImatrixInputError, PerplexityError)
 
 
 def _recipe(text: str) -> str:
@@ -168,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     from colibri.cli.server.command import add_serve_arguments, serve_command
     from colibri.verify.smoke import add_smoke_arguments, smoke_command
     from colibri.cli.imatrix_command import add_imatrix_arguments, imatrix_command
+    from colibri.verify.perplexity import add_perplexity_arguments, perplexity_command
 
     for name, help_text, add_arguments, command in (
         ("convert", "convert a Hugging Face checkpoint or a GGUF file to the colibri layout", add_convert_arguments, run_convert),
@@ -182,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("smoke", "fixed-prompt baseline: --record FILE, or --compare FILE (KL, top-1, agreement, speed)", add_smoke_arguments, smoke_command),
         ("imatrix", "an importance matrix from a text (llama-imatrix's GGUF, for colibri-convert --imatrix)",
          add_imatrix_arguments, imatrix_command),
+        ("perplexity", "perplexity over a text as llama-perplexity computes it, and the KL divergence from a base "
+                       "(--save-base / --kl-base)", add_perplexity_arguments, perplexity_command),
         ("report", "a self-contained HTML report of a run: routing heat map, cache hit rate, policy replay, the job",
          add_report_arguments, report_main),
     ):

@@ -63,12 +63,13 @@ def read_chunks(tokenizer, path: Path, chunk: int, limit: int | None) -> list[li
 
 
 def second_half_nll(logits: np.ndarray, ids: list[int]) -> tuple[float, int]:
-    """Summed negative log-likelihood of the second half of a chunk's tokens, and how many."""
+    """Summed negative log-likelihood of a chunk's last len/2 − 1 tokens, each predicted from the
+    position before it (llama-imatrix's and llama-perplexity's), and how many."""
     first = len(ids) // 2
-    rows = logits[first - 1:len(ids) - 1].astype(np.float64)
+    rows = logits[first:len(ids) - 1].astype(np.float64)
     top = rows.max(axis=1, keepdims=True)
     log_norm = np.log(np.exp(rows - top).sum(axis=1)) + top[:, 0]
-    targets = np.asarray(ids[first:])
+    targets = np.asarray(ids[first + 1:])
     return float((log_norm - rows[np.arange(len(targets)), targets]).sum()), len(targets)
 
 
