@@ -108,8 +108,15 @@ def run_export_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+REFERENCE_MODEL = Path(__file__).resolve().parents[2] / "models" / "stdlib-qwen3-moe"  # in a clone of the repository
+DEMO_PROMPTS = ("def read_config(path):\n", "class Stack:\n    \"\"\"", "import os\n\n\ndef walk_files(root):\n",
+                "    def __repr__(self):\n", "def parse_args(argv=None):\n    parser = ", "# Copy the file\n")
+
+
 def run_demo(args: argparse.Namespace) -> int:
-    """The whole path on a tiny built-in model: build → convert → plan → run with stats → a batch folder."""
+    """The whole path on a small model: convert → plan → run with stats → a batch folder. The model
+    is the repository's trained reference model (Python's standard library is its text), or
+    --source, or, outside a clone, a tiny random one built on the spot."""
     from colibri.cli.run import format_plan, format_stats
     from colibri.convert.hf_to_colibri import ConvertOptions, convert, format_summary
     from colibri.convert.synthetic import write_checkpoint
@@ -118,28 +125,33 @@ def run_demo(args: argparse.Namespace) -> int:
     from colibri.runtime.memory import total_ram
     from colibri.runtime.plan import measure_disk_bandwidth, plan
 
-    source = os.path.join(args.dir, "source")
+    source = args.source or (str(REFERENCE_MODEL) if (REFERENCE_MODEL / "config.json").is_file() else None)
     out = os.path.join(args.dir, "model")
-    print(f"1. building a tiny {args.arch} checkpoint (random weights, hub layout) in {source}", flush=True)
-    write_checkpoint(source, args.arch)
+    if source is None:
+        source = os.path.join(args.dir, "source")
+        print(f"1. building a tiny {args.arch} checkpoint (random weights: its text is noise) in {source}", flush=True)
+        write_checkpoint(source, args.arch)
+    else:
+        print(f"1. the checkpoint: {source}", flush=True)
     print("2. converting it to Q4_K_M (the first run compiles the kernels, ~30 s; later runs reuse numba's cache)", flush=True)
     summary = convert(source, out, ConvertOptions(quant="Q4_K_M", force=True, progress=False))
     print(format_summary(summary, out))
     print("3. planning for this machine", flush=True)
     layout = ModelLayout(out)
     print(format_plan(plan(layout, total_ram(), ctx=512, disk_bw=measure_disk_bandwidth(layout)), out))
-    print("4. generating (greedy; the weights are random, so the text is too)", flush=True)
+    print(f"4. generating, greedy, from {DEMO_PROMPTS[0]!r}", flush=True)
     model = open_model(out, ctx=512)
-    for piece in model.generate("The river town woke slowly", max_tokens=args.max_tokens):
+    print(DEMO_PROMPTS[0], end="")
+    for piece in model.generate(DEMO_PROMPTS[0], max_tokens=args.max_tokens):
         print(piece, end="", flush=True)
     print()
     print(format_stats(model.stats()))
     model.close()
-    print("5. the nightly job: a folder of 6 prompts, 3 decoded together, one answer file each", flush=True)
+    print(f"5. the nightly job: a folder of {len(DEMO_PROMPTS)} prompts, 3 decoded together, one answer file each", flush=True)
     prompts, answers = os.path.join(args.dir, "prompts"), os.path.join(args.dir, "answers")
     os.makedirs(prompts, exist_ok=True)
     shutil.rmtree(answers, ignore_errors=True)  # a rerun of the demo answers them again
-    for i, opening in enumerate(("The mill", "At dawn the", "Bread and", "The old road", "Bells rang", "Night fell")):
+    for i, opening in enumerate(DEMO_PROMPTS):
         with open(os.path.join(prompts, f"doc{i}.txt"), "w") as f:
             f.write(opening)
     return main(["run", "--model", out, "--prompt-dir", prompts, "--out-dir", answers, "--parallel", "3",
@@ -193,10 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
         add_arguments(sub)
         sub.set_defaults(run=command)
 
-    demo = commands.add_parser("demo", help="the whole path on a tiny built-in model: build, convert, plan, run, a batch folder")
+    demo = commands.add_parser("demo", help="the whole path on a small model: convert, plan, run, a batch folder")
     demo.add_argument("--dir", default="demo-out", help="working folder (default: %(default)s)")
-    demo.add_argument("--arch", default="qwen3_moe", help="architecture of the tiny model (default: %(default)s)")
-    demo.add_argument("--max-tokens", type=int, default=24, help="tokens to generate (default: %(default)s)")
+    demo.add_argument("--source", default=None, metavar="DIR",
+                      help="checkpoint to convert (default: the repository's trained reference model, "
+                           "models/stdlib-qwen3-moe; outside a clone, a tiny random model of --arch)")
+    demo.add_argument("--arch", default="qwen3_moe", help="architecture of the tiny random model (default: %(default)s)")
+    demo.add_argument("--max-tokens", type=int, default=48, help="tokens to generate (default: %(default)s)")
     demo.set_defaults(run=run_demo)
     return parser
 
