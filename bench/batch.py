@@ -1,7 +1,9 @@
 """Benchmark: aggregate decode tok/s of B sequences decoded together (`runtime.batch`).
 
-For each B, B prompts of --prompt-tokens random tokens are read, then --tokens are decoded
-for each; only the steps where every sequence decodes are timed.
+For each B, B prompts of --prompt-tokens tokens are read (random ids, or with --text consecutive
+windows of a text, for a trained model's real routing), then --tokens are decoded for each; only
+the steps where every sequence decodes are timed. Distinct experts a step reads are printed
+beside what uniform, independent routing would read.
 
 (a) disk-bound (`--modes disk`): O_DIRECT, an expert cache of --cache-share of the experts,
     the expert files dropped from the page cache first. Printed next to the batch ceiling
@@ -18,7 +20,7 @@ reads overlap compute or the host caches the disk).
 Writes bench/out/batch.json.
 
     python bench/batch.py --model DIR [--batches 1,2,4,8,16,32,64] [--modes ram,disk]
-        [--tokens 32] [--prompt-tokens 16] [--cache-share 0.03] [--llama-bin DIR]
+        [--tokens 32] [--prompt-tokens 16] [--cache-share 0.03] [--llama-bin DIR] [--text FILE]
 """
 
 from __future__ import annotations
@@ -45,12 +47,22 @@ from machine import evict_experts, read_bandwidth  # bench/machine.py: a script'
 BENCH = Path(__file__).resolve().parent
 
 
-def decode_batch(model, batch: int, prompt_tokens: int, tokens: int, seed: int = 0) -> dict:
-    """Aggregate numbers of the steps where all `batch` sequences decode."""
+def prompts_of(model, batch: int, prompt_tokens: int, text: Path | None, seed: int = 0) -> list[list[int]]:
+    """`batch` prompts: consecutive windows of `text`'s tokens, else random ids."""
+    if text is not None:
+        ids = model.tokenizer.encode(text.read_text(encoding="utf-8"))
+        if len(ids) < batch * prompt_tokens:
+            raise SystemExit(f"{text}: {len(ids)} tokens, fewer than {batch} prompts of {prompt_tokens}")
+        return [ids[i * prompt_tokens:(i + 1) * prompt_tokens] for i in range(batch)]
     rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, model.config.vocab_size, prompt_tokens)] for _ in range(batch)]
+
+
+def decode_batch(model, batch: int, prompt_tokens: int, tokens: int, text: Path | None = None) -> dict:
+    """Aggregate numbers of the steps where all `batch` sequences decode."""
     scheduler = model.scheduler()
-    for _ in range(batch):
-        scheduler.add([int(t) for t in rng.integers(3, model.config.vocab_size, prompt_tokens)], tokens, ignore_eos=True)
+    for prompt in prompts_of(model, batch, prompt_tokens, text):
+        scheduler.add(prompt, tokens, ignore_eos=True)
     store = model.store
     timed = dict(seconds=0.0, tokens=0, steps=0, distinct=0, read_bytes=0, read_wait=0.0)
     while scheduler.busy:
@@ -70,6 +82,12 @@ def decode_batch(model, batch: int, prompt_tokens: int, tokens: int, seed: int =
             "read_wait_share": timed["read_wait"] / timed["seconds"], "tokens_per_step": timed["tokens"] / steps,
             "read_bw_while_waiting": timed["read_bytes"] / timed["read_wait"] if timed["read_wait"] else None, "step_ms": 1e3 * timed["seconds"] / steps,
             "hit_rate": model.store.stats()["expert_hit_rate"]}
+
+
+def uniform_union(c, batch: int) -> float:
+    """Distinct experts a step of `batch` tokens would read, summed over the MoE layers, were each
+    token's top-k uniform and independent: E·(1 − (1 − k/E)^B) a layer."""
+    return len(c.moe_layers) * c.n_experts * (1 - (1 - c.n_experts_used / c.n_experts) ** batch)
 
 
 def llama_batched_bench(llama_bin: Path, gguf: Path, batches: list[int], prompt_tokens: int, tokens: int,
@@ -99,6 +117,8 @@ def main() -> None:
     parser.add_argument("--ram-budget", default=None, help="disk mode: --ram-budget of the runs (default: 80%% of RAM)")
     parser.add_argument("--llama-bin", type=Path, help="folder with llama.cpp's llama-batched-bench")
     parser.add_argument("--gguf", type=Path, help="the model as GGUF (default: exported next to bench/out)")
+    parser.add_argument("--text", type=Path, help="prompts from this text's tokens (a trained model's real routing), "
+                                                  "not random ids")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     modes = args.modes.split(",")
@@ -125,22 +145,24 @@ def main() -> None:
             llama = llama_batched_bench(args.llama_bin, gguf, [b for b in batches if b <= 32], args.prompt_tokens,
                                         args.tokens, args.threads)
         model = open_model(args.model, threads=args.threads, ctx=ctx, expert_cache=all_experts, parallel=max(batches))
-        decode_batch(model, max(batches), args.prompt_tokens, 4)  # warm: kernels compiled, experts cached
+        decode_batch(model, max(batches), args.prompt_tokens, 4, args.text)  # warm: kernels compiled, experts cached
         rows = []
         for b in batches:
-            r = decode_batch(model, b, args.prompt_tokens, args.tokens)
+            r = decode_batch(model, b, args.prompt_tokens, args.tokens, args.text)
             r["llama_batched_bench"] = llama.get(b)
+            r["uniform_distinct_per_step"] = uniform_union(c, b)
             rows.append(r)
         model.close()
         results["ram"] = rows
         print(f"\nin RAM, {args.model.name}: read bw {mem_bw / 1e9:.1f} GB/s, B=1 memory ceiling "
               f"{results['ram_ceiling_b1']:.1f} tok/s; llama-batched-bench S_TG beside")
-        print(f"{'B':>4}{'tok/s':>9}{'vs B=1':>8}{'llama':>9}{'ratio':>7}{'experts/step':>14}{'step ms':>9}")
+        print(f"{'B':>4}{'tok/s':>9}{'vs B=1':>8}{'llama':>9}{'ratio':>7}{'experts/step':>14}{'if uniform':>11}{'step ms':>9}")
         for r in rows:
             lr = r["llama_batched_bench"]
             theirs, ratio = ("-", "-") if lr is None else (f"{lr:.2f}", f"{r['tok_per_s'] / lr:.2f}x")
             print(f"{r['batch']:>4}{r['tok_per_s']:>9.2f}{r['tok_per_s'] / rows[0]['tok_per_s']:>7.2f}x"
-                  f"{theirs:>9}{ratio:>7}{r['distinct_experts_per_step']:>14.1f}{r['step_ms']:>9.1f}")
+                  f"{theirs:>9}{ratio:>7}{r['distinct_experts_per_step']:>14.1f}{r['uniform_distinct_per_step']:>11.1f}"
+                  f"{r['step_ms']:>9.1f}")
 
     if "disk" in modes:
         evict_experts(layout)
@@ -151,7 +173,7 @@ def main() -> None:
             evict_experts(layout)
             model = open_model(args.model, threads=args.threads, ctx=ctx, expert_cache=int(all_experts * args.cache_share),
                                io="direct", parallel=b, ram_budget=args.ram_budget)
-            r = decode_batch(model, b, args.prompt_tokens, args.tokens)
+            r = decode_batch(model, b, args.prompt_tokens, args.tokens, args.text)
             model.close()
             # sequences that met an end token leave their steps: the tokens a step made, not B
             r["ceiling"] = disk_bw * r["tokens_per_step"] / (r["distinct_experts_per_step"] * per_expert)

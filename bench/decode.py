@@ -15,14 +15,15 @@ first touch may be served by the page cache, as on a real machine (O_DIRECT alwa
 disk); the effective read bandwidth is reported next to the cold disk bandwidth, with prefetch
 accuracy and the share of read time hidden behind compute. Every row must produce the same tokens.
 Decode feeds seeded random token ids, as llama-bench does (a greedy loop on a random model
-revisits the same few experts and flatters the cache); the tokens compared across modes are
-each step's argmax. Prints a table against the ceilings and llama.cpp: `--llama-bench BIN --gguf
+revisits the same few experts and flatters the cache), or with --text a text's tokens (for a
+trained model's real routing); the tokens compared across modes are each step's argmax. Prints a table against the ceilings and llama.cpp: `--llama-bench BIN --gguf
 FILE` runs llama-bench in the same run with the same prompt and decode lengths (-p, -n); without
 it there is no anchor and the llama.cpp columns say so. `--isa avx2` compiles the kernels for an
 AVX2-only CPU, to compare with a llama.cpp built so. Writes bench/out/decode.json.
 
     python bench/decode.py [--model DIR] [--prompt-tokens 64] [--tokens 48] [--stream-share 0.25]
         [--io pread,direct,mmap] [--batch 8] [--repeat 3] [--prefetch] [--isa avx2] [--llama-bench BIN --gguf FILE]
+        [--text FILE]
 """
 
 from __future__ import annotations
@@ -70,10 +71,21 @@ def reference_model(out: Path) -> Path:
     return out
 
 
-def run(model, prompt_tokens: int, tokens: int) -> dict:
-    """One prompt of random ids, then `tokens` decode steps fed random ids; `tokens` holds each step's argmax."""
+def fed_ids(model, count: int, text: Path | None) -> list[int]:
+    """The ids a run feeds: seeded random ids, or the first `count` tokens of `text` (a trained
+    model's real routing, for its hit rates and prefetch accuracy)."""
+    if text is not None:
+        ids = model.tokenizer.encode(text.read_text(encoding="utf-8"))[:count]
+        if len(ids) < count:
+            raise SystemExit(f"{text}: fewer than {count} tokens")
+        return ids
     high = min(30000, model.config.vocab_size)  # the same ids as ever on the reference model, any vocabulary's
-    ids = [int(t) for t in np.random.default_rng(0).integers(min(100, high // 2), high, prompt_tokens + tokens)]
+    return [int(t) for t in np.random.default_rng(0).integers(min(100, high // 2), high, count)]
+
+
+def run(model, prompt_tokens: int, tokens: int, text: Path | None = None) -> dict:
+    """One prompt, then `tokens` decode steps fed the ids after it (`fed_ids`); `tokens` holds each step's argmax."""
+    ids = fed_ids(model, prompt_tokens + tokens, text)
     model.reset()
     started = time.perf_counter()
     logits = model.prefill(ids[:prompt_tokens], all_logits=False)[-1]
@@ -93,9 +105,9 @@ def run(model, prompt_tokens: int, tokens: int) -> dict:
             "tokens": predicted}
 
 
-def median_run(model, prompt_tokens: int, tokens: int, repeat: int) -> dict:
+def median_run(model, prompt_tokens: int, tokens: int, repeat: int, text: Path | None) -> dict:
     """`run` `repeat` times: the last run's figures with the median prompt and decode speeds."""
-    runs = [run(model, prompt_tokens, tokens) for _ in range(repeat)]
+    runs = [run(model, prompt_tokens, tokens, text) for _ in range(repeat)]
     return {**runs[-1], **{key: statistics.median(r[key] for r in runs) for key in ("prompt_tok_per_s", "decode_tok_per_s")}}
 
 
@@ -123,6 +135,8 @@ def main() -> None:
                         help="timed runs of each warm row, whose median prompt and decode speeds are shown; "
                              "a cold row runs once (default: %(default)s)")
     parser.add_argument("--prefetch", action="store_true", help="read ahead the next layer's predicted experts in every row")
+    parser.add_argument("--text", type=Path, help="feed this text's tokens instead of random ids (a trained model's real "
+                                                  "routing: its hit rates and prefetch accuracy)")
     args = parser.parse_args()
     restart_for(args.isa)
     if args.llama_bench and not args.gguf:
@@ -146,23 +160,23 @@ def main() -> None:
         for regime, cache, cold in (("in RAM", all_experts, False), (f"cache {args.stream_share:.0%}", share, False),
                                     (f"cache {args.stream_share:.0%}, disk", share, True)):
             evict_experts(layout)
-            model = open_model(layout.directory, threads=args.threads, ctx=1024, expert_cache=cache, io=io,
+            model = open_model(layout.directory, threads=args.threads, ctx=max(1024, args.prompt_tokens + args.tokens + 8), expert_cache=cache, io=io,
                                prefetch=args.prefetch)
             if not cold:
-                run(model, args.prompt_tokens, args.tokens)  # warm: kernels compiled, experts and page cache filled
+                run(model, args.prompt_tokens, args.tokens, args.text)  # warm: kernels compiled, experts and page cache filled
             r = results[f"{io}: {regime}"] = median_run(model, args.prompt_tokens, args.tokens,
-                                                        1 if cold else args.repeat)
+                                                        1 if cold else args.repeat, args.text)
             r["ceiling"] = mem_bw / (resident + expert_per_token) if cache == all_experts \
                 else disk_bw / max(expert_per_token * (1 - r["hit_rate"]), 1)
             r["read_ceiling"] = None if cache == all_experts else disk_bw / max(r["read_bytes_per_token"], 1)
             model.close()
             if args.batch and regime != f"cache {args.stream_share:.0%}":
                 evict_experts(layout)
-                model = open_model(layout.directory, threads=args.threads, ctx=1024, expert_cache=cache, io=io,
+                model = open_model(layout.directory, threads=args.threads, ctx=max(1024, args.prompt_tokens + args.tokens + 8), expert_cache=cache, io=io,
                                    prefetch=args.prefetch, parallel=args.batch)
                 if not cold:
-                    decode_batch(model, args.batch, args.prompt_tokens, 8)
-                batched[f"{io}: {regime}"] = decode_batch(model, args.batch, args.prompt_tokens, args.tokens)
+                    decode_batch(model, args.batch, args.prompt_tokens, 8, args.text)
+                batched[f"{io}: {regime}"] = decode_batch(model, args.batch, args.prompt_tokens, args.tokens, args.text)
                 model.close()
     first = next(iter(results.values()))
     same = all(r["tokens"] == first["tokens"] for r in results.values())

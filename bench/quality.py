@@ -1,13 +1,15 @@
-"""Benchmark: which quant to pick. For each recipe, with and without an importance matrix: the
-converted size, bits per weight, expert bytes read per token, decode tok/s and the KL
-divergence from the BF16 conversion (`colibri smoke --compare`).
+"""Benchmark: which quant to pick, measured on a model trained on real text.
 
-The BF16 conversion of SOURCE is the baseline (`colibri smoke --record`) and the base of the
-importance matrix (`colibri imatrix`, on --text or on a built-in pseudo-text). Each recipe's
-conversion is measured and deleted (the bench model is several GB a conversion). Prints a
-table and writes bench/out/quality.json.
+For each recipe, with and without an importance matrix: the converted size, bits per weight,
+routed-expert bytes a token reads, and against the BF16 conversion on held-out text
+(`colibri perplexity --kl-base`, llama-perplexity's method): perplexity, the ratio to the
+base's, mean / 99th-percentile / largest KL divergence and how often the top token agrees.
 
-    python bench/quality.py --source DIR --work DIR [--recipes Q2_K,Q4_K_M,...] [--imatrix-recipes Q2_K,...]
+SOURCE defaults to the committed reference model `models/stdlib-qwen3-moe`; TEXT to its
+held-out text, CALIBRATION (the importance matrix's text, `colibri imatrix`) to a slice of
+its training text. Prints a table and writes bench/out/quality-<model>.json.
+
+    python bench/quality.py [--source DIR] [--work DIR] [--chunks 64] [--recipes Q2_K,...] [--imatrix-recipes Q2_K,...]
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import shutil
 import subprocess
 import sys
@@ -23,10 +24,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPES = "Q2_K,Q3_K_M,Q4_0,Q4_K_S,Q4_K_M,IQ4_NL,IQ4_XS,MXFP4_MOE,Q5_K_M,Q6_K,Q8_0,TQ2_0"
+MODELS = ROOT / "models"
+RECIPES = "Q2_K,Q3_K_S,Q3_K_M,Q4_0,Q4_K_S,Q4_K_M,IQ4_NL,IQ4_XS,MXFP4_MOE,Q5_K_M,Q6_K,Q8_0,TQ2_0"
 IMATRIX_RECIPES = "Q2_K,Q3_K_M,Q4_K_M,IQ4_XS"
-WORDS = ("the river town woke slowly and the mill turned while bread cooled on the sill; bells rang over old "
-         "roads at dawn, carts came in from the hills, and by night the lamps were lit along the water").split()
 
 
 def colibri(*args: str) -> str:
@@ -47,51 +47,52 @@ def model_numbers(path: Path) -> dict:
     weights = sum(math.prod(t.shape) for t in layout.tensors.values()) + sum(
         t.count * sum(math.prod(m.shape) for m in t.matrices.values()) for t in layout.expert_layers.values())
     per_token = sum(c.n_experts_used * t.expert_bytes for t in layout.expert_layers.values())
-    return {"gb": (resident + experts) / 1e9, "bits_per_weight": 8 * (resident + experts) / weights,
-            "expert_mb_per_token": per_token / 1e6}
+    return {"mb": (resident + experts) / 1e6, "bits_per_weight": 8 * (resident + experts) / weights,
+            "expert_kb_per_token": per_token / 1e3}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", type=Path, required=True, help="the checkpoint (bench/model.py writes one)")
-    parser.add_argument("--work", type=Path, required=True, help="a folder for the conversions (one at a time)")
+    parser.add_argument("--source", type=Path, default=MODELS / "stdlib-qwen3-moe", help="the checkpoint (default: %(default)s)")
+    parser.add_argument("--work", type=Path, default=ROOT / "bench" / "out" / "quality", help="a folder for the conversions")
+    parser.add_argument("--text", type=Path, default=MODELS / "data" / "stdlib-heldout.txt", help="held-out text scored")
+    parser.add_argument("--calibration", type=Path, default=MODELS / "data" / "stdlib-calibration.txt",
+                        help="the importance matrix's text (default: a slice of the training text)")
+    parser.add_argument("--chunks", type=int, default=64, help="chunks of 512 tokens scored (default: %(default)s)")
     parser.add_argument("--recipes", default=RECIPES, help="recipes without an imatrix (default: %(default)s)")
     parser.add_argument("--imatrix-recipes", default=IMATRIX_RECIPES, help="recipes with one (default: %(default)s)")
-    parser.add_argument("--text", type=Path, help="calibration text for the imatrix (default: a built-in pseudo-text)")
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per smoke prompt")
-    parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    base, baseline = args.work / "BF16", args.work / "baseline.json"
-    colibri("convert", str(args.source), str(base), "--quant", "BF16", "--workers", str(args.workers))
-    colibri("smoke", str(base), "--record", str(baseline), "--max-tokens", str(args.max_tokens))
-    text = args.text or args.work / "calibration.txt"
-    if args.text is None:
-        random.seed(0)
-        text.write_text(" ".join(random.choice(WORDS) for _ in range(20000)))
-    imatrix = args.work / "imatrix.gguf"
+    base, logits, imatrix = args.work / "BF16", args.work / "base.logits", args.work / "imatrix.gguf"
+    colibri("convert", str(args.source), str(base), "--quant", "BF16", "--force", "--no-progress")
+    scored = ["--chunks", str(args.chunks), "--json", "--no-progress"]
     started = time.perf_counter()
-    colibri("imatrix", str(base), "--text", str(text), "-o", str(imatrix), "--chunk", "256", "--chunks", "8", "--no-progress")
-    print(f"imatrix: 8 chunks of 256 tokens in {time.perf_counter() - started:.0f} s", flush=True)
+    base_result = json.loads(colibri("perplexity", str(base), "--text", str(args.text), "--save-base", str(logits), *scored))
+    print(f"BF16 base: PPL {base_result['ppl']:.4f} ± {base_result['ppl_stderr']:.4f} over {base_result['tokens']} "
+          f"tokens ({time.perf_counter() - started:.0f} s)", flush=True)
+    colibri("imatrix", str(base), "--text", str(args.calibration), "-o", str(imatrix), "--chunks", "64", "--no-progress")
     runs = [(r, False) for r in args.recipes.split(",") if r] + [(r, True) for r in args.imatrix_recipes.split(",") if r]
-    rows = [{"recipe": "BF16", "imatrix": False, **model_numbers(base), "mean_kl": 0.0, "same_top1": 1.0,
-             "decode_tok_s": json.loads(baseline.read_text())["generation_tok_per_s"]}]
-    print(f"{'recipe':<10} {'imatrix':<8} {'GB':>6} {'bits/w':>7} {'MB/token':>9} {'tok/s':>7} {'mean KL':>9} {'top-1':>7}")
+    rows = [{"recipe": "BF16", "imatrix": False, **model_numbers(base), "ppl": base_result["ppl"],
+             "ppl_stderr": base_result["ppl_stderr"], "ppl_ratio": 1.0, "kld_mean": 0.0, "kld_p99": 0.0, "kld_max": 0.0,
+             "same_top_p": 1.0}]
+    print(f"{'recipe':<10} {'imatrix':<8} {'MB':>6} {'bits/w':>7} {'KB/token':>9} {'PPL':>8} {'ratio':>7} "
+          f"{'mean KL':>9} {'KL p99':>8} {'KL max':>8} {'top-1':>7}")
     for recipe, with_imatrix in runs:
         out = args.work / f"{recipe}{'-imatrix' if with_imatrix else ''}"
-        colibri("convert", str(args.source), str(out), "--quant", recipe, "--workers", str(args.workers),
+        colibri("convert", str(args.source), str(out), "--quant", recipe, "--force", "--no-progress",
                 *(["--imatrix", str(imatrix)] if with_imatrix else []))
-        report = json.loads(colibri("smoke", str(out), "--compare", str(baseline), "--json"))
-        rows.append({"recipe": recipe, "imatrix": with_imatrix, **model_numbers(out), "mean_kl": report["mean_kl"],
-                     "same_top1": report["same_top1"], "decode_tok_s": report["generation_tok_per_s"]})
+        r = json.loads(colibri("perplexity", str(out), "--kl-base", str(logits), *scored))
+        rows.append({"recipe": recipe, "imatrix": with_imatrix, **model_numbers(out),
+                     **{k: r[k] for k in ("ppl", "ppl_stderr", "ppl_ratio", "kld_mean", "kld_p99", "kld_max", "same_top_p")}})
         shutil.rmtree(out)
         r = rows[-1]
-        print(f"{recipe:<10} {'yes' if with_imatrix else 'no':<8} {r['gb']:>6.2f} {r['bits_per_weight']:>7.2f} "
-              f"{r['expert_mb_per_token']:>9.1f} {r['decode_tok_s']:>7.2f} {r['mean_kl']:>9.5f} {r['same_top1']:>7.1%}",
-              flush=True)
+        print(f"{recipe:<10} {'yes' if with_imatrix else 'no':<8} {r['mb']:>6.2f} {r['bits_per_weight']:>7.2f} "
+              f"{r['expert_kb_per_token']:>9.1f} {r['ppl']:>8.3f} {r['ppl_ratio']:>7.4f} {r['kld_mean']:>9.5f} "
+              f"{r['kld_p99']:>8.4f} {r['kld_max']:>8.3f} {r['same_top_p']:>7.1%}", flush=True)
     out_dir = ROOT / "bench" / "out"
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "quality.json").write_text(json.dumps({"source": str(args.source), "rows": rows}, indent=1))
+    (out_dir / f"quality-{args.source.name}.json").write_text(json.dumps(
+        {"source": str(args.source), "text": str(args.text), "chunks": args.chunks, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
