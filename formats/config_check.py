@@ -83,7 +83,8 @@ def config_problems(c: ModelConfig) -> list[str]:
     Every field is first checked for its declared type and a range, whether or not the
     architecture uses it; then the fields are checked against each other."""
     problems = [p for f in dataclasses.fields(ModelConfig) if (p := _field_problem(f.name, f.type, getattr(c, f.name)))]
-    if c.gguf_architecture not in gguf.MODEL_ARCH.__members__ and not any("gguf_architecture" in p for p in problems):
+    if isinstance(c.gguf_architecture, str) and _NAME.fullmatch(c.gguf_architecture) \
+            and c.gguf_architecture not in gguf.MODEL_ARCH.__members__:
         problems.append(f"gguf_architecture {_shown(c.gguf_architecture)} is not one of gguf's architectures")
     if problems:
         return problems

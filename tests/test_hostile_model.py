@@ -47,7 +47,8 @@ def rewrite_config(model, **fields):
     {"rope_dim": 10_000}, {"head_dim": 7}, {"n_experts_used": 99}, {"moe_layers": [0, 0]},
     {"hidden_size": 10**30}, {"norm_eps": -1.0}, {"rope_theta": 0.0}, {"vocab_size": 3},
     # values the architecture does not use are checked all the same (a Qwen3-MoE has no linear layers)
-    {"gguf_architecture": -1}, {"gguf_architecture": "NOT_AN_ARCH"}, {"architecture": "x" * (1 << 20)},
+    {"gguf_architecture": -1}, {"gguf_architecture": "NOT_AN_ARCH"}, {"gguf_architecture": ["LLAMA"]},
+    {"architecture": "x" * (1 << 20)},
     {"linear_k_heads": -1}, {"linear_k_head_dim": 10**400}, {"linear_v_heads": 2**63}, {"swiglu_alpha": "1"},
     {"rope_dim": 0},
 ])
