@@ -35,6 +35,21 @@ _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
+MAX_TEXT_BYTES = 1 << 30  # a text file to score or calibrate on larger than this is refused unread
+
+
+def read_text_file(path: pathlib.Path, error: type[Exception], max_bytes: int = MAX_TEXT_BYTES) -> str:
+    """The UTF-8 text of `path`; `error` with one line naming the file when it is missing,
+    larger than `max_bytes` or not UTF-8."""
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise error(f"{path}: {size} bytes, larger than the {max_bytes >> 20} MiB of text a run reads")
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise error(f"{path}: cannot read as UTF-8 text ({e.__class__.__name__}: {one_line(e)})") from None
+
+
 class TokenizerError(Exception):
     """A tokenizer folder that cannot be used as it is; the message names the file."""
 

@@ -36,6 +36,14 @@ def run(argv, capsys):
     return code, captured.out, captured.err
 
 
+def refused_by_open_and_verify(model, capsys, pattern: str, word: str) -> None:
+    """open_model raises a FormatError matching `pattern`; verify exits 1 naming `word`, no traceback."""
+    with pytest.raises(FormatError, match=pattern):
+        open_model(model, ctx=64, ram_budget="8G")
+    code, out, err = run(["verify", str(model)], capsys)
+    assert code == 1 and word in out + err and "Traceback" not in err
+
+
 def rewrite_config(model, **fields):
     """Change the manifest's config and write it back with a valid self-checksum (a stranger can)."""
     manifest = load_manifest(model)
@@ -64,10 +72,7 @@ def test_manifest_config_contradicting_the_tensors(model, capsys, fields):
 @pytest.mark.parametrize("top", ["7", '"colibri"', "null", "[]"])
 def test_manifest_that_is_no_object(model, capsys, top):
     (model / "colibri.json").write_text(top)
-    with pytest.raises(FormatError, match="colibri.json: the manifest is .*, not a JSON object"):
-        open_model(model, ctx=64, ram_budget="8G")
-    code, out, err = run(["verify", str(model)], capsys)
-    assert code == 1 and "not a JSON object" in out + err and "Traceback" not in err
+    refused_by_open_and_verify(model, capsys, "colibri.json: the manifest is .*, not a JSON object", "not a JSON object")
 
 
 def test_tensors_sharing_bytes(model, capsys):
@@ -77,10 +82,7 @@ def test_tensors_sharing_bytes(model, capsys):
     tensors = manifest["tensors"]
     tensors["output.weight"]["offset"] = tensors["token_embd.weight"]["offset"] + 64
     write_manifest(model, manifest)
-    with pytest.raises(FormatError, match="colibri.json: tensor .* share bytes of resident.bin"):
-        open_model(model, ctx=64, ram_budget="8G")
-    code, out, err = run(["verify", str(model)], capsys)
-    assert code == 1 and "share bytes" in out + err and "Traceback" not in err
+    refused_by_open_and_verify(model, capsys, "colibri.json: tensor .* share bytes of resident.bin", "share bytes")
 
 
 def test_vector_stored_block_quantized(model, capsys):
@@ -157,10 +159,7 @@ def test_fuzzed_manifest(converted, tmp_path_factory, capsys, data):
                                   '{"format": NaN}', "\xff\xfe"])
 def test_manifest_that_is_no_json_a_reader_takes(model, capsys, text):
     (model / "colibri.json").write_bytes(text.encode("utf-8", "surrogateescape") if text != "\xff\xfe" else b"\xff\xfe")
-    with pytest.raises(FormatError, match="colibri.json"):
-        open_model(model, ctx=64, ram_budget="8G")
-    code, out, err = run(["verify", str(model)], capsys)
-    assert code == 1 and "colibri.json" in out + err and "Traceback" not in err
+    refused_by_open_and_verify(model, capsys, "colibri.json", "colibri.json")
 
 
 def test_override_regex_that_backtracks_forever(model, capsys):

@@ -29,8 +29,8 @@ import numpy as np
 from colibri.formats.logprob_file import LogProbFile, LogProbFileError, LogProbWriter, decode_rows, encode_rows
 from colibri.runtime.batch import STEP_PROMPT_TOKENS
 from colibri.runtime.options import add_engine_flags, engine_options, option_names
+from colibri.runtime.text import read_text_file
 
-MAX_TEXT_BYTES = 1 << 30
 PERPLEXITY_OPTIONS = option_names()
 PERCENTILES = (0.999, 0.99, 0.95, 0.9, 0.1, 0.05, 0.01, 0.001)
 
@@ -47,13 +47,7 @@ def text_chunks(tokenizer, path: Path, n_ctx: int, limit: int | None) -> list[li
     tokenized, before any BOS replacement), at most `limit`."""
     if n_ctx < 4:
         raise PerplexityError(f"--ctx {n_ctx}: a chunk needs at least 4 tokens")
-    try:
-        if path.stat().st_size > MAX_TEXT_BYTES:
-            raise PerplexityError(f"{path}: larger than {MAX_TEXT_BYTES >> 20} MiB of text")
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise PerplexityError(f"{path}: cannot read as UTF-8 text ({e.__class__.__name__}: {e})") from None
-    ids = tokenizer.encode(text)
+    ids = tokenizer.encode(read_text_file(path, PerplexityError))
     if len(ids) < 2 * n_ctx:
         raise PerplexityError(f"{path}: {len(ids)} tokens; scoring chunks of --ctx {n_ctx} needs at least {2 * n_ctx}")
     count = len(ids) // n_ctx if limit is None else min(limit, len(ids) // n_ctx)

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from colibri.runtime.options import add_engine_flags, engine_options, option_names
+from colibri.runtime.text import read_text_file
 
-MAX_TEXT_BYTES = 1 << 30
 IMATRIX_OPTIONS = option_names("ctx", "parallel")  # one sequence, of --chunk positions
 
 
@@ -45,13 +45,7 @@ def read_chunks(tokenizer, path: Path, chunk: int, limit: int | None) -> list[li
     """The text of `path` as chunks of `chunk` token ids, BOS first where the model has one."""
     if chunk < 2:
         raise ImatrixInputError(f"--chunk {chunk}: a chunk needs at least 2 tokens")
-    try:
-        if path.stat().st_size > MAX_TEXT_BYTES:
-            raise ImatrixInputError(f"{path}: larger than {MAX_TEXT_BYTES >> 20} MiB of text")
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ImatrixInputError(f"{path}: cannot read as UTF-8 text ({e.__class__.__name__}: {e})") from None
-    ids = tokenizer.encode(text, add_bos=False)
+    ids = tokenizer.encode(read_text_file(path, ImatrixInputError), add_bos=False)
     count = len(ids) // chunk if limit is None else min(len(ids) // chunk, limit)
     if count < 1:
         raise ImatrixInputError(f"{path}: {len(ids)} tokens, fewer than one chunk of --chunk {chunk}")
