@@ -1,7 +1,8 @@
 """Single-thread throughput of convert.quantize_q4k, per GGML type.
 
 Run from the repo root: .venv/bin/python bench/quantize.py [--rows 4096] [--n 4096] [--repeats 3] [--ggml-lib SO]
-Prints M weights/s per type (best of --repeats, the first compiling call excluded) and, in the
+Prints M weights/s per type (best of --repeats, the first compiling call excluded; IQ2_XXS, IQ2_XS
+and IQ1_S, which ggml quantizes only with an importance matrix, with it in every column) and, in the
 same run on the same rows, ggml's own quantizer (`ggml_quantize_chunk` of libggml-base, one
 thread, called through tests/data/make_golden.py's binding) and the ratio. The library is
 --ggml-lib, else the one the `llama` extra installs; without either there is no anchor and the
@@ -22,8 +23,10 @@ from colibri.convert.quantize_q4k import dequantize, quantize
 
 REPO = Path(__file__).resolve().parents[1]
 
-TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"]
-IMATRIX_TYPES = {"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"}  # types whose output depends on it
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1",
+         "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"]
+IMATRIX_TYPES = {"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ3_XXS", "IQ3_S", "IQ2_S", "IQ1_M"}  # output depends on it
+IMATRIX_ONLY = {"IQ2_XXS", "IQ2_XS", "IQ1_S"}  # ggml quantizes these only with one: their "quantize" column has it
 
 
 def ggml_binding(library: Path | None):
@@ -77,18 +80,19 @@ def main() -> None:
     print("M weights/s")
     print(f"{'type':6} {'quantize':>10} {'+imatrix':>10} {'dequantize':>11}  {'ggml':>7} {'ratio':>6}")
     for qtype in TYPES:
+        plain = imatrix if qtype in IMATRIX_ONLY else None  # what the "quantize" column passes
         data = quantize(x[:2], qtype, imatrix)  # compile outside the timing
         dequantize(data, qtype, args.n)
-        quantize(x[:2], qtype)
-        row = {"quantize": best_rate(lambda: quantize(x, qtype), x.size, args.repeats)}
+        quantize(x[:2], qtype, plain)
+        row = {"quantize": best_rate(lambda: quantize(x, qtype, plain), x.size, args.repeats)}
         if qtype in IMATRIX_TYPES:
             row["quantize_imatrix"] = best_rate(lambda: quantize(x, qtype, imatrix), x.size, args.repeats)
-        data = quantize(x, qtype)
+        data = quantize(x, qtype, plain)
         row["dequantize"] = best_rate(lambda: dequantize(data, qtype, args.n), x.size, args.repeats)
         if ggml and qtype not in ("F32", "F16", "BF16"):
             ggml_type = gguf.GGMLQuantizationType[qtype]
-            ggml.quantize(ggml_type, x[:2], None)
-            row["ggml"] = best_rate(lambda: ggml.quantize(ggml_type, x, None), x.size, args.repeats)
+            ggml.quantize(ggml_type, x[:2], plain)
+            row["ggml"] = best_rate(lambda: ggml.quantize(ggml_type, x, plain), x.size, args.repeats)
             row["ratio"] = row["quantize"] / row["ggml"]
         results[qtype] = row
         with_imatrix = f"{row['quantize_imatrix']:10.1f}" if "quantize_imatrix" in row else f"{'-':>10}"

@@ -53,7 +53,8 @@ def parse_override(text: str) -> tuple[str, str]:
         raise ValueError(f"override {text!r} is not of the form REGEX=TYPE")
     encoding = encoding.upper()
     if encoding in READ_ONLY_ENCODINGS:
-        raise ValueError(f"override {text!r}: colibri-convert does not make {encoding} (its kernels read it from a GGUF)")
+        raise ValueError(f"override {text!r}: colibri-convert does not make {encoding} yet (its kernels read it from "
+                         "a GGUF; the converter does not place the grid types)")
     if encoding not in ENCODINGS:
         raise ValueError(f"override {text!r}: unknown type {encoding} (known: {', '.join(MADE_ENCODINGS)})")
     problem = pattern_problem(pattern)

@@ -115,3 +115,32 @@ def test_perplexity_matches_llama_cpp_on_our_export(tmp_path):
         nll.append(log_norm - rows[np.arange(len(rows)), chunk[first + 1:]])
     theirs.close()
     assert ours == pytest.approx(np.exp(np.concatenate(nll).mean()), rel=5e-3)
+
+
+@pytest.mark.parametrize("qtype", ["IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"])
+def test_grid_quantizers_equal_ggml_s_on_fresh_rows(qtype):
+    """The grid quantizers against libggml-base's `ggml_quantize_chunk` on rows the golden file does
+    not hold: another seed and width, values rounded to a coarse grid (ties in IQ1's sort), a zero
+    sub-block and a row of one sign, with and without an importance matrix where ggml takes none."""
+    import importlib.util
+    from pathlib import Path
+
+    import gguf
+
+    from colibri.convert.quantize_q4k import IMATRIX_NEEDED, quantize
+
+    spec = importlib.util.spec_from_file_location("make_golden", Path(__file__).parent / "data" / "make_golden.py")
+    make_golden = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_golden)
+    ggml = make_golden.Ggml(make_golden.find_library())
+    rng = np.random.default_rng(11)
+    x = rng.standard_t(3, (12, 768)).astype(np.float32)
+    x[3] = np.round(x[3] * 4) / 4
+    x[5, 32:64] = 0
+    x[7] = np.abs(x[7])
+    imatrix = (rng.random(768) + 0.05).astype(np.float32)
+    kind = gguf.GGMLQuantizationType[qtype]
+    for weights in ([imatrix] if qtype in IMATRIX_NEEDED else [imatrix, None]):
+        ours, theirs = quantize(x, qtype, weights), ggml.quantize(kind, x, weights)
+        differ = np.flatnonzero((ours != theirs).any(axis=-1))
+        assert differ.size == 0, f"{qtype} imatrix={weights is not None}: rows {differ.tolist()} differ"

@@ -119,7 +119,7 @@ def test_row_length_must_fill_whole_blocks(qtype, n, block):
 ALL_TYPES_FILE = Path(__file__).resolve().parent / "data" / "ggml_quants_golden_all.npz"
 # the types convert.quantize_q4k makes
 OURS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4",
-        "TQ1_0", "TQ2_0")
+        "TQ1_0", "TQ2_0", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 
 
 @pytest.fixture(scope="module")

@@ -36,9 +36,9 @@ def _recipe(text: str) -> str:
     name = text.upper()
     if name in UNMADE_MIXES:
         raise argparse.ArgumentTypeError(
-            f"{name}: llama-quantize's grid-searched IQ1/IQ2/IQ3 mixes are not made by colibri-convert (their "
-            "quantizers are not reproduced byte for byte yet); a GGUF in them imports as it is, or choose Q2_K, "
-            "Q3_K_S or IQ4_XS")
+            f"{name}: llama-quantize's grid-searched IQ1/IQ2/IQ3 mixes are not made by colibri-convert yet (the "
+            "quantizers are, byte for byte; the mixes' per-tensor choices are not); a GGUF in them imports as it "
+            "is, or choose Q2_K, Q3_K_S or IQ4_XS")
     if name not in RECIPES:
         raise argparse.ArgumentTypeError(f"{text!r} is not a recipe (choose from {', '.join(RECIPES)})")
     return name
