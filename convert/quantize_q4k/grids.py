@@ -28,6 +28,8 @@ from functools import cache
 
 import numpy as np
 
+from numba import njit
+
 from colibri.convert.quantize_q4k.scalars import block_bytes, nearest_int, njit_c, store_fp16, sum_of_squares
 from colibri.convert.quantize_q4k.searches import make_qp_quants
 from colibri.formats.iq_grids import grid
@@ -42,6 +44,9 @@ LATTICES = {"IQ3_XXS": (3, 2), "IQ3_S": (3, 3), "IQ2_XXS": (2, 2), "IQ2_XS": (2,
 # which groups the final pass places again: those off the lattice (when some are), all (when
 # some are), all (always)
 OFF_GRID, ALL_IF_OFF, ALL = 0, 1, 2
+# the innermost steps of the search, inlined into it by numba: called as functions, each call
+# would pass its arrays whole and count their references
+njit_inline = njit(cache=True, nogil=True, error_model="numpy", inline="always")
 
 
 @cache
@@ -67,7 +72,7 @@ def lattice(encoding: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return points, kmap, np.asarray(neighbours, np.uint16)
 
 
-@njit_c
+@njit_inline
 def _point_of(levels, kmap, bits):
     u = 0
     for i in range(levels.size):
@@ -75,40 +80,52 @@ def _point_of(levels, kmap, bits):
     return kmap[u]
 
 
-@njit_c
-def _best_neighbour(neighbours, start, points, xval, weight, scale, L):
-    """iq*_find_best_neighbour: the listed point nearest xval in the weighted distance at
-    `scale`; its levels go to L, its index is returned."""
+@njit_inline
+def _distance(point, xval, weight, at, scale, dims):
+    """The weighted squared distance of the group at `at` of xval from `point` (float32 levels) at
+    `scale`; `dims` is a literal 4 or 8, so that the loop unrolls."""
+    d2 = F32(0.0)
+    for i in range(dims):
+        diff = scale * point[i] - xval[at + i]
+        d2 += weight[at + i] * diff * diff
+    return d2
+
+
+@njit_inline
+def _best_neighbour(neighbours, start, points, xval, weight, at, dims, scale, L):
+    """iq*_find_best_neighbour for the group of `dims` at `at`: the listed point (float32 levels
+    2l + 1) nearest it in the weighted distance at `scale`; its levels go to L[at:], its index is
+    returned. (Offsets, not slices: a slice's view costs more than this loop.)"""
     best_d2, best = F32(np.inf), -1
     for j in range(start + 1, start + 1 + neighbours[start]):
         point = neighbours[j]
-        d2 = F32(0.0)
-        for i in range(xval.size):
-            diff = scale * F32(points[point, i]) - xval[i]
-            d2 += weight[i] * diff * diff
+        d2 = _distance(points[point], xval, weight, at, scale, 8) if dims == 8 else \
+            _distance(points[point], xval, weight, at, scale, 4)
         if d2 < best_d2:
             best_d2, best = d2, point
-    for i in range(xval.size):
-        L[i] = (points[best, i] - 1) // 2
+    for i in range(dims):
+        L[at + i] = (np.int64(points[best, i]) - 1) // 2
     return best
 
 
-@njit_c
-def _place(xval, waux, inverse, scale, kmax, lat, L):
-    """Round one group to its levels at `inverse` and, off the lattice, move it to its best
-    neighbour at `scale`; whether it was on the lattice. L gets the levels."""
+@njit_inline
+def _place(xval, waux, at, dims, inverse, scale, kmax, lat, L):
+    """Round the group of `dims` at `at` to its levels at `inverse` and, off the lattice, move it
+    to its best neighbour at `scale`; whether it was on the lattice. L[at:] gets the levels."""
     points, kmap, neighbours, bits = lat
-    for i in range(xval.size):
-        level = nearest_int(F32(0.5) * (inverse * xval[i] - F32(1.0)))
-        L[i] = max(0, min(kmax - 1, level))
-    point = _point_of(L, kmap, bits)
+    u = 0
+    for i in range(dims):
+        level = max(0, min(kmax - 1, nearest_int(F32(0.5) * (inverse * xval[at + i] - F32(1.0)))))
+        L[at + i] = level
+        u |= level << (bits * i)
+    point = kmap[u]
     if point >= 0:
         return True
-    _best_neighbour(neighbours, -point - 1, points, xval, waux, scale, L)
+    _best_neighbour(neighbours, -point - 1, points, xval, waux, at, dims, scale, L)
     return False
 
 
-@njit_c
+@njit_inline
 def _fit(xval, weight, L):
     sumqx, sumq2 = F32(0.0), F32(0.0)
     for i in range(xval.size):
@@ -119,21 +136,20 @@ def _fit(xval, weight, L):
 
 
 @njit_c
-def _search(xval, weight, waux, lat, L, top, scale, rule):
+def _search(xval, weight, waux, lat, L, top, scale, rule, scratch):
     """The scale of one sub-block, its levels in L: from `scale`, (2·kmax − 1 + t·step) / top for
-    t in −tries..tries, then the final pass of `rule` = (tries, step, kmax, final pass, dims)."""
+    t in −tries..tries, then the final pass of `rule` = (tries, step, kmax, final pass, dims).
+    `scratch` = (Laux int64 [sub-block], on_grid, on_grid_try bool [groups])."""
     tries, step, kmax, final, dims = rule
+    Laux, on_grid, on_grid_try = scratch
     groups = xval.size // dims
     best = F32(0.0)
-    on_grid = np.full(groups, final == OFF_GRID, np.bool_)
-    on_grid_try = np.empty(groups, np.bool_)
-    Laux = np.empty(xval.size, np.int64)
+    on_grid[:] = final == OFF_GRID
     for attempt in range(-tries, tries + 1):
         inverse = (F32(2 * kmax - 1) + F32(attempt) * step) / top
         this_scale = F32(1.0) / inverse
         for k in range(groups):
-            g = slice(dims * k, dims * (k + 1))
-            on_grid_try[k] = _place(xval[g], waux[g], inverse, this_scale, kmax, lat, Laux[g])
+            on_grid_try[k] = _place(xval, waux, dims * k, dims, inverse, this_scale, kmax, lat, Laux)
         sumqx, sumq2 = _fit(xval, weight, Laux)
         if sumq2 > 0 and sumqx * sumqx > best * sumq2:
             scale = sumqx / sumq2
@@ -145,8 +161,7 @@ def _search(xval, weight, waux, lat, L, top, scale, rule):
         for k in range(groups):
             if final == OFF_GRID and on_grid[k]:
                 continue
-            g = slice(dims * k, dims * (k + 1))
-            _place(xval[g], waux[g], inverse, scale, kmax, lat, L[g])
+            _place(xval, waux, dims * k, dims, inverse, scale, kmax, lat, L)
         sumqx, sumq2 = _fit(xval, weight, L)
         if sumq2 > 0:
             scale = sumqx / sumq2
@@ -232,6 +247,7 @@ IQ3_XXS_BYTES = block_bytes("IQ3_XXS")
 
 @njit_c
 def _quantize_iq3_xxs(rows, imatrix, out, lat):
+    scratch = (np.empty(32, np.int64), np.empty(8, np.bool_), np.empty(8, np.bool_))
     weight, waux, xval = np.empty(32, F32), np.empty(32, F32), np.empty(32, F32)
     L, signs = np.empty(32, np.int64), np.empty(4, np.int64)
     scales = np.empty(QK_K // 32, F32)
@@ -254,7 +270,7 @@ def _quantize_iq3_xxs(rows, imatrix, out, lat):
                 scales[ib] = F32(0.0)
                 if top < GROUP_MAX_EPS_SMALL:
                     continue
-                scale = _search(xval, weight, waux, lat, L, top, top / F32(15), (15, F32(0.2), 8, OFF_GRID, 4))
+                scale = _search(xval, weight, waux, lat, L, top, top / F32(15), (15, F32(0.2), 8, OFF_GRID, 4), scratch)
                 scale = _flip_negative(scale, signs, 127)
                 for k in range(8):
                     y[2 + 8 * ib + k] = _point_of(L[4 * k:4 * k + 4], lat[1], 3)
@@ -273,7 +289,7 @@ def _quantize_iq3_xxs(rows, imatrix, out, lat):
 
 def quantize_iq3_xxs(rows, imatrix, out):
     points, kmap, neighbours = lattice("IQ3_XXS")
-    _quantize_iq3_xxs(rows, imatrix, out, (points, kmap, neighbours, 3))
+    _quantize_iq3_xxs(rows, imatrix, out, (points.astype(F32), kmap, neighbours, 3))
 
 
 # block_iq3_s: d (fp16), qs[64] (the low 8 bits of each point index), qh[8] (their ninth bits),
@@ -284,6 +300,7 @@ IQ3_S_BYTES = block_bytes("IQ3_S")
 
 @njit_c
 def _quantize_iq3_s(rows, imatrix, out, lat):
+    scratch = (np.empty(32, np.int64), np.empty(8, np.bool_), np.empty(8, np.bool_))
     weight, waux, xval = np.empty(32, F32), np.empty(32, F32), np.empty(32, F32)
     L, signs = np.empty(32, np.int64), np.empty(4, np.int64)
     scales = np.empty(QK_K // 32, F32)
@@ -305,7 +322,7 @@ def _quantize_iq3_s(rows, imatrix, out, lat):
                 scales[ib] = F32(0.0)
                 if top == 0:
                     continue
-                scale = _search(xval, weight, waux, lat, L, top, top / F32(15), (9, F32(0.2), 8, ALL_IF_OFF, 4))
+                scale = _search(xval, weight, waux, lat, L, top, top / F32(15), (9, F32(0.2), 8, ALL_IF_OFF, 4), scratch)
                 scale = _flip_negative(scale, signs, 0xFF)
                 for k in range(8):
                     point = _point_of(L[4 * k:4 * k + 4], lat[1], 3)
@@ -326,7 +343,7 @@ def _quantize_iq3_s(rows, imatrix, out, lat):
 
 def quantize_iq3_s(rows, imatrix, out):
     points, kmap, neighbours = lattice("IQ3_S")
-    _quantize_iq3_s(rows, imatrix, out, (points, kmap, neighbours, 3))
+    _quantize_iq3_s(rows, imatrix, out, (points.astype(F32), kmap, neighbours, 3))
 
 
 # block_iq2_xxs: d (fp16), then per sub-block of 32 two uint32: its 4 point indices (a byte each),
@@ -336,6 +353,7 @@ IQ2_XXS_BYTES = block_bytes("IQ2_XXS")
 
 @njit_c
 def _quantize_iq2_xxs(rows, imatrix, out, lat):
+    scratch = (np.empty(32, np.int64), np.empty(4, np.bool_), np.empty(4, np.bool_))
     weight, waux, xval = np.empty(32, F32), np.empty(32, F32), np.empty(32, F32)
     L, signs = np.empty(32, np.int64), np.empty(4, np.int64)
     qp_levels = np.empty(32, np.uint8)
@@ -362,7 +380,7 @@ def _quantize_iq2_xxs(rows, imatrix, out, lat):
                 top = scale * F32(3)
                 if top <= 0:
                     continue
-                scale = _search(xval, weight, waux, lat, L, top, scale, (6, F32(0.1), 3, ALL, 8))
+                scale = _search(xval, weight, waux, lat, L, top, scale, (6, F32(0.1), 3, ALL, 8), scratch)
                 scale = _flip_negative(scale, signs, 127)
                 for k in range(4):
                     words[2 * ib] |= _point_of(L[8 * k:8 * k + 8], lat[1], 2) << (8 * k)
@@ -381,7 +399,7 @@ def _quantize_iq2_xxs(rows, imatrix, out, lat):
 
 def quantize_iq2_xxs(rows, imatrix, out):
     points, kmap, neighbours = lattice("IQ2_XXS")
-    _quantize_iq2_xxs(rows, imatrix, out, (points, kmap, neighbours, 2))
+    _quantize_iq2_xxs(rows, imatrix, out, (points.astype(F32), kmap, neighbours, 2))
 
 
 # block_iq2_xs: d (fp16), qs[32] uint16 (per group of 8: a 9-bit point index and 7 sign bits),
@@ -391,6 +409,7 @@ IQ2_XS_BYTES = block_bytes("IQ2_XS")
 
 @njit_c
 def _quantize_iq2_xs(rows, imatrix, out, lat):
+    scratch = (np.empty(16, np.int64), np.empty(2, np.bool_), np.empty(2, np.bool_))
     weight, waux, xval = np.empty(16, F32), np.empty(16, F32), np.empty(16, F32)
     L, signs = np.empty(16, np.int64), np.empty(2, np.int64)
     scales = np.empty(QK_K // 16, F32)
@@ -411,7 +430,7 @@ def _quantize_iq2_xs(rows, imatrix, out, lat):
                 scales[ib] = F32(0.0)
                 if top < GROUP_MAX_EPS:
                     continue
-                scale = _search(xval, weight, waux, lat, L, top, top / F32(5), (9, F32(0.1), 3, OFF_GRID, 8))
+                scale = _search(xval, weight, waux, lat, L, top, top / F32(5), (9, F32(0.1), 3, OFF_GRID, 8), scratch)
                 scale = _flip_negative(scale, signs, 127)
                 for k in range(2):
                     word = _point_of(L[8 * k:8 * k + 8], lat[1], 2) | (signs[k] << 9)
@@ -429,7 +448,7 @@ def _quantize_iq2_xs(rows, imatrix, out, lat):
 
 def quantize_iq2_xs(rows, imatrix, out):
     points, kmap, neighbours = lattice("IQ2_XS")
-    _quantize_iq2_xs(rows, imatrix, out, (points, kmap, neighbours, 2))
+    _quantize_iq2_xs(rows, imatrix, out, (points.astype(F32), kmap, neighbours, 2))
 
 
 # block_iq2_s: d (fp16), qs[64] (32 low bytes of the point indices, then 32 bytes of signs, one bit a
@@ -439,6 +458,7 @@ IQ2_S_BYTES = block_bytes("IQ2_S")
 
 @njit_c
 def _quantize_iq2_s(rows, imatrix, out, lat):
+    scratch = (np.empty(16, np.int64), np.empty(2, np.bool_), np.empty(2, np.bool_))
     weight, waux, xval = np.empty(16, F32), np.empty(16, F32), np.empty(16, F32)
     L, signs = np.empty(16, np.int64), np.empty(2, np.int64)
     scales = np.empty(QK_K // 16, F32)
@@ -459,7 +479,7 @@ def _quantize_iq2_s(rows, imatrix, out, lat):
                 scales[ib] = F32(0.0)
                 if top < GROUP_MAX_EPS_SMALL:
                     continue
-                scale = _search(xval, weight, waux, lat, L, top, top / F32(5), (9, F32(0.1), 3, OFF_GRID, 8))
+                scale = _search(xval, weight, waux, lat, L, top, top / F32(5), (9, F32(0.1), 3, OFF_GRID, 8), scratch)
                 scale = _flip_negative(scale, signs, 0xFF)
                 for k in range(2):
                     group = 2 * ib + k
@@ -478,7 +498,7 @@ def _quantize_iq2_s(rows, imatrix, out, lat):
 
 def quantize_iq2_s(rows, imatrix, out):
     points, kmap, neighbours = lattice("IQ2_S")
-    _quantize_iq2_s(rows, imatrix, out, (points, kmap, neighbours, 2))
+    _quantize_iq2_s(rows, imatrix, out, (points.astype(F32), kmap, neighbours, 2))
 
 
 IQ1_DELTA = F32(0.125)
@@ -489,64 +509,80 @@ GROUP_MAX_EPS_IQ1_M = F32(1e-7)
 FLT_MAX = F32(np.finfo(np.float32).max)
 
 
-@njit_c
-def _best_neighbour_iq1(neighbours, start, points, xb, weight, scale, levels, L):
-    """iq1_find_best_neighbour2: the listed point nearest xb in the weighted distance, its
-    levels read through `levels` at `scale`; its levels go to L, its index is returned."""
+@njit_inline
+def _best_neighbour_iq1(neighbours, start, values, xb, weight, at, scale, points, L):
+    """iq1_find_best_neighbour2 for the group of 8 at `at`: the listed point nearest it in the
+    weighted distance at `scale`, each point's weights `values[point]` (its levels, shifted);
+    its levels go to L[at:], its index is returned."""
     best_d2, best = F32(np.inf), -1
     for j in range(start + 1, start + 1 + neighbours[start]):
         point = neighbours[j]
         d2 = F32(0.0)
         for i in range(8):
-            diff = scale * levels[(points[point, i] - 1) // 2] - xb[i]
-            d2 += weight[i] * diff * diff
+            diff = scale * values[point, i] - xb[at + i]
+            d2 += weight[at + i] * diff * diff
         if d2 < best_d2:
             best_d2, best = d2, point
     for i in range(8):
-        L[i] = (points[best, i] - 1) // 2
+        L[at + i] = (points[best, i] - 1) // 2
     return best
 
 
-@njit_c
-def _sorted_order(xb):
-    """The order of xb ascending, equal values in place (glibc's qsort, a merge sort, keeps them)."""
-    return np.argsort(xb, kind="mergesort")
+@njit_inline
+def _sorted_order(xb, order):
+    """The order of xb ascending into `order`, equal values in place (glibc's qsort, a merge sort,
+    keeps them): an insertion sort, which is stable and quickest at 16 or 32 values."""
+    for j in range(xb.size):
+        v, at = xb[j], j
+        while at > 0 and xb[order[at - 1]] > v:
+            order[at] = order[at - 1]
+            at -= 1
+        order[at] = j
 
 
-@njit_c
+@njit_inline
 def _split_levels(order, first, second, L):
     """Levels 0, 1, 2 for the sorted weights below `first`, up to `second`, and from it."""
     for j in range(order.size):
         L[order[j]] = 0 if j < first else 1 if j < second else 2
 
 
-@njit_c
-def _on_lattice(xb, weight, scale, level_sets, L, lat, index):
+@njit_inline
+def _on_lattice(xb, weight, scale, sets, L, lat, index):
     """Each group of 8's point (its levels in L), the off-lattice ones moved to their nearest listed
-    point with that group's levels (`level_sets[k]`); whether every group was on the lattice."""
-    points, kmap, neighbours, bits = lat
+    point with that group's shift (`sets[k]`: 0 up, 1 down); whether every group was on the lattice."""
+    points, kmap, neighbours, values = lat
     all_on = True
     for k in range(xb.size // 8):
-        g = slice(8 * k, 8 * (k + 1))
-        point = _point_of(L[g], kmap, bits)
+        u = 0
+        for i in range(8):
+            u |= L[8 * k + i] << (2 * i)
+        point = kmap[u]
         if point < 0:
             all_on = False
-            point = _best_neighbour_iq1(neighbours, -point - 1, points, xb[g], weight[g], scale, level_sets[k], L[g])
+            point = _best_neighbour_iq1(neighbours, -point - 1, values[sets[k]], xb, weight, 8 * k, scale, points, L)
         index[k] = point
     return all_on
 
 
-@njit_c
-def _refit(xb, weight, level_sets, points, index, scale):
+@njit_inline
+def _refit(xb, weight, sets, values, index, scale):
     """The least-squares scale of the groups' points (`scale` when it is not positive)."""
     sumqx, sumq2 = F32(0.0), F32(0.0)
     for k in range(index.size):
         for j in range(8):
             w = weight[8 * k + j]
-            q = level_sets[k][(points[index[k], j] - 1) // 2]
+            q = values[sets[k], index[k], j]
             sumqx += w * q * xb[8 * k + j]
             sumq2 += w * q * q
     return sumqx / sumq2 if sumqx > 0 and sumq2 > 0 else scale
+
+
+def iq1_lattice(encoding: str):
+    """`lattice` with each point's weights as levels shifted up (values[0]) and down (values[1])."""
+    points, kmap, neighbours = lattice(encoding)
+    levels = (points.astype(np.int64) - 1) // 2
+    return points, kmap, neighbours, np.stack([X_P[levels], X_M[levels]])
 
 
 # block_iq1_s: d (fp16), qs[32] (the low 8 bits of each point index), qh[8] uint16 (per sub-block of
@@ -557,13 +593,15 @@ IQ1_S_BYTES = block_bytes("IQ1_S")
 
 @njit_c
 def _quantize_iq1_s(rows, imatrix, out, lat):
-    points = lat[0]
     weight = np.empty(32, F32)
     L = np.empty(32, np.int64)
     index = np.empty(4, np.int64)
     scales = np.empty(QK_K // 32, F32)
     shifts = np.empty(QK_K // 32, np.int64)
     sumx, sumw = np.empty(33, F32), np.empty(33, F32)
+    order = np.empty(32, np.int64)
+    tail = np.empty((4, 33), F32)
+    sets = np.empty(4, np.int64)
     for r in range(rows.shape[0]):
         for b in range(rows.shape[1] // QK_K):
             xbl = rows[r, QK_K * b:QK_K * (b + 1)]
@@ -583,7 +621,7 @@ def _quantize_iq1_s(rows, imatrix, out, lat):
                     top = max(top, abs(xb[i]))
                 if top < GROUP_MAX_EPS_IQ1_S:
                     continue
-                order = _sorted_order(xb)
+                _sorted_order(xb, order)
                 sumx[0] = sumw[0] = F32(0.0)
                 for j in range(32):
                     i = order[j]
@@ -591,17 +629,29 @@ def _quantize_iq1_s(rows, imatrix, out, lat):
                     sumw[j + 1] = sumw[j] + weight[i]
                 best_score, scale = -FLT_MAX, top
                 first, second, shift = -1, -1, 0
+                p0, p1, p2, m0, m1, m2 = X_P[0], X_P[1], X_P[2], X_M[0], X_M[1], X_M[2]
+                # ggml's sums for a split (i1, i2): (a·x0 + b·x1) + c·x2 of the three groups' sums, and
+                # ((wa·x0)·x0 + (wb·x1)·x1) + (wc·x2)·x2; the terms of one index alone are computed once
+                for i2 in range(33):
+                    c, wc = sumx[32] - sumx[i2], sumw[32] - sumw[i2]
+                    tail[0, i2], tail[1, i2], tail[2, i2], tail[3, i2] = c * p2, wc * p2 * p2, c * m2, wc * m2 * m2
                 for i1 in range(33):
+                    a, wa = sumx[i1] - sumx[0], sumw[i1] - sumw[0]
+                    ap, wap, am, wam = a * p0, wa * p0 * p0, a * m0, wa * m0 * m0
                     for i2 in range(i1, 33):
-                        for levels, sign in ((X_P, 1), (X_M, -1)):
-                            sumqx = ((sumx[i1] - sumx[0]) * levels[0] + (sumx[i2] - sumx[i1]) * levels[1]
-                                     + (sumx[32] - sumx[i2]) * levels[2])
-                            sumq2 = ((sumw[i1] - sumw[0]) * levels[0] * levels[0] + (sumw[i2] - sumw[i1]) * levels[1] * levels[1]
-                                     + (sumw[32] - sumw[i2]) * levels[2] * levels[2])
-                            if sumq2 > 0 and sumqx * sumqx > best_score * sumq2:
-                                scale = sumqx / sumq2
-                                best_score = scale * sumqx
-                                first, second, shift = i1, i2, sign
+                        bx, wb = sumx[i2] - sumx[i1], sumw[i2] - sumw[i1]
+                        sumqx = ap + bx * p1 + tail[0, i2]
+                        sumq2 = wap + wb * p1 * p1 + tail[1, i2]
+                        if sumq2 > 0 and sumqx * sumqx > best_score * sumq2:  # levels shifted up
+                            scale = sumqx / sumq2
+                            best_score = scale * sumqx
+                            first, second, shift = i1, i2, 1
+                        sumqx = am + bx * m1 + tail[2, i2]
+                        sumq2 = wam + wb * m1 * m1 + tail[3, i2]
+                        if sumq2 > 0 and sumqx * sumqx > best_score * sumq2:  # and down
+                            scale = sumqx / sumq2
+                            best_score = scale * sumqx
+                            first, second, shift = i1, i2, -1
                 if first < 0 or second < 0 or shift == 0:
                     continue
                 _split_levels(order, first, second, L)
@@ -609,10 +659,9 @@ def _quantize_iq1_s(rows, imatrix, out, lat):
                     for j in range(32):
                         L[j] = 2 - L[j]
                     scale, shift = -scale, -shift
-                levels = X_P if shift == 1 else X_M
-                level_sets = (levels, levels, levels, levels)
-                if not _on_lattice(xb, weight, scale, level_sets, L, lat, index):
-                    scale = _refit(xb, weight, level_sets, points, index, scale)
+                sets[:] = 0 if shift == 1 else 1
+                if not _on_lattice(xb, weight, scale, sets, L, lat, index):
+                    scale = _refit(xb, weight, sets, lat[3], index, scale)
                 h = 0
                 for k in range(4):
                     y[2 + 4 * ib + k] = index[k] & 255
@@ -633,8 +682,7 @@ def _quantize_iq1_s(rows, imatrix, out, lat):
 
 
 def quantize_iq1_s(rows, imatrix, out):
-    points, kmap, neighbours = lattice("IQ1_S")
-    _quantize_iq1_s(rows, imatrix, out, (points, kmap, neighbours, 2))
+    _quantize_iq1_s(rows, imatrix, out, iq1_lattice("IQ1_S"))
 
 
 # block_iq1_m: qs[32] (the low 8 bits of each point index), qh[16] (per sub-block of 16, a nibble
@@ -645,21 +693,16 @@ IQ1_M_MASKS = np.array([0x00, 0x80, 0x08, 0x88], np.int64)  # by the kind of shi
 
 
 @njit_c
-def _iq1_m_levels(kind):
-    """The two groups' levels of a sub-block of `kind` (0: both up, 1: up, down, 2: down, up, 3: both down)."""
-    return (X_P if kind < 2 else X_M, X_P if kind % 2 == 0 else X_M)
-
-
-@njit_c
 def _quantize_iq1_m(rows, imatrix, out, lat):
-    points = lat[0]
     weight, roots = np.empty(16, F32), np.empty(16, F32)
     L = np.empty(16, np.int64)
     index = np.empty(2, np.int64)
     scales = np.empty(QK_K // 16, F32)
     kinds = np.empty(QK_K // 16, np.int64)
     px, pw = np.empty((2, 17), F32), np.empty((2, 17), F32)
-    sumqx, sumq2 = np.empty(4, F32), np.empty(4, F32)
+    order = np.empty(16, np.int64)
+    tail = np.empty((4, 17), F32)
+    sets = np.empty(2, np.int64)
     cp1 = X_P[0] * X_P[0] - X_P[1] * X_P[1]
     cp2 = X_P[1] * X_P[1] - X_P[2] * X_P[2]
     cm1 = X_M[0] * X_M[0] - X_M[1] * X_M[1]
@@ -681,7 +724,7 @@ def _quantize_iq1_m(rows, imatrix, out, lat):
                     top = max(top, abs(xb[i]))
                 if top < GROUP_MAX_EPS_IQ1_M:
                     continue
-                order = _sorted_order(xb)
+                _sorted_order(xb, order)
                 px[:, 0] = F32(0.0)
                 pw[:, 0] = F32(0.0)
                 for j in range(16):
@@ -693,23 +736,39 @@ def _quantize_iq1_m(rows, imatrix, out, lat):
                     pw[1 - h, j + 1] = pw[1 - h, j]
                 best_score, scale = -FLT_MAX, top
                 first, second, kind = -1, -1, -1
+                # ggml's per-half sums for a split (i1, i2): T·x2 − (px[i1] + px[i2]), and
+                # ((W·x2)·x2 + pw[i1]·c1) + pw[i2]·c2; the terms of one index alone are computed once
+                tp0, tp1, tm0, tm1 = px[0, 16] * X_P[2], px[1, 16] * X_P[2], px[0, 16] * X_M[2], px[1, 16] * X_M[2]
+                for i2 in range(17):
+                    tail[0, i2], tail[1, i2] = pw[0, i2] * cp2, pw[1, i2] * cp2
+                    tail[2, i2], tail[3, i2] = pw[0, i2] * cm2, pw[1, i2] * cm2
                 for i1 in range(17):
+                    h_p0 = pw[0, 16] * X_P[2] * X_P[2] + pw[0, i1] * cp1
+                    h_p1 = pw[1, 16] * X_P[2] * X_P[2] + pw[1, i1] * cp1
+                    h_m0 = pw[0, 16] * X_M[2] * X_M[2] + pw[0, i1] * cm1
+                    h_m1 = pw[1, 16] * X_M[2] * X_M[2] + pw[1, i1] * cm1
                     for i2 in range(i1, 17):
-                        qx_p0 = px[0, 16] * X_P[2] - (px[0, i1] + px[0, i2])
-                        qx_p1 = px[1, 16] * X_P[2] - (px[1, i1] + px[1, i2])
-                        qx_m0 = px[0, 16] * X_M[2] - (px[0, i1] + px[0, i2])
-                        qx_m1 = px[1, 16] * X_M[2] - (px[1, i1] + px[1, i2])
-                        q2_p0 = pw[0, 16] * X_P[2] * X_P[2] + pw[0, i1] * cp1 + pw[0, i2] * cp2
-                        q2_p1 = pw[1, 16] * X_P[2] * X_P[2] + pw[1, i1] * cp1 + pw[1, i2] * cp2
-                        q2_m0 = pw[0, 16] * X_M[2] * X_M[2] + pw[0, i1] * cm1 + pw[0, i2] * cm2
-                        q2_m1 = pw[1, 16] * X_M[2] * X_M[2] + pw[1, i1] * cm1 + pw[1, i2] * cm2
-                        sumqx[0], sumqx[1], sumqx[2], sumqx[3] = qx_p0 + qx_p1, qx_p0 + qx_m1, qx_m0 + qx_p1, qx_m0 + qx_m1
-                        sumq2[0], sumq2[1], sumq2[2], sumq2[3] = q2_p0 + q2_p1, q2_p0 + q2_m1, q2_m0 + q2_p1, q2_m0 + q2_m1
-                        for k in range(4):
-                            if sumq2[k] > 0 and sumqx[k] * sumqx[k] > best_score * sumq2[k]:
-                                scale = sumqx[k] / sumq2[k]
-                                best_score = scale * sumqx[k]
-                                first, second, kind = i1, i2, k
+                        s0, s1 = px[0, i1] + px[0, i2], px[1, i1] + px[1, i2]
+                        qx_p0, qx_p1, qx_m0, qx_m1 = tp0 - s0, tp1 - s1, tm0 - s0, tm1 - s1
+                        q2_p0, q2_p1 = h_p0 + tail[0, i2], h_p1 + tail[1, i2]
+                        q2_m0, q2_m1 = h_m0 + tail[2, i2], h_m1 + tail[3, i2]
+                        # the four kinds in ggml's order: ++, +-, -+, --
+                        qx, q2 = qx_p0 + qx_p1, q2_p0 + q2_p1
+                        if q2 > 0 and qx * qx > best_score * q2:
+                            scale, first, second, kind = qx / q2, i1, i2, 0
+                            best_score = scale * qx
+                        qx, q2 = qx_p0 + qx_m1, q2_p0 + q2_m1
+                        if q2 > 0 and qx * qx > best_score * q2:
+                            scale, first, second, kind = qx / q2, i1, i2, 1
+                            best_score = scale * qx
+                        qx, q2 = qx_m0 + qx_p1, q2_m0 + q2_p1
+                        if q2 > 0 and qx * qx > best_score * q2:
+                            scale, first, second, kind = qx / q2, i1, i2, 2
+                            best_score = scale * qx
+                        qx, q2 = qx_m0 + qx_m1, q2_m0 + q2_m1
+                        if q2 > 0 and qx * qx > best_score * q2:
+                            scale, first, second, kind = qx / q2, i1, i2, 3
+                            best_score = scale * qx
                 if first < 0 or second < 0 or kind < 0:
                     continue
                 _split_levels(order, first, second, L)
@@ -717,9 +776,9 @@ def _quantize_iq1_m(rows, imatrix, out, lat):
                     for j in range(16):
                         L[j] = 2 - L[j]
                     scale, kind = -scale, 3 - kind
-                level_sets = _iq1_m_levels(kind)
-                if not _on_lattice(xb, weight, scale, level_sets, L, lat, index):
-                    scale = _refit(xb, weight, level_sets, points, index, scale)
+                sets[0], sets[1] = kind >= 2, kind % 2
+                if not _on_lattice(xb, weight, scale, sets, L, lat, index):
+                    scale = _refit(xb, weight, sets, lat[3], index, scale)
                 y[2 * ib] = index[0] & 255
                 y[2 * ib + 1] = index[1] & 255
                 y[QK_K // 8 + ib] = (index[0] >> 8) | ((index[1] >> 8) << 4)
@@ -737,12 +796,12 @@ def _quantize_iq1_m(rows, imatrix, out, lat):
                 y[QK_K // 8 + ib] |= IQ1_M_MASKS[kinds[ib]]
                 xb = xbl[16 * ib:16 * (ib + 1)]
                 _weights(xb, qw[16 * ib:16 * (ib + 1)] if qw.size else qw, sigma2, 0, weight, roots)
-                level_sets = _iq1_m_levels(kinds[ib])
+                sets[0], sets[1] = kinds[ib] >= 2, kinds[ib] % 2
                 for k in range(2):
                     point = y[2 * ib + k] + ((np.int64(y[QK_K // 8 + ib]) << (8 - 4 * k)) & 0x700)
                     for j in range(8):
                         w = weight[8 * k + j]
-                        q = level_sets[k][(points[point, j] - 1) // 2] * F32(2 * level + 1)
+                        q = lat[3][sets[k], point, j] * F32(2 * level + 1)
                         sumqx_f += w * q * xb[8 * k + j]
                         sumq2_f += w * q * q
             if sumq2_f > 0:
@@ -759,5 +818,4 @@ def _quantize_iq1_m(rows, imatrix, out, lat):
 
 
 def quantize_iq1_m(rows, imatrix, out):
-    points, kmap, neighbours = lattice("IQ1_M")
-    _quantize_iq1_m(rows, imatrix, out, (points, kmap, neighbours, 2))
+    _quantize_iq1_m(rows, imatrix, out, iq1_lattice("IQ1_M"))
