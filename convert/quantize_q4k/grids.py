@@ -92,10 +92,11 @@ def _distance(point, xval, weight, at, scale, dims):
 
 
 @njit_inline
-def _best_neighbour(neighbours, start, points, xval, weight, at, dims, scale, L):
-    """iq*_find_best_neighbour for the group of `dims` at `at`: the listed point (float32 levels
-    2l + 1) nearest it in the weighted distance at `scale`; its levels go to L[at:], its index is
-    returned. (Offsets, not slices: a slice's view costs more than this loop.)"""
+def _best_neighbour(lat, start, xval, weight, at, dims, scale, L):
+    """iq*_find_best_neighbour for the group of `dims` at `at`: the point of `lat`'s list at `start`
+    (float32 levels 2l + 1) nearest it in the weighted distance at `scale`; its levels go to L[at:],
+    its index is returned. (Offsets, not slices: a slice's view costs more than this loop.)"""
+    points, _, neighbours, _ = lat
     best_d2, best = F32(np.inf), -1
     for j in range(start + 1, start + 1 + neighbours[start]):
         point = neighbours[j]
@@ -109,10 +110,12 @@ def _best_neighbour(neighbours, start, points, xval, weight, at, dims, scale, L)
 
 
 @njit_inline
-def _place(xval, waux, at, dims, inverse, scale, kmax, lat, L):
+def _place(xval, waux, at, dims, scales, kmax, lat, L):
     """Round the group of `dims` at `at` to its levels at `inverse` and, off the lattice, move it
-    to its best neighbour at `scale`; whether it was on the lattice. L[at:] gets the levels."""
-    points, kmap, neighbours, bits = lat
+    to its best neighbour at `scale`, for `scales` = (inverse, scale); whether it was on the
+    lattice. L[at:] gets the levels."""
+    inverse, scale = scales
+    _, kmap, _, bits = lat
     u = 0
     for i in range(dims):
         level = max(0, min(kmax - 1, nearest_int(F32(0.5) * (inverse * xval[at + i] - F32(1.0)))))
@@ -121,7 +124,7 @@ def _place(xval, waux, at, dims, inverse, scale, kmax, lat, L):
     point = kmap[u]
     if point >= 0:
         return True
-    _best_neighbour(neighbours, -point - 1, points, xval, waux, at, dims, scale, L)
+    _best_neighbour(lat, -point - 1, xval, waux, at, dims, scale, L)
     return False
 
 
@@ -136,10 +139,12 @@ def _fit(xval, weight, L):
 
 
 @njit_c
-def _search(xval, weight, waux, lat, L, top, scale, rule, scratch):
+def _search(xval, weights, lat, L, top, scale, rule, scratch):
     """The scale of one sub-block, its levels in L: from `scale`, (2·kmax − 1 + t·step) / top for
     t in −tries..tries, then the final pass of `rule` = (tries, step, kmax, final pass, dims).
-    `scratch` = (Laux int64 [sub-block], on_grid, on_grid_try bool [groups])."""
+    `weights` = (the fit's, the neighbour search's); `scratch` = (Laux int64 [sub-block], on_grid,
+    on_grid_try bool [groups])."""
+    weight, waux = weights
     tries, step, kmax, final, dims = rule
     Laux, on_grid, on_grid_try = scratch
     groups = xval.size // dims
@@ -149,7 +154,7 @@ def _search(xval, weight, waux, lat, L, top, scale, rule, scratch):
         inverse = (F32(2 * kmax - 1) + F32(attempt) * step) / top
         this_scale = F32(1.0) / inverse
         for k in range(groups):
-            on_grid_try[k] = _place(xval, waux, dims * k, dims, inverse, this_scale, kmax, lat, Laux)
+            on_grid_try[k] = _place(xval, waux, dims * k, dims, (inverse, this_scale), kmax, lat, Laux)
         sumqx, sumq2 = _fit(xval, weight, Laux)
         if sumq2 > 0 and sumqx * sumqx > best * sumq2:
             scale = sumqx / sumq2
@@ -161,7 +166,7 @@ def _search(xval, weight, waux, lat, L, top, scale, rule, scratch):
         for k in range(groups):
             if final == OFF_GRID and on_grid[k]:
                 continue
-            _place(xval, waux, dims * k, dims, inverse, scale, kmax, lat, L)
+            _place(xval, waux, dims * k, dims, (inverse, scale), kmax, lat, L)
         sumqx, sumq2 = _fit(xval, weight, L)
         if sumq2 > 0:
             scale = sumqx / sumq2
@@ -270,7 +275,7 @@ def _quantize_iq3_xxs(rows, imatrix, out, lat):
                 scales[ib] = F32(0.0)
                 if top < GROUP_MAX_EPS_SMALL:
                     continue
-                scale = _search(xval, weight, waux, lat, L, top, top / F32(15), (15, F32(0.2), 8, OFF_GRID, 4), scratch)
+                scale = _search(xval, (weight, waux), lat, L, top, top / F32(15), (15, F32(0.2), 8, OFF_GRID, 4), scratch)
                 scale = _flip_negative(scale, signs, 127)
                 for k in range(8):
                     y[2 + 8 * ib + k] = _point_of(L[4 * k:4 * k + 4], lat[1], 3)
@@ -322,7 +327,7 @@ def _quantize_iq3_s(rows, imatrix, out, lat):
                 scales[ib] = F32(0.0)
                 if top == 0:
                     continue
-                scale = _search(xval, weight, waux, lat, L, top, top / F32(15), (9, F32(0.2), 8, ALL_IF_OFF, 4), scratch)
+                scale = _search(xval, (weight, waux), lat, L, top, top / F32(15), (9, F32(0.2), 8, ALL_IF_OFF, 4), scratch)
                 scale = _flip_negative(scale, signs, 0xFF)
                 for k in range(8):
                     point = _point_of(L[4 * k:4 * k + 4], lat[1], 3)
@@ -380,7 +385,7 @@ def _quantize_iq2_xxs(rows, imatrix, out, lat):
                 top = scale * F32(3)
                 if top <= 0:
                     continue
-                scale = _search(xval, weight, waux, lat, L, top, scale, (6, F32(0.1), 3, ALL, 8), scratch)
+                scale = _search(xval, (weight, waux), lat, L, top, scale, (6, F32(0.1), 3, ALL, 8), scratch)
                 scale = _flip_negative(scale, signs, 127)
                 for k in range(4):
                     words[2 * ib] |= _point_of(L[8 * k:8 * k + 8], lat[1], 2) << (8 * k)
@@ -430,7 +435,7 @@ def _quantize_iq2_xs(rows, imatrix, out, lat):
                 scales[ib] = F32(0.0)
                 if top < GROUP_MAX_EPS:
                     continue
-                scale = _search(xval, weight, waux, lat, L, top, top / F32(5), (9, F32(0.1), 3, OFF_GRID, 8), scratch)
+                scale = _search(xval, (weight, waux), lat, L, top, top / F32(5), (9, F32(0.1), 3, OFF_GRID, 8), scratch)
                 scale = _flip_negative(scale, signs, 127)
                 for k in range(2):
                     word = _point_of(L[8 * k:8 * k + 8], lat[1], 2) | (signs[k] << 9)
@@ -479,7 +484,7 @@ def _quantize_iq2_s(rows, imatrix, out, lat):
                 scales[ib] = F32(0.0)
                 if top < GROUP_MAX_EPS_SMALL:
                     continue
-                scale = _search(xval, weight, waux, lat, L, top, top / F32(5), (9, F32(0.1), 3, OFF_GRID, 8), scratch)
+                scale = _search(xval, (weight, waux), lat, L, top, top / F32(5), (9, F32(0.1), 3, OFF_GRID, 8), scratch)
                 scale = _flip_negative(scale, signs, 0xFF)
                 for k in range(2):
                     group = 2 * ib + k
@@ -510,10 +515,12 @@ FLT_MAX = F32(np.finfo(np.float32).max)
 
 
 @njit_inline
-def _best_neighbour_iq1(neighbours, start, values, xb, weight, at, scale, points, L):
-    """iq1_find_best_neighbour2 for the group of 8 at `at`: the listed point nearest it in the
-    weighted distance at `scale`, each point's weights `values[point]` (its levels, shifted);
-    its levels go to L[at:], its index is returned."""
+def _best_neighbour_iq1(lat, start, shift, xb, weight, at, scale, L):
+    """iq1_find_best_neighbour2 for the group of 8 at `at`: the point of `lat`'s list at `start`
+    nearest it in the weighted distance at `scale`, each point's weights its levels shifted by
+    `shift` (0 up, 1 down); its levels go to L[at:], its index is returned."""
+    points, _, neighbours, shifted = lat
+    values = shifted[shift]
     best_d2, best = F32(np.inf), -1
     for j in range(start + 1, start + 1 + neighbours[start]):
         point = neighbours[j]
@@ -551,7 +558,7 @@ def _split_levels(order, first, second, L):
 def _on_lattice(xb, weight, scale, sets, L, lat, index):
     """Each group of 8's point (its levels in L), the off-lattice ones moved to their nearest listed
     point with that group's shift (`sets[k]`: 0 up, 1 down); whether every group was on the lattice."""
-    points, kmap, neighbours, values = lat
+    kmap = lat[1]
     all_on = True
     for k in range(xb.size // 8):
         u = 0
@@ -560,7 +567,7 @@ def _on_lattice(xb, weight, scale, sets, L, lat, index):
         point = kmap[u]
         if point < 0:
             all_on = False
-            point = _best_neighbour_iq1(neighbours, -point - 1, values[sets[k]], xb, weight, 8 * k, scale, points, L)
+            point = _best_neighbour_iq1(lat, -point - 1, sets[k], xb, weight, 8 * k, scale, L)
         index[k] = point
     return all_on
 
