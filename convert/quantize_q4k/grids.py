@@ -92,11 +92,12 @@ def _distance(point, xval, weight, at, scale, dims):
 
 
 @njit_inline
-def _best_neighbour(lat, start, xval, weight, at, dims, scale, L):
-    """iq*_find_best_neighbour for the group of `dims` at `at`: the point of `lat`'s list at `start`
-    (float32 levels 2l + 1) nearest it in the weighted distance at `scale`; its levels go to L[at:],
-    its index is returned. (Offsets, not slices: a slice's view costs more than this loop.)"""
-    points, _, neighbours, _ = lat
+def _best_neighbour(neighbours, start, points, xval, weight, group, scale, L):
+    """iq*_find_best_neighbour for the `group` = (at, dims) of xval: the listed point (float32
+    levels 2l + 1) nearest it in the weighted distance at `scale`; its levels go to L[at:], its
+    index is returned. (Offsets, not slices: a slice's view costs more than this loop. The lattice
+    comes in parts, not as its tuple, which unpacked here slowed the search.)"""
+    at, dims = group
     best_d2, best = F32(np.inf), -1
     for j in range(start + 1, start + 1 + neighbours[start]):
         point = neighbours[j]
@@ -115,7 +116,7 @@ def _place(xval, waux, at, dims, scales, kmax, lat, L):
     to its best neighbour at `scale`, for `scales` = (inverse, scale); whether it was on the
     lattice. L[at:] gets the levels."""
     inverse, scale = scales
-    _, kmap, _, bits = lat
+    points, kmap, neighbours, bits = lat
     u = 0
     for i in range(dims):
         level = max(0, min(kmax - 1, nearest_int(F32(0.5) * (inverse * xval[at + i] - F32(1.0)))))
@@ -124,7 +125,7 @@ def _place(xval, waux, at, dims, scales, kmax, lat, L):
     point = kmap[u]
     if point >= 0:
         return True
-    _best_neighbour(lat, -point - 1, xval, waux, at, dims, scale, L)
+    _best_neighbour(neighbours, -point - 1, points, xval, waux, (at, dims), scale, L)
     return False
 
 
