@@ -28,16 +28,15 @@ from pathlib import Path
 import numba
 import numpy as np
 
-from colibri.convert.quantize_q4k import quantize
+from colibri.convert.quantize_q4k import IMATRIX_NEEDED, quantize
 
 ROOT = Path(__file__).resolve().parent.parent
-from colibri.formats.encodings import READ_ONLY_ENCODINGS, block_size, row_bytes  # noqa: E402
+from colibri.formats.encodings import block_size, row_bytes  # noqa: E402
 from colibri.runtime import amx, kernels  # noqa: E402
 from colibri.runtime.kernels.emitter import TARGET_CPUS, restart_for  # noqa: E402
 from colibri.runtime.kernels.rows import rows_times  # noqa: E402
 
 COLS = 4096
-GOLDEN = ROOT / "tests" / "data" / "ggml_quants_golden_all.npz"
 MATMUL_N = 64
 IN_CACHE_ROWS = 64  # rows of the in-cache timing: 64 x COLS weights stay in a core's L2
 IN_CACHE_PASSES = 500  # passes over them per timing
@@ -70,14 +69,10 @@ def memory_bandwidth(nbytes: int, repeat: int, thread_counts) -> dict:
 
 def weight_bytes(encoding: str, rows: int, cols: int) -> np.ndarray:
     """rows x cols weights in `encoding`: 256 random rows quantized by the project's
-    quantizer, tiled (real block contents, no denormals, quick to make); for the types it
-    does not make, ggml's own blocks from the golden file, tiled."""
-    if encoding in READ_ONLY_ENCODINGS:
-        with np.load(GOLDEN) as golden:
-            tile = golden[f"randn/{encoding}+imatrix"].reshape(-1)
-    else:
-        sample = np.random.default_rng(0).standard_normal((256, cols)).astype(np.float32)
-        tile = quantize(sample, encoding).reshape(-1)
+    quantizer, tiled (real block contents, no denormals, quick to make)."""
+    sample = np.random.default_rng(0).standard_normal((256, cols)).astype(np.float32)
+    imatrix = np.ones(cols, np.float32) if encoding in IMATRIX_NEEDED else None
+    tile = quantize(sample, encoding, imatrix).reshape(-1)
     return np.resize(tile, rows * row_bytes(encoding, cols))
 
 

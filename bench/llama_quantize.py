@@ -4,7 +4,8 @@ For each architecture a tiny F32 checkpoint is written (`convert.synthetic`), co
 and exported as GGUF (`colibri export-gguf`), then quantized by llama.cpp's `llama-quantize`
 (with and without an importance matrix written here in llama-imatrix's format) and converted
 by `colibri-convert --quant MIX [--imatrix]`. Every tensor both hold is compared: its type and
-its bytes. (llama.cpp's GGUF stores Mixtral's q/k rows permuted, so their bytes are compared
+its bytes. A mix both refuse without an importance matrix (the grid mixes, Q2_K_S) counts as
+agreeing; one only one of them refuses does not. (llama.cpp's GGUF stores Mixtral's q/k rows permuted, so their bytes are compared
 only for types that differ; MLA's kv_b is split in llama.cpp's and not compared.)
 
     python bench/llama_quantize.py --llama-bin DIR [--archs qwen3_moe,deepseek_v3,mixtral] [--mixes Q2_K,...]
@@ -22,6 +23,7 @@ import gguf
 import numpy as np
 
 from colibri.convert.hf_to_colibri import ConvertOptions, convert
+from colibri.convert.pipeline import ConvertError
 from colibri.convert.plan import make_plan
 from colibri.convert.synthetic import tiny_config, write_checkpoint
 from colibri.formats.checkpoint import Checkpoint
@@ -70,13 +72,20 @@ def compare(arch: str, variant: str, mixes: list[str], llama_bin: Path, work: Pa
     lines = []
     for mix in mixes:
         for use_imatrix in (False, True):
-            if mix == "Q2_K_S" and not use_imatrix:
-                continue  # both refuse it without an importance matrix
             theirs = work / f"llama-{arch}-{mix}-{use_imatrix}.gguf"
-            subprocess.run([str(llama_bin / "llama-quantize"), *(["--imatrix", str(imatrix)] if use_imatrix else []),
-                            str(f32_gguf), str(theirs), mix, "2"], check=True, capture_output=True)
+            done = subprocess.run([str(llama_bin / "llama-quantize"), *(["--imatrix", str(imatrix)] if use_imatrix else []),
+                                   str(f32_gguf), str(theirs), mix, "2"], capture_output=True, text=True, errors="replace")
             mine = work / f"ours-{arch}-{mix}-{use_imatrix}"
-            convert(str(src), mine, ConvertOptions(quant=mix, imatrix=imatrix if use_imatrix else None, progress=False))
+            try:
+                convert(str(src), mine, ConvertOptions(quant=mix, imatrix=imatrix if use_imatrix else None, progress=False))
+            except ConvertError as e:  # both must refuse it (a grid mix, or Q2_K_S, without an importance matrix)
+                agreed = done.returncode != 0 and ("importance matrix" in done.stdout + done.stderr or "imatrix" in done.stderr)
+                lines.append(f"{arch:<12} {variant:<22} {mix:<7} {'imatrix' if use_imatrix else 'plain':<8} "
+                             f"{'both refuse' if agreed else 'ONLY OURS REFUSES'}: {e}"[:160])
+                print(lines[-1], flush=True)
+                continue
+            if done.returncode:
+                raise SystemExit(f"llama-quantize {mix} failed where colibri-convert did not:\n{done.stderr[-2000:]}")
             layout = ModelLayout(mine)
             names = set(layout.tensors) | {f"blk.{layer}.ffn_{m}_exps.weight"
                                            for layer, t in layout.expert_layers.items() for m in t.matrices}
@@ -105,7 +114,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         lines = [line for arch in args.archs.split(",") for variant in VARIANTS
                  for line in compare(arch, variant, args.mixes.split(","), args.llama_bin, Path(work))]
-    print(f"{sum(' 0 types differ, 0 differ' in line for line in lines)} of {len(lines)} conversions identical")
+    same = sum(' 0 types differ, 0 differ' in line or 'both refuse' in line for line in lines)
+    print(f"{same} of {len(lines)} conversions identical or refused by both")
 
 
 if __name__ == "__main__":

@@ -17,9 +17,6 @@ import numpy as np
 ENCODINGS = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
              "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0", "TQ2_0", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S",
              "IQ1_S", "IQ1_M")
-# Encodings a model can hold (from a GGUF) but colibri-convert does not make: ggml's grid
-# searches for them are not reproduced byte for byte, so recipes and --override refuse them.
-READ_ONLY_ENCODINGS = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 
 # The values the 4-bit indices of IQ4_NL / IQ4_XS and of MXFP4 stand for (ggml-common.h's
 # kvalues_iq4nl and kvalues_mxfp4, the latter twice the E2M1 values).

@@ -7,8 +7,6 @@ model `--quant F32` makes from the same safetensors — the same bytes for every
 expert, hence the same logits.
 """
 
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
@@ -172,8 +170,7 @@ def test_a_gguf_holding_every_type_imports_and_runs_as_its_dequantized_weights(c
     ones): the GGUF imports, verifies and exports back byte for byte, and its logits are those
     of the same weights dequantized to F32 (up to the int8 activations of the fast path)."""
     from colibri.convert.colibri_to_gguf import FILE_TYPES, export_gguf
-    from colibri.convert.quantize_q4k import quantize
-    from colibri.formats.encodings import READ_ONLY_ENCODINGS
+    from colibri.convert.quantize_q4k import IMATRIX_NEEDED, quantize
     from colibri.runtime.kernels import FAST_ENCODINGS
     from colibri.verify.model_check import verify_model
 
@@ -181,7 +178,6 @@ def test_a_gguf_holding_every_type_imports_and_runs_as_its_dequantized_weights(c
 
     src = checkpoint("mixtral", dtype="f32", config=tiny_config("mixtral", num_hidden_layers=6))
     source = write_reference_gguf(src, tmp_path / "mixtral.gguf")  # enough tensors for every type
-    golden = np.load(Path(__file__).parent / "data" / "ggml_quants_golden_all.npz")
     chosen = {}
 
     def quantized(name, data, kind):
@@ -190,12 +186,8 @@ def test_a_gguf_holding_every_type_imports_and_runs_as_its_dequantized_weights(c
         fitting = [e for e in FAST_ENCODINGS if data.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[e]][0] == 0]
         encoding = fitting[len(chosen) % len(fitting)]
         chosen[name] = encoding
-        if encoding not in READ_ONLY_ENCODINGS:
-            return quantize(data, encoding), gguf.GGMLQuantizationType[encoding]
-        blocks = golden[f"randn/{encoding}+imatrix"].reshape(-1)  # ggml's own blocks, for the types we do not make
-        row = data.shape[-1] // 256 * gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[encoding]][1]
-        return np.resize(blocks, data.size // data.shape[-1] * row).reshape(*data.shape[:-1], row), \
-            gguf.GGMLQuantizationType[encoding]
+        imatrix = np.ones(data.shape[-1], np.float32) if encoding in IMATRIX_NEEDED else None
+        return quantize(data, encoding, imatrix), gguf.GGMLQuantizationType[encoding]
 
     def dequantized(name, data, kind):
         if name not in chosen:

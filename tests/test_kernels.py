@@ -17,8 +17,8 @@ import numba
 import numpy as np
 import pytest
 
-from colibri.convert.quantize_q4k import quantize
-from colibri.formats.encodings import ENCODINGS, READ_ONLY_ENCODINGS, block_size
+from colibri.convert.quantize_q4k import IMATRIX_NEEDED, quantize
+from colibri.formats.encodings import ENCODINGS
 from colibri.runtime import kernels
 from colibri.runtime.kernels import threads
 from colibri.runtime.kernels.emitter import (
@@ -38,15 +38,10 @@ GOLDEN_ALL = Path(__file__).parent / "data" / "ggml_quants_golden_all.npz"
 
 
 def random_weights(encoding, rows, cols, seed=0):
-    """(bytes [rows, row_bytes], float64 decoding of them by gguf). The types colibri-convert
-    does not make are ggml's own blocks (tests/data) in a random order."""
+    """(bytes [rows, row_bytes], float64 decoding of them by gguf)."""
     rng = np.random.default_rng(seed)
-    if encoding in READ_ONLY_ENCODINGS:
-        with np.load(GOLDEN_ALL) as golden:
-            blocks = golden[f"randn/{encoding}+imatrix"].reshape(-1, block_size(encoding)[1])
-        w = blocks[rng.integers(0, len(blocks), rows * cols // block_size(encoding)[0])].reshape(rows, -1)
-    else:
-        w = quantize(rng.standard_normal((rows, cols)).astype(np.float32), encoding)
+    imatrix = rng.random(cols).astype(np.float32) + np.float32(0.1) if encoding in IMATRIX_NEEDED else None
+    w = quantize(rng.standard_normal((rows, cols)).astype(np.float32), encoding, imatrix)
     return w, gguf.quants.dequantize(w, gguf.GGMLQuantizationType[encoding]).astype(np.float64)
 
 

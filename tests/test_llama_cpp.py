@@ -144,3 +144,40 @@ def test_grid_quantizers_equal_ggml_s_on_fresh_rows(qtype):
         ours, theirs = quantize(x, qtype, weights), ggml.quantize(kind, x, weights)
         differ = np.flatnonzero((ours != theirs).any(axis=-1))
         assert differ.size == 0, f"{qtype} imatrix={weights is not None}: rows {differ.tolist()} differ"
+
+
+def random_importance(src, path):
+    """An importance matrix in llama-imatrix's format for every matrix of checkpoint `src`
+    (the grid mixes need one): per-column weights drawn uniformly, per expert for experts."""
+    from colibri.convert.plan import make_plan
+    from colibri.formats.checkpoint import Checkpoint
+    from colibri.runtime.imatrix_collect import ActivationSums
+
+    plan, rng, sums = make_plan(Checkpoint(src)), np.random.default_rng(5), ActivationSums()
+    sums.sums = {t.name: rng.uniform(0.1, 5.0, (1, t.shape[-1])) for t in plan.resident if len(t.shape) == 2}
+    for layer in plan.expert_layers:
+        sums.sums.update({name: rng.uniform(0.1, 5.0, (layer.count, layer.shapes[m][1])) for m, name in layer.canonical.items()})
+    sums.counts = {name: np.full(len(rows), 7) for name, rows in sums.sums.items()}
+    sums.write(path, ["random"], chunk_count=4, chunk_size=512)
+    return path
+
+
+# together their tensors hold all seven grid types (IQ2_M's attention and IQ3_XXS's embeddings are IQ3_S)
+@pytest.mark.parametrize("mix", ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_M", "IQ3_XXS"])
+def test_grid_mixes_export_to_gguf_llama_cpp_runs_and_import_back_byte_for_byte(tmp_path, mix):
+    from gguf_checks import model_bytes
+
+    from colibri.formats.layout import ModelLayout
+
+    src = write_checkpoint(tmp_path / "src", "qwen3_moe")
+    convert(str(src), tmp_path / "colibri", ConvertOptions(quant=mix, imatrix=random_importance(src, tmp_path / "imatrix.gguf"),
+                                                           progress=False))
+    layout = ModelLayout(tmp_path / "colibri")
+    assert {t.matrices["gate"].encoding for t in layout.expert_layers.values()} == {mix.replace("IQ2_M", "IQ2_S")}
+    export_gguf(tmp_path / "colibri", tmp_path / "model.gguf", progress=False)
+    ours = open_model(tmp_path / "colibri", ctx=64, kv_quant="f32", ram_budget="8G").prefill(TOKENS)
+    theirs = llama_cpp_logits(tmp_path / "model.gguf")
+    deviation = np.abs(theirs - ours).max(-1) / ours.std()  # llama.cpp rounds the activations to 8 bits here too
+    assert np.median(deviation) <= 0.15 and (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.8, np.median(deviation)
+    convert(str(tmp_path / "model.gguf"), tmp_path / "back", ConvertOptions(progress=False))
+    assert model_bytes(tmp_path / "back") == model_bytes(tmp_path / "colibri")

@@ -84,8 +84,7 @@ def test_overrides_first_match_wins_and_are_checked():
         parse_override("no-equals-sign")
     with pytest.raises(ValueError, match="unknown type"):
         parse_override("attn=Q9_9")
-    with pytest.raises(ValueError, match="does not make IQ2_XXS"):
-        parse_override("attn=IQ2_XXS")
+    assert parse_override("attn=iq2_xxs") == ("attn", "IQ2_XXS")  # the grid types are made too
     with pytest.raises(ValueError, match="bad regex"):
         parse_override("attn[=Q8_0")
 
@@ -187,13 +186,38 @@ def test_the_manifest_schema_knows_every_recipe_and_encoding():
     assert schema["$defs"]["encoding"]["enum"] == list(ENCODINGS)
 
 
-def test_the_grid_mixes_are_refused_in_one_line_naming_what_to_do(capsys):
+def test_an_unknown_recipe_is_refused_listing_them(capsys):
     from colibri.cli import convert_main
 
-    with pytest.raises(SystemExit) as stop:
-        convert_main(["src", "out", "--quant", "iq2_xxs"])
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert stop.value.code == 2 and "IQ2_XXS: llama-quantize's grid-searched" in err and "IQ4_XS" in err
     with pytest.raises(SystemExit):
         convert_main(["src", "out", "--quant", "Q9_K"])
-    assert "'Q9_K' is not a recipe (choose from Q2_K" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "'Q9_K' is not a recipe (choose from Q2_K" in err and "IQ2_XXS" in err
+
+
+def test_llama_cpp_counts_tensors_by_layer_then_name():
+    from colibri.formats.recipe import counted_positions
+
+    names = [f"blk.{i}.{part}" for i in (10, 2, 0, 1, 9) for part in ("ffn_down_shexp.weight", "ffn_down_exps.weight",
+                                                                      "attn_kv_b.weight", "attn_q_b.weight")]
+    places = counted_positions(names)
+    assert [places[f"blk.{i}.attn_kv_b.weight"] for i in (0, 1, 2, 9, 10)] == [0, 1, 2, 3, 4]  # 10 after 9, not after 1
+    assert places["blk.2.ffn_down_exps.weight"] == 4 and places["blk.2.ffn_down_shexp.weight"] == 5
+    assert "blk.0.attn_q_b.weight" not in places
+
+
+def test_the_low_bit_mixes_count_ffn_down_tensors_against_the_layers():
+    """In IQ1/IQ2 mixes llama.cpp bumps the first n_layer/8 ffn_down tensors, counting a layer's
+    routed and shared experts apart: with 16 layers, the first two tensors, both in layer 0."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(n_layers=16, n_experts=16, tie_word_embeddings=False, n_heads=8, n_kv_heads=8)
+    names = [f"blk.{i}.ffn_down_{kind}.weight" for i in range(16) for kind in ("exps", "shexp")]
+    recipe = Recipe.for_model("IQ2_XXS", config, names)
+    down = {n: recipe.encoding(n, (256, 256)) for n in names}
+    assert [n for n, e in down.items() if e == "Q2_K"] == ["blk.0.ffn_down_exps.weight", "blk.0.ffn_down_shexp.weight"]
+    assert down["blk.1.ffn_down_exps.weight"] == "IQ2_XXS"
+    assert recipe.encoding("output.weight", (1000, 256)) == "Q5_K" and recipe.encoding("token_embd.weight", (1000, 256)) == "Q2_K"
+    assert recipe.encoding("blk.3.attn_kv_b.weight", (256, 256)) == "Q4_K"  # 16 experts
+    assert recipe.encoding("blk.3.ffn_up_exps.weight", (256, 288)) == "IQ4_NL"  # rows of 288: llama.cpp's fallback
+    assert recipe.needs_imatrix("blk.3.ffn_up_exps.weight", "IQ2_XXS") and not recipe.needs_imatrix("output.weight", "Q5_K")

@@ -198,8 +198,8 @@ def check_recipe(layout: ModelLayout, report: Report) -> None:
     named += [(f"blk.{t.layer}.ffn_{m}_exps.weight", t.matrices[m].shape, t.matrices[m].encoding)
               for t in layout.expert_layers.values() for m in EXPERT_MATRICES]
     try:
-        recipe = Recipe(quant["recipe"], c.n_layers, c.n_experts, c.tie_word_embeddings, [tuple(o) for o in quant["overrides"]],
-                        n_gqa=c.n_heads // max(c.n_kv_heads, 1), has_imatrix=quant["imatrix"] is not None)
+        recipe = Recipe.for_model(quant["recipe"], c, [name for name, _, _ in named], [tuple(o) for o in quant["overrides"]],
+                                  has_imatrix=quant["imatrix"] is not None)
         wrong = [f"{name} is {enc}, not {want}" for name, shape, enc in named if enc != (want := recipe.encoding(name, shape))]
     except (TypeError, ValueError, re.error) as e:
         report.add(ERROR, MANIFEST_NAME, f"quant: {e}")
