@@ -284,8 +284,9 @@ def tokenizer_files(source: GGUFSource) -> dict[str, bytes]:
 
 def gguf_job(src: str, options: ConvertOptions) -> Job:
     """Plan the import of a GGUF file (or split set): everything checked, nothing written."""
-    if options.quant or options.overrides or options.imatrix:
-        raise GGUFError(f"{Path(src).name}: a GGUF is imported with its own types, never re-quantized; drop --quant/--override/--imatrix")
+    if options.quant or options.overrides or options.imatrix or options.target_size:
+        raise GGUFError(f"{Path(src).name}: a GGUF is imported with its own types, never re-quantized; "
+                        "drop --quant/--override/--imatrix/--target-size")
     source = GGUFSource(src)
     try:
         config = config_from_gguf(GGUFMetadata(source), {n: t.shape for n, t in source.tensors.items()})

@@ -9,6 +9,7 @@ resumably, in `workers` processes, the manifest last. A `.gguf` source goes to
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -22,9 +23,11 @@ from colibri.convert.pipeline import TOKENIZER_FILES, ConvertError, ConvertOptio
 from colibri.convert.plan import ConversionPlan, ExpertLayerSource, ResidentTensor, make_plan
 from colibri.convert.quantize_q4k import quantize
 from colibri.convert.resident_layout import ResidentTensorData, resident_file_bytes, write_resident_file
+from colibri.convert.target_size import fit_to_size, measure_all, sample_rows
 from colibri.formats.checkpoint import HUB_REPO_ID, MXFP4_DTYPE, Checkpoint, cache_blob_sha256
 from colibri.formats.layout import EXPERT_MATRICES
-from colibri.formats.recipe import IMATRIX_REQUIRED, Recipe
+from colibri.formats.messages import some
+from colibri.formats.recipe import Recipe
 
 __all__ = ["ConvertError", "ConvertOptions", "convert", "format_summary"]
 
@@ -134,8 +137,7 @@ def write_experts(checkpoint: Checkpoint, out_dir: Path, unit: ExpertUnit, advan
             if kept_mxfp4:
                 return list(src.names.split_fused(checkpoint.mxfp4_copy(gate_up_name, e, 1)[0],
                                                   checkpoint.mxfp4_copy(down_name, e, 1)[0]))
-            values = src.names.split_fused(checkpoint.read(gate_up_name, e, 1)[0], checkpoint.read(down_name, e, 1)[0])
-            return [quantized(m, v, e) for m, v in zip(EXPERT_MATRICES, values)]
+            return [quantized(m, v, e) for m, v in zip(EXPERT_MATRICES, expert_values(checkpoint, src, e))]
         encoded = []
         for matrix, name in zip(EXPERT_MATRICES, src.names.per_expert_names(e)):
             copy = checkpoint.q4_0_copy(name) if encodings[matrix] == "Q4_0" else None  # packed INT4 kept as it is
@@ -144,6 +146,14 @@ def write_experts(checkpoint: Checkpoint, out_dir: Path, unit: ExpertUnit, advan
 
     source_bytes_per_expert = expert_source_bytes(checkpoint, src) // src.count
     return write_expert_layer(out_dir, src.layer, src.count, encodings, src.shapes, encode, lambda e: advance(source_bytes_per_expert))
+
+
+def expert_values(checkpoint: Checkpoint, src: ExpertLayerSource, e: int) -> list[np.ndarray]:
+    """Expert e's gate, up and down as float32."""
+    if src.fused:
+        gate_up_name, down_name = src.names.fused_names
+        return list(src.names.split_fused(checkpoint.read(gate_up_name, e, 1)[0], checkpoint.read(down_name, e, 1)[0]))
+    return [checkpoint.read(name) for name in src.names.per_expert_names(e)]
 
 
 def expert_source_bytes(checkpoint: Checkpoint, src: ExpertLayerSource) -> int:
@@ -189,6 +199,119 @@ def make_units(plan: ConversionPlan, recipe: Recipe, checkpoint: Checkpoint) -> 
     return [resident, *experts]
 
 
+def refuse_missing_importance(units: list, recipe: Recipe, imatrix: Imatrix | None, quant: str) -> None:
+    """Refuse, before anything is written, a tensor whose type llama-quantize quantizes only with
+    an importance matrix (the grid types) when there is none for it."""
+    chosen = [(t.name, encoding) for t, encoding in units[0].tensors]
+    chosen += [(name, dict(unit.encodings)[m]) for unit in units[1:] for m, name in unit.source.canonical.items()]
+    needing = [(name, encoding) for name, encoding in chosen if recipe.needs_imatrix(name, encoding)]
+    if needing and imatrix is None:
+        name, encoding = needing[0]
+        raise ConvertError(f"--quant {quant} needs --imatrix FILE: {name} and {len(needing) - 1} more tensors are {encoding} or "
+                           "another type that llama-quantize quantizes only with an importance matrix "
+                           "(`colibri imatrix` makes one)")
+    lacking = [name for name, _ in needing if name not in imatrix]
+    if lacking:
+        raise ConvertError(f"--imatrix {imatrix.path.name} has no entry for {some(lacking)}, which --quant {quant} makes a "
+                           "type llama-quantize quantizes only with one")
+
+
+# --- --target-size --------------------------------------------------------------------
+
+EXPERT_SAMPLES = 4  # experts of a layer whose rows are measured
+
+
+def resident_sample(checkpoint: Checkpoint, tensor: ResidentTensor, imatrix: Imatrix | None, uses: float) -> list:
+    """Evenly spaced rows of a resident matrix, its column importance, and its uses a token."""
+    index = sample_rows(*tensor.shape)
+    if tensor.rows is not None:
+        values = tensor.select(checkpoint.read(tensor.source))[index]
+    else:  # read in blocks of 128 rows (FP8's block scales), each holding some of the sampled rows
+        parts = []
+        for first in np.unique(index // 128) * 128:
+            block = tensor.select(checkpoint.read(tensor.source, first, min(128, tensor.shape[0] - first)))
+            parts.append(block[index[(index >= first) & (index < first + 128)] - first])
+        values = np.concatenate(parts)
+    importance = imatrix.importance(tensor.name, tensor.shape[-1]) if imatrix is not None else None
+    return [(np.ascontiguousarray(values, np.float32), importance, uses)]
+
+
+def expert_samples(checkpoint: Checkpoint, src: ExpertLayerSource, matrix: str, imatrix: Imatrix | None,
+                   top_k: int) -> list:
+    """Rows of a few of a layer's experts for one matrix, each with its importance and its share of
+    the layer's routed tokens (scaled up for the experts not sampled)."""
+    name, (rows, cols) = src.canonical[matrix], src.shapes[matrix]
+    picked = np.unique(np.linspace(0, src.count - 1, min(EXPERT_SAMPLES, src.count)).astype(np.int64))
+    if imatrix is not None and name in imatrix:
+        counts = np.array([imatrix.count(name, e) for e in range(src.count)])
+        shares = top_k * counts / max(counts.sum(), 1.0)
+    else:
+        shares = np.full(src.count, top_k / src.count)
+    index, samples = sample_rows(rows, cols), []
+    for e in picked:
+        values = expert_values(checkpoint, src, int(e))[EXPERT_MATRICES.index(matrix)][index]
+        importance = imatrix.importance(name, cols, int(e)) if imatrix is not None else None
+        samples.append((np.ascontiguousarray(values, np.float32), importance, shares[e] * src.count / len(picked)))
+    return samples
+
+
+def sized_types(plan: ConversionPlan, checkpoint: Checkpoint, recipe_for, imatrix: Imatrix | None,
+                    options: ConvertOptions) -> dict[str, str]:
+    """--target-size: the type of every matrix whose type is chosen by measured damage
+    (convert.target_size); `recipe_for(overrides)` is the recipe with those overrides.
+    Matrices a user override names, kept encodings, and rows that are not whole 256-weight
+    super-blocks keep the recipe's type."""
+    config, base = plan.config, recipe_for(options.overrides)
+
+    def chosen_here(name, shape, kept) -> bool:
+        return kept is None and len(shape) == 2 and shape[-1] % 256 == 0 \
+            and base.encoding(name, shape) not in ("F32", "F16", "BF16") \
+            and not any(re.search(pattern, name) for pattern, _ in options.overrides)
+
+    tensors = []
+    for t in plan.resident:
+        if chosen_here(t.name, t.shape, kept_encoding(checkpoint, t.source)):
+            uses = 1 / t.shape[0] if t.name == "token_embd.weight" and not config.tie_word_embeddings else 1.0
+            tensors.append((t.name, t.shape[0], 1, False, partial(resident_sample, checkpoint, t, imatrix, uses)))
+    for src in plan.expert_layers:
+        for m, name in src.canonical.items():
+            if chosen_here(name, src.shapes[m], kept_encoding(checkpoint, expert_source_name(src, m))):
+                tensors.append((name, src.shapes[m][0], src.count, True,
+                                partial(expert_samples, checkpoint, src, m, imatrix, config.n_experts_used)))
+    choices = measure_all(tensors, options.progress)
+
+    def units_of(table: dict) -> list:
+        return make_units(plan, recipe_for([*options.overrides, *exact_overrides(table)]), checkpoint)
+
+    def size_of(table: dict) -> int:
+        return sum(unit_output_bytes(u) for u in units_of(table))
+
+    def read_of(table: dict) -> int:
+        return sum(config.n_experts_used * unit_output_bytes(u) // u.source.count for u in units_of(table)[1:])
+
+    try:
+        table = fit_to_size(choices, options.target_size, size_of, read_of, options.max_read_per_token,
+                            config.n_experts_used, config.n_experts)
+    except ValueError:
+        smallest = {c.name: c.hull[0][0] for c in choices}
+        raise ConvertError(f"--target-size {binary_size(options.target_size)}"
+                           + (f" with --max-read-per-token {binary_size(options.max_read_per_token)}"
+                              if options.max_read_per_token else "")
+                           + f": the smallest types make {binary_size(size_of(smallest))} of files and read "
+                           f"{binary_size(read_of(smallest))} of experts a token; allow more") from None
+    return table
+
+
+def binary_size(nbytes: int) -> str:
+    """Bytes as --target-size takes them: 96.00G, 4.0M."""
+    return f"{nbytes / 2**30:.2f}G" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f}M"
+
+
+def exact_overrides(table: dict[str, str]) -> list[tuple[str, str]]:
+    """A table of types as overrides, each matching its one name."""
+    return [(f"^{re.escape(name)}$", encoding) for name, encoding in table.items()]
+
+
 def kept_encoding(checkpoint: Checkpoint, name: str) -> str | None:
     """The encoding that holds source tensor `name` exactly, if one does: packed INT4 in groups
     of 32 is Q4_0 (formats/compressed_tensors.py), gpt-oss's MXFP4 is MXFP4 (formats/mxfp4.py)."""
@@ -211,25 +334,33 @@ def checkpoint_job(src: str, options: ConvertOptions) -> Job:
     try:
         plan = make_plan(checkpoint)
         config, quant = plan.config, options.quant or DEFAULT_QUANT
-        if quant in IMATRIX_REQUIRED and options.imatrix is None:
-            raise ConvertError(f"--quant {quant} needs --imatrix FILE: its 2-bit tensors are too coarse without one "
-                               "(llama-quantize refuses it too)")
+        if options.max_read_per_token is not None and options.target_size is None:
+            raise ConvertError("--max-read-per-token bounds what --target-size chooses; give --target-size too")
         imatrix = Imatrix(options.imatrix) if options.imatrix is not None else None
-        recipe = Recipe(quant, config.n_layers, config.n_experts, config.tie_word_embeddings, list(options.overrides),
-                        n_gqa=config.n_heads // max(config.n_kv_heads, 1), has_imatrix=imatrix is not None)
+        names = [t.name for t in plan.resident] + [n for layer in plan.expert_layers for n in layer.canonical.values()]
+
+        def recipe_for(overrides) -> Recipe:
+            return Recipe.for_model(quant, config, names, overrides, has_imatrix=imatrix is not None)
+
+        chosen = sized_types(plan, checkpoint, recipe_for, imatrix, options) if options.target_size is not None else None
+        overrides = [*options.overrides, *exact_overrides(chosen or {})]
+        recipe = recipe_for(overrides)
         units = make_units(plan, recipe, checkpoint)
+        refuse_missing_importance(units, recipe, imatrix, quant)
         return Job(
             config=config,
             units=units,
             run_unit=partial(run_unit, source_dir, imatrix.path if imatrix else None),
             source_bytes={u.name: unit_source_bytes(checkpoint, u) for u in units},
             output_bytes={u.name: unit_output_bytes(u) for u in units},
-            quant={"recipe": quant, "overrides": [list(o) for o in options.overrides],
+            quant={"recipe": quant, "overrides": [list(o) for o in overrides],
                    "imatrix": imatrix_record(imatrix) if imatrix else None},
             provenance={**provenance, "source_files": source_files(checkpoint), "skipped_tensors": plan.skipped},
             tokenizer_files=tokenizer_files(source_dir),
             total_source_bytes=checkpoint.source_bytes(),
-            action=f"converted {config.architecture} to {quant}",
+            action=f"converted {config.architecture} to {quant}" if chosen is None else
+            f"converted {config.architecture} to types chosen for {binary_size(options.target_size)}",
+            types_chosen=chosen,
         )
     finally:
         checkpoint.close()

@@ -80,10 +80,19 @@ class Imatrix:
         index = matrix if matrices > 1 else 0
         start = sums.offset + 4 * length * index
         values = self.data[start:start + 4 * length].view("<f4").astype(np.float32)
-        count = self.data[counts.offset + 4 * index:counts.offset + 4 * index + 4].view("<f4")[0]
-        if not (np.isfinite(values).all() and np.isfinite(count)) or count < 0 or (values < 0).any():
+        count = self.count(name, index)
+        if not np.isfinite(values).all() or (values < 0).any():
             raise ImatrixError(f"--imatrix {self.path.name}: {name} holds a negative or non-finite value")
         return values / count if count > 0 else np.ones(length, np.float32)
+
+    def count(self, name: str, matrix: int = 0) -> float:
+        """How many activations entered `name` (its expert `matrix`) while it was collected."""
+        _, counts = self.entries[name]
+        index = min(matrix, counts.shape[0] - 1)
+        count = float(self.data[counts.offset + 4 * index:counts.offset + 4 * index + 4].view("<f4")[0])
+        if not np.isfinite(count) or count < 0:
+            raise ImatrixError(f"--imatrix {self.path.name}: {name} holds a negative or non-finite count")
+        return count
 
 
 def imatrix_record(imatrix: Imatrix) -> str:

@@ -35,6 +35,7 @@ from tqdm import tqdm
 from colibri.formats.layout import (
     FORMAT_NAME, FORMAT_VERSION, JOURNAL_NAME, MANIFEST_NAME, RESIDENT_FILE, TOKENIZER_FILES, write_atomic, write_manifest,
 )
+from colibri.convert.target_size import type_runs
 from colibri.formats.model_config import ModelConfig
 from colibri.version import __version__
 
@@ -51,6 +52,8 @@ class ConvertOptions:
     quant: str | None = None  # recipe; None: Q4_K_M for a checkpoint (a GGUF is imported as it is)
     overrides: list[tuple[str, str]] = field(default_factory=list)
     imatrix: Path | None = None  # llama-imatrix's GGUF: importance weights for the quantizers
+    target_size: int | None = None  # bytes of weight files: each tensor's type chosen to fit (convert.target_size)
+    max_read_per_token: int | None = None  # with target_size: bytes of experts a token may read
     workers: int = 1
     force: bool = False
     revision: str | None = None
@@ -72,6 +75,7 @@ class Job:
     total_source_bytes: int
     action: str  # the summary's first words, e.g. "converted mixtral to Q4_K_M"
     threads: bool = False  # units only read, hash and write (all release the GIL): threads, not processes
+    types_chosen: dict | None = None  # --target-size's table: canonical name → encoding
 
 
 def fingerprint(job: Job) -> dict:
@@ -345,6 +349,8 @@ def summarize(manifest: dict, job: Job, converted_bytes: int, seconds: float, re
         "moe_layers": len(manifest["expert_layers"]),
         "experts_per_layer": job.config.n_experts,
         "tensors_by_encoding": dict(sorted(encodings.items())),
+        "expert_bytes_per_token": sum(job.config.n_experts_used * e["expert_bytes"] for e in manifest["expert_layers"]),
+        "types_chosen": job.types_chosen,
         "skipped_tensors": len(job.provenance["skipped_tensors"]),
         "mtp_layers_skipped": job.config.mtp_layers_skipped,
         "units_resumed": resumed,
@@ -364,7 +370,11 @@ def format_summary(s: dict, out) -> str:
         f"experts {s['expert_bytes'] / gb:.3f} GB at {s['expert_bpw']:.2f} bpw)",
         f"  throughput     {s['source_mb_per_s']:.1f} MB/s of source",
         "  tensors        " + ", ".join(f"{k} {v}" for k, v in s["tensors_by_encoding"].items()),
+        f"  read a token   {s['expert_bytes_per_token'] / 1e6:.2f} MB of routed experts",
     ]
+    if s["types_chosen"]:
+        lines += ["  types chosen for the size (tensor kind, layers, type):"] + \
+            [f"    {line}" for line in type_runs(s["types_chosen"])]
     if s["units_resumed"]:
         lines.append(f"  resumed        {s['units_resumed']} units were already done and kept")
     if s["skipped_tensors"]:

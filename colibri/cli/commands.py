@@ -30,15 +30,16 @@ def _user_errors() -> tuple[type[BaseException], ...]:
             TokenizerError, PromptError, TraceError, ImatrixInputError, PerplexityError)
 
 
+def _size(text: str) -> int:
+    from colibri.runtime.memory import size_argument
+
+    return size_argument(text)
+
+
 def _recipe(text: str) -> str:
-    from colibri.formats.recipe import RECIPES, UNMADE_MIXES
+    from colibri.formats.recipe import RECIPES
 
     name = text.upper()
-    if name in UNMADE_MIXES:
-        raise argparse.ArgumentTypeError(
-            f"{name}: llama-quantize's grid-searched IQ1/IQ2/IQ3 mixes are not made by colibri-convert yet (the "
-            "quantizers are, byte for byte; the mixes' per-tensor choices are not); a GGUF in them imports as it "
-            "is, or choose Q2_K, Q3_K_S or IQ4_XS")
     if name not in RECIPES:
         raise argparse.ArgumentTypeError(f"{text!r} is not a recipe (choose from {', '.join(RECIPES)})")
     return name
@@ -60,14 +61,22 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", metavar="OUT", help="output folder; an unfinished conversion there is resumed")
     p.add_argument("--quant", default=None, type=_recipe, metavar="RECIPE",
                    help="quantization recipe: one of llama-quantize's mixes (Q2_K ... Q6_K, Q4_0 ... Q5_1, IQ4_NL, "
-                        "IQ4_XS, MXFP4_MOE, TQ1_0, TQ2_0: its per-tensor choices, about 1.7 to 6.6 bits a weight) "
-                        "or a uniform Q8_0/BF16/F16/F32 "
+                        "IQ4_XS, MXFP4_MOE, TQ1_0, TQ2_0, and IQ1_S ... IQ3_M, most of which need --imatrix: its "
+                        "per-tensor choices, about 1.6 to 6.6 bits a weight) or a uniform Q8_0/BF16/F16/F32 "
                         "(default: Q4_K_M; a GGUF keeps its own types and takes no --quant)")
     p.add_argument("--override", action="append", default=[], type=_override, metavar="REGEX=TYPE",
                    help="force TYPE for tensors whose canonical name matches REGEX (first match wins; repeatable)")
     p.add_argument("--imatrix", type=Path, default=None, metavar="FILE",
                    help="an importance matrix (llama-imatrix's GGUF output) for ggml's weighted quantizers, as "
                         "llama-quantize --imatrix; tensors it has no entry for are quantized without")
+    p.add_argument("--target-size", type=_size, default=None, metavar="SIZE",
+                   help="choose each matrix's type, from the IQ1-IQ3 grid types and the K-quants, for the least "
+                        "measured damage (its importance-weighted squared error on a sample of its rows) within SIZE "
+                        "of weight files (binary units: 96G = 96 GiB); with --imatrix the grid types that need one "
+                        "are candidates and damage is weighted by the activations; prints the table chosen and "
+                        "records it as overrides (--quant's recipe types the rest)")
+    p.add_argument("--max-read-per-token", type=_size, default=None, metavar="SIZE",
+                   help="with --target-size, also bound the routed experts' bytes a token reads (e.g. 2G)")
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                    help="processes converting layers in parallel, ~0.3-0.6 GB of RAM each; a GGUF import uses "
                         "threads (default: %(default)s)")
@@ -82,7 +91,8 @@ def run_convert(args: argparse.Namespace) -> int:
 
     options = ConvertOptions(
         quant=args.quant, overrides=args.override, imatrix=args.imatrix, workers=max(1, args.workers), force=args.force,
-        revision=args.revision, progress=not args.no_progress and not args.json,
+        revision=args.revision, progress=not args.no_progress and not args.json, target_size=args.target_size,
+        max_read_per_token=args.max_read_per_token,
     )
     summary = convert(args.src, args.out, options)
     print(json.dumps(summary, indent=1) if args.json else format_summary(summary, args.out))
