@@ -208,6 +208,8 @@ class LatentAttention:
         q_pe = rotated(q[:, :, nope:], self.rope, positions)
         compressed = self.kv_a(h)
         latent = rms_norm(compressed[:, :rank], self.kv_a_norm, self.latent_eps)
+        if self.kv_b.observe is not None:  # what kv_b multiplies, though absorbed it never runs as a product
+            self.kv_b.observe(latent)
         k_pe = rotated(compressed[:, None, rank:], self.rope, positions)[:, 0]
         stored = np.concatenate([latent, k_pe], axis=1)
         pooled, segments = pooled_tokens(segments, self.layer) if not c.index_topk else (None, segments)

@@ -13,6 +13,7 @@ from colibri.convert.plan import make_plan
 from colibri.convert.quantize_q4k import dequantize, quantize
 from colibri.formats.checkpoint import Checkpoint
 from colibri.formats.layout import ModelLayout
+from colibri.formats.recipe import MIXES
 from colibri.cli.imatrix_command import read_chunks
 from colibri.runtime import open_model
 from colibri.runtime.model import MoE
@@ -111,6 +112,24 @@ def test_a_conversion_with_it_quantizes_as_ggml_with_that_imatrix(collected, tmp
     assert record.startswith("imatrix.gguf sha256=") and record.endswith(" text=calibration.txt")
 
 
+@pytest.mark.parametrize("mix", ["IQ2_XXS", "IQ1_M", "IQ3_XXS"])
+def test_a_grid_mix_needs_it_and_then_converts_verifies_and_runs(collected, tmp_path, capsys, mix):
+    """llama-quantize quantizes the grid types only with an importance matrix: without one the
+    mix is refused before anything is written; with ours it converts, verifies and runs."""
+    from colibri.convert.pipeline import ConvertError
+
+    src, _, _, out = collected
+    with pytest.raises(ConvertError, match=f"--quant {mix} needs --imatrix FILE"):
+        convert(str(src), tmp_path / "plain", ConvertOptions(quant=mix, progress=False))
+    assert not (tmp_path / "plain").exists()
+    convert(str(src), tmp_path / "grid", ConvertOptions(quant=mix, imatrix=out, progress=False))
+    layout = ModelLayout(tmp_path / "grid")
+    assert {t.matrices["gate"].encoding for t in layout.expert_layers.values()} == {MIXES[mix]}
+    assert main(["verify", str(tmp_path / "grid")]) == 0  # its types are the recipe's, its bytes intact
+    logits = open_model(tmp_path / "grid", ctx=16, ram_budget="8G").prefill([5, 17, 33, 2])
+    assert np.isfinite(logits).all()
+
+
 def test_unusable_text_is_one_line_naming_it(collected, tmp_path, capsys):
     _, model_dir, _, _ = collected
     short = tmp_path / "short.txt"
@@ -122,3 +141,19 @@ def test_unusable_text_is_one_line_naming_it(collected, tmp_path, capsys):
     assert main(["imatrix", str(model_dir), "--text", str(tmp_path / "bad.txt"), "-o", str(tmp_path / "x.gguf")]) == 1
     assert "bad.txt: cannot read as UTF-8" in capsys.readouterr().err
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_mla_s_kv_b_gets_its_entry_though_absorbed_it_never_runs_as_a_product(checkpoint, tmp_path):
+    """MLA multiplies kv_b into the queries and the context, never the latent; its entry is the
+    normalized latent every token stores, so the grid mixes that type kv_b can be made from ours."""
+    src = checkpoint("deepseek_v3", dtype="f32")
+    convert(str(src), tmp_path / "m", ConvertOptions(quant="Q8_0", progress=False))
+    (tmp_path / "text.txt").write_text(" ".join(["the river town woke slowly at dawn"] * 40))
+    out = tmp_path / "imatrix.gguf"
+    assert main(["imatrix", str(tmp_path / "m"), "--text", str(tmp_path / "text.txt"), "-o", str(out), "--chunk",
+                 str(CHUNK), "--chunks", "2", "--no-progress"]) == 0
+    _, entries = read_entries(out)
+    sums, counts = entries["blk.0.attn_kv_b.weight"]
+    assert counts.tolist() == entries["blk.0.attn_kv_a_mqa.weight"][1].tolist() and counts[0] > 0
+    assert sums.shape[-1] == ModelLayout(tmp_path / "m").config.kv_lora_rank and (sums > 0).all()
+    convert(str(src), tmp_path / "grid", ConvertOptions(quant="IQ3_XXS", imatrix=out, progress=False))
