@@ -7,11 +7,14 @@ activations) and exact (float32) paths, and `matmul` with n=64 on those and, whe
 AMX, on the tiles (bfloat16), on matrices larger than the last-level cache. Last, the int8 row
 dot's own speed, in ns per weight block: one thread, its rows in L2, many passes per timing,
 the best of --repeat (what memory and a shared machine's noise do not blur).
+Beside each matvec, ggml's own (`bench/ggml_matvec.py`: llama.cpp's mul_mat of the same bytes,
+the same threads) and our ratio to it.
 Prints a table with each result as a fraction of the read bandwidth at the same thread count
 (what bounds a matvec) and in multiply-adds per second (what bounds a matmul), and writes
 bench/out/kernels.json. Every number is the median of --repeat runs.
 
     python bench/kernel_speed.py [--mb 1024] [--repeat 7] [--encodings Q4_K Q6_K Q8_0 BF16] [--isa avx2]
+                                 [--ggml-lib DIR]
 """
 
 from __future__ import annotations
@@ -98,6 +101,30 @@ def in_cache_ns_per_block(encoding: str, repeat: int) -> float:
     return best / IN_CACHE_PASSES / (IN_CACHE_ROWS * COLS // block_size(encoding)[0]) * 1e9
 
 
+def ggml_anchor(folder: Path | None):
+    """ggml's own matvec (bench/ggml_matvec.py) from `folder`, or the llama extra's; None without either."""
+    from ggml_matvec import GgmlMatvec, default_library_folder
+
+    try:
+        folder = folder or default_library_folder()
+    except ImportError:
+        print("no ggml anchor: the llama extra is not installed and --ggml-lib was not given", file=sys.stderr)
+        return None
+    print(f"ggml anchor: {folder}")
+    return GgmlMatvec(folder)
+
+
+def timed_anchor(ggml, matrix, encoding: str, w: np.ndarray, rows: int, x: np.ndarray, threads: int, repeat: int):
+    """ggml's matvec seconds on the same bytes, once its product of the first 64 rows is checked
+    against ours (both round the activation to 8 bits, so within 2% of the largest)."""
+    few = 64 * row_bytes(encoding, COLS)
+    theirs = ggml.product(encoding, w[:few], 64, COLS, x)
+    ours = kernels.Matrix(w[:few], encoding, 64, COLS)(x)[0]
+    if np.abs(theirs - ours).max() > 0.02 * np.abs(ours).max():
+        raise SystemExit(f"ggml's {encoding} product differs from ours: the anchor would time something else")
+    return ggml.seconds(encoding, w, rows, COLS, x, threads, repeat)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=int, default=1024, help="matvec matrix size (default 1024; above the L3 size)")
@@ -105,6 +132,10 @@ def main() -> None:
     parser.add_argument("--encodings", nargs="+", default=["Q4_K", "Q6_K", "Q8_0", "BF16"])
     parser.add_argument("--isa", choices=("native", *TARGET_CPUS), default="native",
                         help="compile the kernels for this target (avx2: no AVX-512, AMX or AVX-VNNI)")
+    parser.add_argument("--ggml-lib", type=Path, default=None,
+                        help="folder with libggml-base.so and libggml-cpu.so whose matvec is timed beside ours on the "
+                             "same bytes (default: the llama extra's, when installed; build llama.cpp for --isa's "
+                             "target to compare like with like)")
     args = parser.parse_args()
     restart_for(args.isa)
     print(f"kernels compiled for {args.isa}: {kernels.kernel_paths()}")
@@ -119,8 +150,10 @@ def main() -> None:
           f"{bandwidth['numpy_sum_gbs']:.1f} GB/s, read " +
           ", ".join(f"{bandwidth[f'read_{n}t_gbs']:.1f} GB/s ({n} thread{'s' * (n > 1)})" for n in thread_counts))
 
+    ggml = ggml_anchor(args.ggml_lib)
     results = []
-    print(f"\n{'op':<10}{'encoding':<9}{'path':<7}{'threads':>8}{'GB/s':>8}{'of read bw':>12}{'GMAC/s':>9}")
+    print(f"\n{'op':<10}{'encoding':<9}{'path':<7}{'threads':>8}{'GB/s':>8}{'of read bw':>12}{'GMAC/s':>9}"
+          f"{'ggml GB/s':>11}{'ratio':>7}")
     for encoding in args.encodings:
         quantized = encoding in kernels.FAST_ENCODINGS
         for op, mb in (("matvec", args.mb), (f"matmul{MATMUL_N}", max(16, args.mb // 16))):
@@ -141,10 +174,15 @@ def main() -> None:
                     gbs = w.nbytes / seconds / 1e9
                     fraction = gbs / bandwidth[f"read_{n}t_gbs"]
                     gmacs = rows * COLS * x.shape[0] / seconds / 1e9  # multiply-adds: what bounds a matmul
+                    anchor = timed_anchor(ggml, matrix, encoding, w, rows, x, n, args.repeat) \
+                        if ggml is not None and op == "matvec" and path == paths[0] else None
+                    ggml_gbs = w.nbytes / anchor / 1e9 if anchor else None
                     results.append({"op": op, "encoding": encoding, "path": path, "threads": n, "rows": rows,
                                     "cols": COLS, "matrix_mb": w.nbytes / 2**20, "seconds": seconds,
-                                    "gbs": gbs, "fraction_of_read_bw": fraction, "gmac_per_s": gmacs})
-                    print(f"{op:<10}{encoding:<9}{path:<7}{n:>8}{gbs:>8.2f}{fraction:>11.0%}{gmacs:>9.1f}", flush=True)
+                                    "gbs": gbs, "fraction_of_read_bw": fraction, "gmac_per_s": gmacs,
+                                    "ggml_gbs": ggml_gbs})
+                    print(f"{op:<10}{encoding:<9}{path:<7}{n:>8}{gbs:>8.2f}{fraction:>11.0%}{gmacs:>9.1f}"
+                          + (f"{ggml_gbs:>11.2f}{gbs / ggml_gbs:>6.2f}x" if ggml_gbs else ""), flush=True)
             del w
 
     in_cache = []
