@@ -13,7 +13,8 @@ and the grid types that need one are not candidates.
 The choice is a knapsack over those measurements: every tensor starts at its cheapest type and
 the upgrade that removes the most damage a byte is taken while it fits, along each tensor's
 lower convex hull of (bytes, damage). Page and row alignment are counted by computing the files'
-real size and shrinking the budget by any excess, a few rounds at most.
+real size and shrinking the budget by the excess (or by the alignment the table needed, when
+that is more), a few rounds at most.
 """
 
 from __future__ import annotations
