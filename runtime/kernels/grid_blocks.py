@@ -18,6 +18,8 @@ from colibri.runtime.kernels.emitter import FLOAT, I8, I16, I32, vec
 from colibri.runtime.kernels.unpacked import Block
 
 _BIT_MASKS = [1 << j for j in range(8)] * 4  # weight j of a group of 8 has sign bit j
+# IQ1_M: the bit of its pair's qh byte that gives each weight's delta sign (group l: 3, or 7 for odd l)
+_DELTA_BITS = ir.Constant(vec(I8, 32), [ir.Constant(I8, 0x08 if l % 2 == 0 else 0x80) for l in range(4) for _ in range(8)])
 
 
 def _table(e, encoding):
@@ -147,12 +149,10 @@ def _unpack_iq3_s(e, block):
     return _grid_block(e, levels, e.half(block, 0), _vector(e, scales, I16), 1.0)
 
 
-def _iq1_levels(e, table, indices, minus):
-    """8 * (grid value + delta) for 4 groups of 8: delta -1/8 where `minus[g]` (an i1), else +1/8."""
-    b = e.b
-    values = b.shl(e.gather(table, indices, 8), e.const(I8, 32, 3))
-    deltas = [b.select(m, _c(-1, I8), _c(1, I8)) for m in minus]
-    return b.add(values, e.pick(_vector(e, deltas, I8), [g for g in range(4) for _ in range(8)]))
+def _iq1_levels(e, table, indices, deltas):
+    """8 * (grid value + delta) for 4 groups of 8, `deltas` (<32 x i8>, a lane per weight) being
+    8 * delta: -1 or +1."""
+    return e.b.add(e.b.shl(e.gather(table, indices, 8), e.const(I8, 32, 3)), deltas)
 
 
 def _unpack_iq1_s(e, block):
@@ -166,7 +166,7 @@ def _unpack_iq1_s(e, block):
         indices = [b.or_(_u(e, e.load(block, 2 + 4 * ib + l, I8)), b.shl(b.and_(b.lshr(qh, _c(3 * l)), _c(7)), _c(8)))
                    for l in range(4)]
         negative = b.icmp_unsigned("!=", b.and_(qh, _c(0x8000)), _c(0))
-        levels.append(_iq1_levels(e, table, indices, [negative] * 4))
+        levels.append(_iq1_levels(e, table, indices, e.splat(b.select(negative, _c(-1, I8), _c(1, I8)), 32)))
         scales.append(_half_odd(e, b.and_(b.lshr(qh, _c(12)), _c(7))))
     return _grid_block(e, levels, e.half(block, 0), _vector(e, scales, I16), 0.125)
 
@@ -184,8 +184,10 @@ def _unpack_iq1_m(e, block):
         qh = [_u(e, e.load(block, 32 + 2 * ib + k, I8)) for k in range(2)]
         indices = [b.or_(_u(e, e.load(block, 4 * ib + l, I8)), b.and_(b.shl(qh[l // 2], _c(8 if l % 2 == 0 else 4)), _c(0x700)))
                    for l in range(4)]
-        minus = [b.icmp_unsigned("!=", b.and_(qh[l // 2], _c(0x08 if l % 2 == 0 else 0x80)), _c(0)) for l in range(4)]
-        levels.append(_iq1_levels(e, table, indices, minus))
+        # each weight's delta sign: bit 3 (even groups) or 7 (odd) of its pair's qh byte, all lanes at once
+        spread = e.pick(e.load(block, 32 + 2 * ib, I8, 2), [l // 2 for l in range(4) for _ in range(8)])
+        minus = b.icmp_unsigned("!=", b.and_(spread, _DELTA_BITS), e.const(I8, 32, 0))
+        levels.append(_iq1_levels(e, table, indices, b.select(minus, e.const(I8, 32, -1), e.const(I8, 32, 1))))
         word = words[ib // 2]
         scales += [_half_odd(e, b.and_(b.lshr(word, _c(6 * (ib % 2) + shift)), _c(7))) for shift in (0, 3)]
     d = e.half_to_float(b.trunc(d_bits, I16))
