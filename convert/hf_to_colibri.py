@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 
 import numpy as np
@@ -236,10 +236,10 @@ def resident_sample(checkpoint: Checkpoint, tensor: ResidentTensor, imatrix: Ima
     return [(np.ascontiguousarray(values, np.float32), importance, uses)]
 
 
-def expert_samples(checkpoint: Checkpoint, src: ExpertLayerSource, matrix: str, imatrix: Imatrix | None,
-                   top_k: int) -> list:
+def expert_samples(values_of, src: ExpertLayerSource, matrix: str, imatrix: Imatrix | None, top_k: int) -> list:
     """Rows of a few of a layer's experts for one matrix, each with its importance and its share of
-    the layer's routed tokens (scaled up for the experts not sampled)."""
+    the layer's routed tokens (scaled up for the experts not sampled); `values_of(layer, e)` gives
+    expert e's three matrices."""
     name, (rows, cols) = src.canonical[matrix], src.shapes[matrix]
     picked = np.unique(np.linspace(0, src.count - 1, min(EXPERT_SAMPLES, src.count)).astype(np.int64))
     if imatrix is not None and name in imatrix:
@@ -249,7 +249,7 @@ def expert_samples(checkpoint: Checkpoint, src: ExpertLayerSource, matrix: str, 
         shares = np.full(src.count, top_k / src.count)
     index, samples = sample_rows(rows, cols), []
     for e in picked:
-        values = expert_values(checkpoint, src, int(e))[EXPERT_MATRICES.index(matrix)][index]
+        values = values_of(src.layer, int(e))[EXPERT_MATRICES.index(matrix)][index]
         importance = imatrix.importance(name, cols, int(e)) if imatrix is not None else None
         samples.append((np.ascontiguousarray(values, np.float32), importance, shares[e] * src.count / len(picked)))
     return samples
@@ -268,6 +268,12 @@ def sized_types(plan: ConversionPlan, checkpoint: Checkpoint, recipe_for, imatri
             and base.encoding(name, shape) not in ("F32", "F16", "BF16") \
             and not any(re.search(pattern, name) for pattern, _ in options.overrides)
 
+    layers = {src.layer: src for src in plan.expert_layers}
+
+    @lru_cache(maxsize=EXPERT_SAMPLES)  # a layer's sampled experts, read once for its three matrices
+    def values_of(layer: int, e: int) -> list[np.ndarray]:
+        return expert_values(checkpoint, layers[layer], e)
+
     tensors = []
     for t in plan.resident:
         if chosen_here(t.name, t.shape, kept_encoding(checkpoint, t.source)):
@@ -277,7 +283,7 @@ def sized_types(plan: ConversionPlan, checkpoint: Checkpoint, recipe_for, imatri
         for m, name in src.canonical.items():
             if chosen_here(name, src.shapes[m], kept_encoding(checkpoint, expert_source_name(src, m))):
                 tensors.append((name, src.shapes[m][0], src.count, True,
-                                partial(expert_samples, checkpoint, src, m, imatrix, config.n_experts_used)))
+                                partial(expert_samples, values_of, src, m, imatrix, config.n_experts_used)))
     choices = measure_all(tensors, options.progress)
 
     def units_of(table: dict) -> list:
