@@ -256,7 +256,7 @@ def expert_samples(values_of, src: ExpertLayerSource, matrix: str, imatrix: Imat
 
 
 def sized_types(plan: ConversionPlan, checkpoint: Checkpoint, recipe_for, imatrix: Imatrix | None,
-                    options: ConvertOptions) -> dict[str, str]:
+                options: ConvertOptions) -> dict[str, str]:
     """--target-size: the type of every matrix whose type is chosen by measured damage
     (convert.target_size); `recipe_for(overrides)` is the recipe with those overrides.
     Matrices a user override names, kept encodings, and rows that are not whole 256-weight
