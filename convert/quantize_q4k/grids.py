@@ -72,6 +72,13 @@ def lattice(encoding: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return points, kmap, np.asarray(neighbours, np.uint16)
 
 
+@cache
+def search_lattice(encoding: str):
+    """`lattice` as the IQ2/IQ3 searches take it: (points as float32, map, neighbours, bits a level)."""
+    points, kmap, neighbours = lattice(encoding)
+    return points.astype(F32), kmap, neighbours, LATTICES[encoding][0]
+
+
 @njit_inline
 def _point_of(levels, kmap, bits):
     u = 0
@@ -294,8 +301,7 @@ def _quantize_iq3_xxs(rows, imatrix, out, lat):
 
 
 def quantize_iq3_xxs(rows, imatrix, out):
-    points, kmap, neighbours = lattice("IQ3_XXS")
-    _quantize_iq3_xxs(rows, imatrix, out, (points.astype(F32), kmap, neighbours, 3))
+    _quantize_iq3_xxs(rows, imatrix, out, search_lattice("IQ3_XXS"))
 
 
 # block_iq3_s: d (fp16), qs[64] (the low 8 bits of each point index), qh[8] (their ninth bits),
@@ -348,8 +354,7 @@ def _quantize_iq3_s(rows, imatrix, out, lat):
 
 
 def quantize_iq3_s(rows, imatrix, out):
-    points, kmap, neighbours = lattice("IQ3_S")
-    _quantize_iq3_s(rows, imatrix, out, (points.astype(F32), kmap, neighbours, 3))
+    _quantize_iq3_s(rows, imatrix, out, search_lattice("IQ3_S"))
 
 
 # block_iq2_xxs: d (fp16), then per sub-block of 32 two uint32: its 4 point indices (a byte each),
@@ -404,8 +409,7 @@ def _quantize_iq2_xxs(rows, imatrix, out, lat):
 
 
 def quantize_iq2_xxs(rows, imatrix, out):
-    points, kmap, neighbours = lattice("IQ2_XXS")
-    _quantize_iq2_xxs(rows, imatrix, out, (points.astype(F32), kmap, neighbours, 2))
+    _quantize_iq2_xxs(rows, imatrix, out, search_lattice("IQ2_XXS"))
 
 
 # block_iq2_xs: d (fp16), qs[32] uint16 (per group of 8: a 9-bit point index and 7 sign bits),
@@ -453,8 +457,7 @@ def _quantize_iq2_xs(rows, imatrix, out, lat):
 
 
 def quantize_iq2_xs(rows, imatrix, out):
-    points, kmap, neighbours = lattice("IQ2_XS")
-    _quantize_iq2_xs(rows, imatrix, out, (points.astype(F32), kmap, neighbours, 2))
+    _quantize_iq2_xs(rows, imatrix, out, search_lattice("IQ2_XS"))
 
 
 # block_iq2_s: d (fp16), qs[64] (32 low bytes of the point indices, then 32 bytes of signs, one bit a
@@ -503,8 +506,7 @@ def _quantize_iq2_s(rows, imatrix, out, lat):
 
 
 def quantize_iq2_s(rows, imatrix, out):
-    points, kmap, neighbours = lattice("IQ2_S")
-    _quantize_iq2_s(rows, imatrix, out, (points.astype(F32), kmap, neighbours, 2))
+    _quantize_iq2_s(rows, imatrix, out, search_lattice("IQ2_S"))
 
 
 IQ1_DELTA = F32(0.125)
@@ -586,6 +588,7 @@ def _refit(xb, weight, sets, values, index, scale):
     return sumqx / sumq2 if sumqx > 0 and sumq2 > 0 else scale
 
 
+@cache
 def iq1_lattice(encoding: str):
     """`lattice` with each point's weights as levels shifted up (values[0]) and down (values[1])."""
     points, kmap, neighbours = lattice(encoding)
