@@ -286,25 +286,22 @@ def sized_types(plan: ConversionPlan, checkpoint: Checkpoint, recipe_for, imatri
                                 partial(expert_samples, values_of, src, m, imatrix, config.n_experts_used)))
     choices = measure_all(tensors, options.progress)
 
-    def units_of(table: dict) -> list:
-        return make_units(plan, recipe_for([*options.overrides, *exact_overrides(table)]), checkpoint)
-
-    def size_of(table: dict) -> int:
-        return sum(unit_output_bytes(u) for u in units_of(table))
-
-    def read_of(table: dict) -> int:
-        return sum(config.n_experts_used * unit_output_bytes(u) // u.source.count for u in units_of(table)[1:])
+    def sizes_of(table: dict) -> tuple[int, int]:
+        """(weight-file bytes, expert bytes a token reads) of the conversion `table` makes."""
+        units = make_units(plan, recipe_for([*options.overrides, *exact_overrides(table)]), checkpoint)
+        read = sum(config.n_experts_used * unit_output_bytes(u) // u.source.count for u in units[1:])
+        return sum(unit_output_bytes(u) for u in units), read
 
     try:
-        table = fit_to_size(choices, options.target_size, size_of, read_of, options.max_read_per_token,
+        table = fit_to_size(choices, options.target_size, sizes_of, options.max_read_per_token,
                             config.n_experts_used, config.n_experts)
     except ValueError:
-        smallest = {c.name: c.hull[0][0] for c in choices}
+        size, read = sizes_of({c.name: c.hull[0][0] for c in choices})  # the smallest types
         raise ConvertError(f"--target-size {binary_size(options.target_size)}"
                            + (f" with --max-read-per-token {binary_size(options.max_read_per_token)}"
                               if options.max_read_per_token else "")
-                           + f": the smallest types make {binary_size(size_of(smallest))} of files and read "
-                           f"{binary_size(read_of(smallest))} of experts a token; allow more") from None
+                           + f": the smallest types make {binary_size(size)} of files and read "
+                           f"{binary_size(read)} of experts a token; allow more") from None
     return table
 
 

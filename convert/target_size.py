@@ -128,17 +128,17 @@ def measure_all(tensors, progress: bool = True) -> list[Choice]:
     return [measure(name, sampler(), rows, count, expert) for name, rows, count, expert, sampler in bar]
 
 
-def fit_to_size(choices: list[Choice], target: int, size_of, read_of, read_target: int | None, top_k: int,
+def fit_to_size(choices: list[Choice], target: int, sizes_of, read_target: int | None, top_k: int,
                 experts: int) -> dict[str, str]:
-    """`choose` with the budgets shrunk until the real sizes (`size_of(table)`, `read_of(table)`:
-    file bytes, expert bytes read a token, alignment included) fit `target` and `read_target`:
+    """`choose` with the budgets shrunk until the real sizes (`sizes_of(table)` = (file bytes,
+    expert bytes read a token), alignment included) fit `target` and `read_target`:
     each round by the overshoot, or at once by the alignment the last table needed, whichever is more."""
     budget, read_budget = target, read_target
     for _ in range(BUDGET_ROUNDS):
         table = choose(choices, budget, read_budget, top_k, experts)
         raw = sum(_bytes_of(c, table) for c in choices)
         raw_read = sum(_bytes_of(c, table) for c in choices if c.expert) * top_k // experts
-        size, read = size_of(table), read_of(table)
+        size, read = sizes_of(table)
         if size <= target and (read_target is None or read <= read_target):
             return table
         budget = min(budget - max(size - target, 0), target - (size - raw)) if size > target else budget
