@@ -29,7 +29,7 @@ from colibri.formats.encodings import FLOAT_DTYPES
 from colibri.formats.model_config import ModelConfig
 from colibri.runtime import kernels
 from colibri.runtime.kernels.attention import Scoring
-from colibri.runtime.kernels.routing import RouteRule
+from colibri.runtime.kernels.routing import SCORINGS, RouteRule
 from colibri.runtime.kernels.rows import Product
 from colibri.runtime.rope import Rope, RopeTable, yarn_mscale
 
@@ -129,7 +129,8 @@ class LayerRecord:
     "v", "o", "gate" for an output gate, "q_a", "q_b", "kv_a", "kv_b", "k_absorb", "router",
     "ffn_gate", "ffn_up", "ffn_down", "shared_gate" for a gated shared expert) as
     `kernels.Matrix`, for the prompt path's many-row products. `mixer` is None for a DeltaNet
-    layer (its mixer is `runtime.deltanet`'s); `router` and `experts` for a dense FFN."""
+    layer (its mixer is `runtime.deltanet`'s) and a DeepSeek-V4 layer (`runtime.compressed_attention`'s);
+    `router` and `experts` for a dense FFN."""
 
     layer: int
     attn_norm: np.ndarray
@@ -149,7 +150,7 @@ class LayerRecord:
 
 def route_rule(c: ModelConfig) -> RouteRule:
     """The config's router as the routing kernel takes it."""
-    return RouteRule(c.router == "sigmoid", c.router_groups, c.router_topk_groups, c.router_group_score == "top2_sum",
+    return RouteRule(SCORINGS[c.router], c.router_groups, c.router_topk_groups, c.router_group_score == "top2_sum",
                      c.router_norm_topk, F32(c.routed_scaling_factor))
 
 
@@ -163,6 +164,8 @@ def describe_layer(c: ModelConfig, w, layer: int, rope: Rope, store) -> LayerRec
     if c.is_linear_layer(layer):
         matrices["o"] = w.linear(p + "ssm_out.weight")
         heads, width = c.linear_v_heads, c.linear_v_head_dim
+    elif c.attention == "compressed":  # DeepSeek-V4's: the prompt path's own (`runtime.compressed_attention`)
+        matrices["o"] = w.linear(p + "attn_output_b.weight")
     elif c.attention == "mla":
         mixer, lora, per_head, scale = _latent(c, w, p, rope, attn_norm, matrices)
     else:
@@ -174,7 +177,8 @@ def describe_layer(c: ModelConfig, w, layer: int, rope: Rope, store) -> LayerRec
         matrices["router"] = w.linear(p + "ffn_gate_inp.weight")
         router = RouterInput(matrices["router"].product,
                              w.vector(p + "ffn_gate_inp.bias") if c.router_logit_bias else NONE,
-                             w.vector(p + "exp_probs_b.bias") if c.router_bias else np.zeros(matrices["router"].rows, F32),
+                             w.vector(p + "exp_probs_b.bias") if c.router_bias and layer not in c.hash_layers
+                             else np.zeros(matrices["router"].rows, F32),
                              route_rule(c))
         experts = _experts(c, w, layer, store)
         if c.n_shared_experts:

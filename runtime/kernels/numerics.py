@@ -55,17 +55,21 @@ def silu(v):
     return v * (F32(1.0) if v >= 0 else e) / (F32(1.0) + e)
 
 
-GLU_SILU, GLU_CLAMPED = 0, 1  # the gated activations of `glu`
-GLU_KINDS = {"silu": GLU_SILU, "clamped_swiglu": GLU_CLAMPED}  # ModelConfig.expert_glu -> its kind
+GLU_SILU, GLU_CLAMPED, GLU_CLAMPED_SILU = 0, 1, 2  # the gated activations of `glu`
+GLU_KINDS = {"silu": GLU_SILU, "clamped_swiglu": GLU_CLAMPED,
+             "clamped_silu": GLU_CLAMPED_SILU}  # ModelConfig.expert_glu -> its kind
 
 
 @njit(cache=True, nogil=True, fastmath=True, inline="always")
 def glu(gate, up, kind, alpha, limit):
-    """silu(gate) * up (GLU_SILU), or gpt-oss's clamped SwiGLU (GLU_CLAMPED): gate clipped
-    above at `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    """silu(gate) * up (GLU_SILU), or with gate clipped above at `limit` and up to [-limit,
+    limit]: silu(gate) * up (GLU_CLAMPED_SILU, DeepSeek-V4's), or gpt-oss's clamped SwiGLU
+    (GLU_CLAMPED), (up + 1) * gate * sigmoid(alpha * gate)."""
     if kind == GLU_SILU:
         return silu(gate) * up
     g, u = min(gate, limit), min(max(up, -limit), limit)
+    if kind == GLU_CLAMPED_SILU:
+        return silu(g) * u
     e = _exp_nonpositive(-abs(alpha * g))
     return (u + F32(1.0)) * g * (F32(1.0) if g >= 0 else e) / (F32(1.0) + e)
 
