@@ -45,6 +45,14 @@ class CacheShape:
     widths: dict[str, int]
     windows: tuple[int, ...] = ()
     states: tuple[dict[str, tuple[int, ...]], ...] = ()
+    layer_widths: tuple[dict[str, int], ...] = ()  # each layer's own streams, instead of `widths`
+    entries: tuple[dict[str, tuple[int, int]], ...] = ()  # each layer's entries: name → (ratio, width)
+
+    def widths_of(self, layer: int) -> dict[str, int]:
+        return self.layer_widths[layer] if self.layer_widths else self.widths
+
+    def entries_of(self, layer: int) -> dict[str, tuple[int, int]]:
+        return self.entries[layer] if self.entries else {}
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
@@ -62,8 +70,15 @@ class CacheShape:
 
     def nbytes(self, ctx: int, kind: str) -> int:
         """Bytes a cache of `ctx` positions takes: f32 4, f16 2 bytes a value, q8_0 34 bytes per
-        32 values; the states float32."""
-        return int(sum(self.rows(ctx)) * sum(self.widths.values()) * BYTES_PER_VALUE[kind]) + self.state_bytes()
+        32 values; the states float32; the entries 4 bytes a value in f32, else 2."""
+        streams = sum(rows * sum(self.widths_of(i).values()) for i, rows in enumerate(self.rows(ctx)))
+        entries = sum(ctx // ratio * width for i in range(self.n_layers) for ratio, width in self.entries_of(i).values())
+        return int(streams * BYTES_PER_VALUE[kind]) + entries * entry_dtype(kind).itemsize + self.state_bytes()
+
+
+def entry_dtype(kind: str) -> np.dtype:
+    """What a cache of `kind` stores entries as."""
+    return np.dtype(np.float32 if kind == "f32" else np.float16)
 
 
 class KVCache:
@@ -71,26 +86,29 @@ class KVCache:
         """With a `pool` (of this shape, ctx and kind), the streams are its slot `slot`."""
         if kind not in KV_KINDS:
             raise ValueError(f"--kv-quant must be one of {', '.join(KV_KINDS)}, not {kind!r}")
-        widths = shape.widths
-        if kind == "q8_0" and any(w % Q8_BLOCK for w in widths.values()):
-            raise ValueError(f"q8_0 KV cache needs widths that are multiples of {Q8_BLOCK}: {widths}")
-        self.ctx, self.kind, self.widths = ctx, kind, dict(widths)
+        widths = [shape.widths_of(i) for i in range(shape.n_layers)]
+        if kind == "q8_0" and any(w % Q8_BLOCK for layer in widths for w in layer.values()):
+            raise ValueError(f"q8_0 KV cache needs widths that are multiples of {Q8_BLOCK}: {shape.widths}")
+        self.ctx, self.kind, self.widths = ctx, kind, dict(shape.widths)
         self.length = 0  # positions filled (the same in every layer once a forward pass ends)
         self.windows = [shape.window(i) for i in range(shape.n_layers)]
         rows = shape.rows(ctx)
         dtype = FLOAT_KINDS.get(kind, np.int8)
         self.pool, self.slot = pool, slot
         pooled = [pool is not None and not window for window in self.windows]
-        self.values = [{n: pool.values[i][n][slot] if pooled[i] else np.zeros((r, w), dtype) for n, w in widths.items()}
+        self.values = [{n: pool.values[i][n][slot] if pooled[i] else np.zeros((r, w), dtype) for n, w in widths[i].items()}
                        for i, r in enumerate(rows)]
         if kind == "q8_0":
-            self.scales = [{n: np.zeros((r, w // Q8_BLOCK), np.float16) for n, w in widths.items()} for r in rows]
-        self.firsts = [dict.fromkeys(widths, 0) for _ in rows]  # the position row 0 of each stream holds
+            self.scales = [{n: np.zeros((r, w // Q8_BLOCK), np.float16) for n, w in widths[i].items()}
+                           for i, r in enumerate(rows)]
+        self.firsts = [dict.fromkeys(layer, 0) for layer in widths]  # the position row 0 of each stream holds
+        self.entries = [{n: np.zeros((ctx // ratio, width), entry_dtype(kind)) for n, (ratio, width) in
+                         shape.entries_of(i).items()} for i in range(shape.n_layers)]
         self.states = [{n: np.zeros(s, np.float32) for n, s in shape.state(i).items()} for i in range(shape.n_layers)]
 
     @property
     def nbytes(self) -> int:
-        total = sum(a.nbytes for layer in self.values for a in layer.values())
+        total = sum(a.nbytes for layer in self.values + self.entries for a in layer.values())
         if self.kind == "q8_0":
             total += sum(a.nbytes for layer in self.scales for a in layer.values())
         return total + sum(a.nbytes for layer in self.states for a in layer.values())
@@ -147,6 +165,14 @@ class KVCache:
         self.firsts[layer][name] = keep
         return start - keep
 
+    def write_entries(self, layer: int, name: str, first: int, values: np.ndarray) -> None:
+        """Store entries [n, width] as entries first..first+n-1 of `name`."""
+        self.entries[layer][name][first:first + values.shape[0]] = values
+
+    def entries_of(self, layer: int, name: str, count: int) -> np.ndarray:
+        """Entries 0..count-1 of `name` as float32 [count, width]."""
+        return self.entries[layer][name][:count].astype(np.float32, copy=False)
+
     def stored(self, layer: int, name: str, end: int) -> np.ndarray:
         """Positions first(layer, name)..end-1 as `kernels.attention` takes them, without a copy
         when it can: f32 as float32, f16 as its bits (uint16); q8_0 is dequantized to float32."""
@@ -173,7 +199,7 @@ class KVPool:
             raise ValueError(f"a KV pool holds f32 or f16 caches, not {kind}")
         self.windows = [shape.window(i) for i in range(shape.n_layers)]
         self.values = [{n: np.zeros((count if not window else 0, r, w), FLOAT_KINDS[kind])
-                        for n, w in shape.widths.items()} for r, window in zip(shape.rows(ctx), self.windows)]
+                        for n, w in shape.widths_of(i).items()} for i, (r, window) in enumerate(zip(shape.rows(ctx), self.windows))]
         self.caches = [KVCache(shape, ctx, kind, self, i) for i in range(count)]
 
     def holds(self, layer: int, caches) -> bool:
