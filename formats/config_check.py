@@ -28,12 +28,12 @@ MAX_POSITIONS = 1 << 26
 MAX_LAYERS = 1 << 12  # layers and experts size the tables a reader builds: bounded tighter
 MAX_EXPERTS = 1 << 14
 IMPLEMENTED = {  # what the runtime computes; anything else is refused naming the key
-    "attention": ("gqa", "mla"),
+    "attention": ("gqa", "mla", "compressed"),
     "qk_norm": ("none", "head", "full"),
     "hidden_act": ("silu",),
-    "router": ("softmax", "sigmoid"),
+    "router": ("softmax", "sigmoid", "sqrtsoftplus"),
     "router_group_score": ("top2_sum", "max"),
-    "expert_glu": ("silu", "clamped_swiglu"),
+    "expert_glu": ("silu", "clamped_swiglu", "clamped_silu"),
     "rope_scaling": ("default", "yarn"),
 }
 _YARN_NUMBERS = ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
@@ -115,6 +115,8 @@ def config_problems(c: ModelConfig) -> list[str]:
         return problems
     need(c.n_heads % c.n_kv_heads == 0, f"n_heads {c.n_heads} is not a multiple of n_kv_heads {c.n_kv_heads}")
     width = c.qk_rope_head_dim if c.attention == "mla" else c.head_dim
+    if c.attention == "compressed" and c.index_topk:
+        width = min(width, c.index_head_dim) if is_int(c.index_head_dim) else 0
     need(is_int(c.rope_dim) and 2 <= c.rope_dim <= (width if is_int(width) else 0) and c.rope_dim % 2 == 0,
          f"rope_dim is {c.rope_dim!r}, not an even number of rotated features within the head's {width}")
     if c.attention == "mla":
@@ -127,6 +129,7 @@ def config_problems(c: ModelConfig) -> list[str]:
                  f"head_dim {c.head_dim} is not qk_nope_head_dim + qk_rope_head_dim")
             need(c.n_kv_heads == c.n_heads, f"n_kv_heads {c.n_kv_heads} differs from n_heads {c.n_heads} in MLA")
     _check_indexer(c, dim, need)
+    _check_compressed(c, dim, need)
     dim("sliding_window", 0, MAX_POSITIONS)
     layers = c.sliding_layers
     need(isinstance(layers, list) and all(is_int(i) for i in layers) and layers == sorted(set(layers))
@@ -148,15 +151,54 @@ def _check_indexer(c: ModelConfig, dim, need) -> None:
     if not dim("index_topk", 0, MAX_POSITIONS) or not c.index_topk:
         need(c.index_layers == [], f"index_layers {c.index_layers!r} without an index_topk")
         return
-    need(c.attention == "mla" and bool(c.q_lora_rank), "an indexer (index_topk) needs MLA with a query LoRA")
+    need(c.attention in ("mla", "compressed") and bool(c.q_lora_rank),
+         "an indexer (index_topk) needs MLA or compressed attention with a query LoRA")
     dim("index_heads")
     if dim("index_head_dim") and is_int(c.qk_rope_head_dim):
         need(c.qk_rope_head_dim <= c.index_head_dim and c.qk_rope_head_dim % 2 == 0,
              f"index_head_dim {c.index_head_dim} is narrower than the rotated {c.qk_rope_head_dim}")
     layers = c.index_layers
+    if c.attention == "compressed":  # the layers that compress by OVERLAPPING_RATIO
+        ratios = c.compress_ratios if isinstance(c.compress_ratios, list) else []
+        need(layers == [i for i, ratio in enumerate(ratios) if ratio == OVERLAPPING_RATIO],
+             f"index_layers {layers!r} are not the layers of compress ratio {OVERLAPPING_RATIO}")
+        return
     need(isinstance(layers, list) and all(is_int(i) for i in layers) and layers == sorted(set(layers))
          and all(0 <= i < c.n_layers for i in layers) and layers[:1] == [0],
          f"index_layers {layers!r} are not distinct increasing layers of the {c.n_layers}, from layer 0")
+
+
+OVERLAPPING_RATIO = 4  # DeepSeek-V4's compress ratio whose windows overlap and whose layers have an indexer
+MAX_SINKHORN_ITERS = 1000
+
+
+def _check_compressed(c: ModelConfig, dim, need) -> None:
+    """DeepSeek-V4's compressed attention, hyper-connections and hash routing, through
+    `config_problems`' `dim` and `need`."""
+    if c.attention != "compressed":
+        need(not c.compress_ratios and not c.hyper_streams and not c.hash_layers,
+             "compress_ratios, hyper_streams and hash_layers need compressed attention")
+        return
+    ratios = c.compress_ratios
+    if not need(len(ratios) == c.n_layers and all(r <= MAX_DIM for r in ratios),
+                f"compress_ratios {ratios!r} are not one ratio per layer"):
+        return
+    need(c.n_kv_heads == 1 and c.v_head_dim == c.head_dim, "compressed attention has one key-value head, K = V")
+    dim("q_lora_rank")
+    if dim("output_groups") and is_int(c.n_heads):
+        need(c.n_heads % c.output_groups == 0, f"n_heads {c.n_heads} is not a multiple of output_groups {c.output_groups}")
+    dim("output_lora_rank")
+    need(c.sliding_layers == list(range(c.n_layers)), "compressed attention keeps a window in every layer")
+    dim("sliding_window", 1, MAX_POSITIONS)
+    need(_is_finite(c.compress_rope_theta) and c.compress_rope_theta > 0,
+         f"compress_rope_theta is {c.compress_rope_theta!r}, not a positive number")
+    need(not _rope_scaling_problems(c.compress_rope_scaling), f"compress_rope_scaling {c.compress_rope_scaling!r} is unsound")
+    dim("hyper_streams")
+    dim("hyper_sinkhorn_iters", 1, MAX_SINKHORN_ITERS)
+    need(_is_finite(c.hyper_eps) and 0 <= c.hyper_eps < 1, f"hyper_eps is {c.hyper_eps!r}, not a number in [0, 1)")
+    hashed = c.hash_layers
+    need(all(i in c.moe_layers for i in hashed) and hashed == sorted(set(hashed)),
+         f"hash_layers {hashed!r} are not distinct increasing MoE layers")
 
 
 MAX_CONV_KERNEL = 64  # the DeltaNet convolution's width (4 in every release)
@@ -226,7 +268,7 @@ def _check_moe(c: ModelConfig, dim, need) -> None:
     dim("n_shared_experts", 0)
     if is_int(c.n_shared_experts) and c.n_shared_experts:
         dim("shared_expert_ffn")
-    if c.expert_glu == "clamped_swiglu":
+    if c.expert_glu in ("clamped_swiglu", "clamped_silu"):
         for name in ("swiglu_alpha", "swiglu_limit"):
             need(_is_finite(getattr(c, name)) and getattr(c, name) > 0, f"{name} is {getattr(c, name)!r}, not a positive number")
     need(_is_finite(c.routed_scaling_factor) and c.routed_scaling_factor > 0,
@@ -245,16 +287,23 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     tensors = {"token_embd.weight": (c.vocab_size, d), "output_norm.weight": (d,)}
     if not c.tie_word_embeddings:
         tensors["output.weight"] = (c.vocab_size, d)
+    if c.hyper_streams:
+        s = c.hyper_streams
+        tensors.update({"output_hc_fn.weight": (s, s * d), "output_hc_base.weight": (s,), "output_hc_scale.weight": (1,)})
     for layer in range(c.n_layers):
         p = f"blk.{layer}."
         tensors.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,)})
         if layer in c.linear_layers:
             tensors.update(_linear_tensors(c, p))
+        elif c.attention == "compressed":
+            tensors.update(_compressed_tensors(c, p, layer))
         else:
             tensors.update(_attention_tensors(c, p, layer))
         if layer in c.moe_layers:
             tensors[p + "ffn_gate_inp.weight"] = (c.n_experts, d)
-            if c.router_bias:
+            if layer in c.hash_layers:  # expert ids, stored as float32
+                tensors[p + "ffn_gate_tid2eid.weight"] = (c.vocab_size, c.n_experts_used)
+            elif c.router_bias:
                 tensors[p + "exp_probs_b.bias"] = (c.n_experts,)
             if c.router_logit_bias:
                 tensors[p + "ffn_gate_inp.bias"] = (c.n_experts,)
@@ -268,6 +317,34 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         else:
             tensors.update(_mlp(p + "ffn_{}.weight", c.dense_ffn, d))
     return tensors
+
+
+def _compressed_tensors(c: ModelConfig, p: str, layer: int) -> dict[str, tuple[int, ...]]:
+    """A DeepSeek-V4 layer's attention and hyper-connections, by llama.cpp's names."""
+    d, h, hd, streams = c.hidden_size, c.n_heads, c.head_dim, c.hyper_streams
+    mixes = (2 + streams) * streams
+    tensors = {p + "attn_q_a.weight": (c.q_lora_rank, d), p + "attn_q_a_norm.weight": (c.q_lora_rank,),
+               p + "attn_q_b.weight": (h * hd, c.q_lora_rank), p + "attn_kv.weight": (hd, d),
+               p + "attn_kv_a_norm.weight": (hd,), p + "attn_sinks.weight": (h,),
+               p + "attn_output_a.weight": (c.output_groups * c.output_lora_rank, h * hd // c.output_groups),
+               p + "attn_output_b.weight": (d, c.output_groups * c.output_lora_rank)}
+    for site in ("attn", "ffn"):
+        tensors.update({p + f"hc_{site}_fn.weight": (mixes, streams * d), p + f"hc_{site}_base.weight": (mixes,),
+                        p + f"hc_{site}_scale.weight": (3,)})
+    ratio = c.compress_ratios[layer]
+    if ratio:
+        width = (2 if ratio == OVERLAPPING_RATIO else 1) * hd
+        tensors.update(_compressor(p + "attn_compressor_", ratio, width, hd, d))
+    if layer in c.index_layers:
+        i, w = c.index_heads, c.index_head_dim
+        tensors.update(_compressor(p + "indexer_compressor_", OVERLAPPING_RATIO, 2 * w, w, d))
+        tensors.update({p + "indexer.attn_q_b.weight": (i * w, c.q_lora_rank), p + "indexer.proj.weight": (i, d)})
+    return tensors
+
+
+def _compressor(prefix: str, ratio: int, width: int, entry: int, d: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "kv.weight": (width, d), prefix + "gate.weight": (width, d), prefix + "ape.weight": (ratio, width),
+            prefix + "norm.weight": (entry,)}
 
 
 def _attention_tensors(c: ModelConfig, p: str, layer: int) -> dict[str, tuple[int, ...]]:

@@ -45,6 +45,21 @@ class ModelConfig:
     index_rope_interleaved: bool = False  # the indexer rotates pairs (GLM-5), not halves (DeepSeek-V3.2)
     index_layers: list[int] = field(default_factory=list)  # layers with an indexer; the others reuse the one before
     attn_output_gate: bool = False  # q's projection gives [query | gate] per head; the output is times sigmoid(gate)
+    # DeepSeek-V4's compressed attention: one shared key-value head (K = V) over a window of
+    # `sliding_window` positions in every layer, plus, where `compress_ratios[layer]` is m > 0,
+    # one compressed entry per m positions (m = 4: overlapping windows of 2m, chosen by an indexer
+    # of `index_heads` x `index_head_dim`; otherwise all of them); output through `output_groups`
+    # low-rank groups of `output_lora_rank`
+    compress_ratios: list[int] = field(default_factory=list)  # per layer; 0: the window only
+    compress_rope_theta: float = 0.0  # the rotation of compressed layers (with `compress_rope_scaling`)
+    compress_rope_scaling: dict | None = None
+    output_groups: int = 0
+    output_lora_rank: int = 0
+    # manifold-constrained hyper-connections (DeepSeek-V4): `hyper_streams` residual streams mixed
+    # around each block, the mixing matrix made doubly stochastic by `hyper_sinkhorn_iters` rounds
+    hyper_streams: int = 0  # 0: one ordinary residual stream
+    hyper_sinkhorn_iters: int = 0
+    hyper_eps: float = 0.0
     # gated DeltaNet (Qwen3-Next, Qwen3.5): layers whose token mixer is a linear recurrence, not
     # attention, with a fixed-size state per sequence instead of a KV cache
     linear_layers: list[int] = field(default_factory=list)
@@ -67,11 +82,13 @@ class ModelConfig:
     n_experts: int = 0
     n_experts_used: int = 0  # top-k
     expert_ffn: int = 0  # intermediate size of one routed expert
-    expert_glu: str = "silu"  # "silu": silu(gate) * up; "clamped_swiglu": gpt-oss's, with alpha and limit
+    expert_glu: str = "silu"  # "silu": silu(gate) * up; "clamped_swiglu": gpt-oss's, with alpha and limit;
+    # "clamped_silu": silu(min(gate, limit)) * clip(up, -limit, limit) (DeepSeek-V4, shared experts too)
     swiglu_alpha: float = 1.0
     swiglu_limit: float = 0.0
     expert_bias: bool = False  # each routed expert's gate, up and down products carry a bias
-    router: str = "softmax"  # "softmax" or "sigmoid" scores
+    router: str = "softmax"  # "softmax", "sigmoid" or "sqrtsoftplus" (sqrt(softplus), DeepSeek-V4) scores
+    hash_layers: list[int] = field(default_factory=list)  # MoE layers whose experts a token-id table chooses
     router_norm_topk: bool = False  # renormalise the chosen k weights to sum to 1
     router_bias: bool = False  # a score-correction bias used for the choice only (DeepSeek-V3)
     router_logit_bias: bool = False  # the router's own bias, added to its logits (gpt-oss)

@@ -17,15 +17,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from colibri.formats.config_check import OVERLAPPING_RATIO
 from colibri.formats.encodings import FLOAT_DTYPES
 from colibri.formats.layout import ModelLayout, align_up
 from colibri.formats.model_config import ModelConfig
-from colibri.runtime import fused, kernels
+from colibri.runtime import fused, hyper_connections, kernels
+from colibri.runtime.compressed_attention import CompressedAttention
 from colibri.runtime.deltanet import GatedDeltaNet
 from colibri.runtime.expert_store import ExpertStore
 from colibri.runtime.indexer import Indexer
 from colibri.runtime.kernels.attention import Scoring
-from colibri.runtime.kernels.routing import route_by
+from colibri.runtime.kernels.routing import route_by, weigh_chosen
 from colibri.runtime.kv_cache import CacheShape, KVCache
 from colibri.runtime.layer_record import LayerRecord, describe_layer
 from colibri.runtime.layer_steps import finish_qkv
@@ -307,19 +309,36 @@ class Router:
         self.bias = record.router.bias
         self.logit_bias = record.router.logit_bias if record.router.logit_bias.size else None
 
-    def __call__(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(expert ids [n, k], weights [n, k])."""
+    def __call__(self, h: np.ndarray, tokens=None) -> tuple[np.ndarray, np.ndarray]:
+        """(expert ids [n, k], weights [n, k]) of h [n, hidden] (the rows' `tokens` play no part)."""
         logits = self.gate(h) if self.logit_bias is None else self.gate(h) + self.logit_bias
         return route_by(logits, self.bias, self.k, self.input.rule)
 
 
+class HashRouter(Router):
+    """DeepSeek-V4's first layers: a table chooses each token's experts, the router only weighs them."""
+
+    def __init__(self, c: ModelConfig, record: LayerRecord, w: Weights):
+        super().__init__(c, record)
+        name = f"blk.{record.layer}.ffn_gate_tid2eid.weight"
+        table = w.array(name)
+        if not np.all((table >= 0) & (table < c.n_experts) & (table == np.floor(table))):
+            raise ValueError(f"{name}: expert ids outside 0..{c.n_experts - 1}")
+        self.table = table.astype(np.int64)
+
+    def __call__(self, h: np.ndarray, tokens=None) -> tuple[np.ndarray, np.ndarray]:
+        ids = self.table[np.asarray(tokens, dtype=np.int64)]
+        return ids, weigh_chosen(self.gate(h), ids, self.input.rule)
+
+
 class MoE:
-    def __init__(self, c: ModelConfig, record: LayerRecord, store: ExpertStore):
+    def __init__(self, c: ModelConfig, record: LayerRecord, store: ExpertStore, router: Router | None = None):
         self.layer, self.store = record.layer, store
-        self.router = Router(c, record)
+        self.router = router or Router(c, record)
         self.experts = record.experts
         m = record.matrices
-        self.shared = SharedExpert(m["ffn_gate"], m["ffn_up"], m["ffn_down"], m.get("shared_gate")) \
+        limit = c.swiglu_limit if c.expert_glu == "clamped_silu" else 0.0
+        self.shared = SharedExpert(m["ffn_gate"], m["ffn_up"], m["ffn_down"], m.get("shared_gate"), limit) \
             if record.ffn is not None else None
         self.last_route: tuple[np.ndarray, np.ndarray] | None = None
         self.last_distinct = 0  # distinct experts the last call used
@@ -328,8 +347,9 @@ class MoE:
         # router would see if this layer and the next attention added nothing
         self.lookahead: tuple[MoE, np.ndarray] | None = None
 
-    def __call__(self, h: np.ndarray, batch_invariant: bool = False) -> np.ndarray:
-        return self.apply(h, *self.router(h), batch_invariant)
+    def __call__(self, h: np.ndarray, batch_invariant: bool = False, tokens=None) -> np.ndarray:
+        """The layer's FFN of h [n, hidden]; `tokens` [n], the rows' token ids, for a hash layer's router."""
+        return self.apply(h, *self.router(h, tokens), batch_invariant)
 
     def apply(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, batch_invariant: bool = False) -> np.ndarray:
         """The routed experts `ids` [n, k] chose for h [n, hidden], mixed with `weights` [n, k],
@@ -400,15 +420,20 @@ class MoE:
 
 
 class SharedExpert(DenseFFN):
-    """The shared experts' FFN, scaled by a sigmoid of its own gate when it has one."""
+    """The shared experts' FFN, scaled by a sigmoid of its own gate when it has one; with a
+    `limit` (DeepSeek-V4's), gate clipped above and up to [-limit, limit] before the GLU."""
 
     def __init__(self, gate: kernels.Matrix, up: kernels.Matrix, down: kernels.Matrix,
-                 sigmoid_gate: kernels.Matrix | None):
+                 sigmoid_gate: kernels.Matrix | None, limit: float = 0.0):
         super().__init__(gate, up, down)
-        self.sigmoid_gate = sigmoid_gate
+        self.sigmoid_gate, self.limit = sigmoid_gate, np.float32(limit)
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
-        y = super().__call__(h)
+        if self.limit:
+            gate, up = np.minimum(self.gate(h), self.limit), np.clip(self.up(h), -self.limit, self.limit)
+            y = self.down(kernels.silu_times(gate, up))
+        else:
+            y = super().__call__(h)
         if self.sigmoid_gate is not None:
             y = kernels.sigmoid_gated(y, self.sigmoid_gate(h))
         return y
@@ -427,29 +452,46 @@ class Decoder:
         self.output_norm = w.vector("output_norm.weight")
         self.route_log = None  # called as route_log(layer, positions, expert ids, weights) after each MoE layer
         self.records = [describe_layer(c, w, i, rope, store) for i in range(c.n_layers)]
+        compress_rope = Rope(dataclasses.replace(c, rope_theta=c.compress_rope_theta, rope_scaling=c.compress_rope_scaling),
+                             ctx) if c.attention == "compressed" else None
         self.layers = []  # (attention norm, token mixer, FFN norm, FFN) of each layer, for the prompt path
         for record in self.records:
             i, m = record.layer, record.matrices
             if c.is_linear_layer(i):
                 attention = GatedDeltaNet(c, w, i)
+            elif c.attention == "compressed":
+                attention = CompressedAttention(c, w, i, rope, compress_rope)
             else:
                 attention = LatentAttention(c, w, record, index_rope) if c.attention == "mla" else Attention(c, record)
-            if c.index_topk and attention.indexer is None:  # it reuses the last indexer's choice
+            if c.index_topk and c.attention == "mla" and attention.indexer is None:  # it reuses the last indexer's choice
                 attention.shares = next(a for _, a, _, _ in reversed(self.layers) if a.indexer is not None)
-            ffn = MoE(c, record, store) if record.router is not None else DenseFFN(m["ffn_gate"], m["ffn_up"], m["ffn_down"])
+            router = HashRouter(c, record, w) if i in c.hash_layers else None
+            ffn = MoE(c, record, store, router) if record.router is not None else \
+                DenseFFN(m["ffn_gate"], m["ffn_up"], m["ffn_down"])
             self.layers.append((record.attn_norm, attention, record.output.ffn_norm, ffn))
+        # each layer's (attention's, FFN's) hyper-connection weights, then the head's
+        self.hyper = [tuple(self.hyper_weights(f"blk.{i}.hc_{site}_") for site in ("attn", "ffn"))
+                      for i in range(c.n_layers)] if c.hyper_streams else []
+        self.hyper_head = self.hyper_weights("output_hc_") if c.hyper_streams else None
         self.decode_layers = self.fused_steps()
-        moe = [(ffn, ffn_norm) for _, _, ffn_norm, ffn in self.layers if isinstance(ffn, MoE)]
+        moe = [(ffn, ffn_norm) for _, _, ffn_norm, ffn in self.layers if isinstance(ffn, MoE) and not c.hyper_streams]
         for (this, this_norm), (following, following_norm) in zip(moe, moe[1:]):
             ratio = np.divide(following_norm, this_norm, out=np.zeros_like(this_norm), where=this_norm != 0)
             this.lookahead = following, ratio
 
+    def hyper_weights(self, prefix: str) -> hyper_connections.HyperWeights:
+        w = self.weights
+        return hyper_connections.HyperWeights(w.linear(prefix + "fn.weight"), w.vector(prefix + "base.weight"),
+                                              w.vector(prefix + "scale.weight"))
+
     def fused_steps(self) -> list:
         """Each layer's decode step (a decoded token through it in a few numba calls), built on
-        its record."""
+        its record; None where a decoded token takes the prompt path (DeepSeek-V4's layers)."""
         c, steps = self.config, []
         for record, (_, mixer, _, ffn) in zip(self.records, self.layers):
-            if isinstance(mixer, Attention):
+            if c.hyper_streams:
+                steps.append(None)
+            elif isinstance(mixer, Attention):
                 steps.append(fused.DecodeLayer(c, record, ffn))
             else:  # MLA's sparse attention choice and a DeltaNet's mixer are the prompt path's own
                 layer = fused.LatentDecodeLayer if isinstance(mixer, LatentAttention) else fused.DeltaNetDecodeLayer
@@ -462,12 +504,16 @@ class Decoder:
         (MLA's absorbed keys, at most 4 bytes a value)."""
         c = layout.config
         derived = 4 * c.n_layers * c.n_heads * c.kv_lora_rank * c.qk_nope_head_dim if c.attention == "mla" else 0
+        if c.hash_layers:  # each hash layer's table, as int64
+            derived += 8 * len(c.hash_layers) * c.vocab_size * c.n_experts_used
         return sum(t.nbytes for t in layout.tensors.values()) + derived
 
     @staticmethod
     def cache_shape_for(c: ModelConfig) -> CacheShape:
         """What one sequence's cache holds: the KV streams' widths a position, the positions each
-        layer's queries see (0: all), a DeltaNet layer's states."""
+        layer's queries see (0: all), a DeltaNet layer's states; DeepSeek-V4's own streams and entries."""
+        if c.attention == "compressed":
+            return compressed_cache_shape(c)
         if c.attention == "mla":  # the latent, then the shared rotary key; the indexer's keys
             widths = {"kv": c.kv_lora_rank + c.qk_rope_head_dim, **({"index_k": c.index_head_dim} if c.index_topk else {})}
         else:
@@ -506,7 +552,19 @@ class Decoder:
             s.cache.check_room(s.start, s.count)
         positions = np.concatenate([np.arange(s.start, s.end) for s in segments])
         x = np.concatenate([self.embed.rows_f32(int(t), 1) for t in tokens])
-        fused = len(tokens) == 1 and not batch_invariant
+        if c.hyper_streams:
+            x = self.hyper_layers(x, tokens, positions, segments, batch_invariant)
+        else:
+            x = self.residual_layers(x, positions, segments, batch_invariant)
+        for s in segments:
+            s.cache.length = s.end
+        return x
+
+    def residual_layers(self, x: np.ndarray, positions: np.ndarray, segments: list[Segment],
+                        batch_invariant: bool) -> np.ndarray:
+        """The layers over one residual stream; one token alone takes the fused decode steps."""
+        c = self.config
+        fused = x.shape[0] == 1 and not batch_invariant
         for layer, (attn_norm, attention, ffn_norm, ffn) in enumerate(self.layers):
             step = self.decode_layers[layer] if fused else None
             if step is not None:
@@ -517,9 +575,27 @@ class Decoder:
                 x = x + (ffn(h, batch_invariant) if isinstance(ffn, MoE) else ffn(h))
             if self.route_log is not None and isinstance(ffn, MoE):
                 self.route_log(layer, positions, *ffn.last_route)
-        for s in segments:
-            s.cache.length = s.end
         return x
+
+    def hyper_layers(self, x: np.ndarray, tokens, positions: np.ndarray, segments: list[Segment],
+                     batch_invariant: bool) -> np.ndarray:
+        """The layers over `hyper_streams` residual streams (DeepSeek-V4's mHC,
+        `runtime.hyper_connections`), then the head's collapse of them: [n, hidden]."""
+        c = self.config
+        streams = np.repeat(x[:, None, :], c.hyper_streams, axis=1)
+        mixing = (c.hyper_sinkhorn_iters, c.hyper_eps, c.norm_eps)
+        for layer, (attn_norm, attention, ffn_norm, ffn) in enumerate(self.layers):
+            before_attention, before_ffn = self.hyper[layer]
+            h, post, comb = hyper_connections.mix(streams, before_attention, *mixing)
+            y = attention(rms_norm(h, attn_norm, c.norm_eps), positions, segments)
+            streams = hyper_connections.merge(streams, y, post, comb)
+            h, post, comb = hyper_connections.mix(streams, before_ffn, *mixing)
+            h = rms_norm(h, ffn_norm, c.norm_eps)
+            y = ffn(h, batch_invariant, tokens) if isinstance(ffn, MoE) else ffn(h)
+            streams = hyper_connections.merge(streams, y, post, comb)
+            if self.route_log is not None and isinstance(ffn, MoE):
+                self.route_log(layer, positions, *ffn.last_route)
+        return hyper_connections.head(streams, self.hyper_head, c.hyper_eps, c.norm_eps)
 
     def distinct_experts(self) -> int:
         """Distinct experts the last forward pass used, summed over the MoE layers."""
@@ -527,3 +603,23 @@ class Decoder:
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         return self.output(rms_norm(x, self.output_norm, self.config.norm_eps))
+
+
+def compressed_cache_shape(c: ModelConfig) -> CacheShape:
+    """DeepSeek-V4's cache: in every layer a window of the key-value head and of its compressors'
+    per-position projections (kv and gate), and the entries made so far. A layer keeps the
+    positions its queries see, or those an entry pools (CSA: two windows of 4) if more."""
+    widths, windows, entries = [], [], []
+    for layer, ratio in enumerate(c.compress_ratios):
+        streams, made, pooled = {"kv": c.head_dim}, {}, 0
+        if ratio:
+            overlap = 2 if ratio == OVERLAPPING_RATIO else 1
+            streams.update(comp_kv=overlap * c.head_dim, comp_gate=overlap * c.head_dim)
+            made["comp"], pooled = (ratio, c.head_dim), overlap * ratio
+        if layer in c.index_layers:
+            streams.update(index_kv=2 * c.index_head_dim, index_gate=2 * c.index_head_dim)
+            made["index"] = (OVERLAPPING_RATIO, c.index_head_dim)
+        widths.append(streams)
+        windows.append(max(c.sliding_window, pooled))
+        entries.append(made)
+    return CacheShape(c.n_layers, {}, tuple(windows), layer_widths=tuple(widths), entries=tuple(entries))
