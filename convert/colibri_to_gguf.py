@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from colibri.convert.arch import ADAPTERS
 from colibri.convert.gguf_arch import (
-    expert_tensor_name, gguf_arch_name, gguf_tensor_name, layer_of, permuted_heads, tensor_chunks, write_arch_metadata,
+    INTEGER_TABLE, expert_tensor_name, gguf_arch_name, gguf_tensor_name, layer_of, permuted_heads, tensor_chunks, write_arch_metadata,
 )
 from colibri.convert.gguf_source import ByteReader, read_ahead
 from colibri.convert.pipeline import ConvertError, check_free_space
@@ -95,6 +95,23 @@ class TransposedKeys:
             yield np.ascontiguousarray(dequantize(data, encoding, rank).T, dtype=np.float32).view(np.uint8).reshape(-1)
 
 
+@dataclass(frozen=True)
+class IntegerTable:
+    """DeepSeek-V4's token → experts table as llama.cpp loads it: I32 (stored as whole float32s)."""
+
+    name: str
+    shape: tuple[int, ...]
+    source: tuple[str, int, int]  # file, offset, bytes of the float32 values
+    encoding: str = "I32"
+
+    @property
+    def nbytes(self) -> int:
+        return self.source[2]
+
+    def chunks(self, reader: ByteReader):
+        yield reader.read(*self.source).view(np.float32).astype(np.int32).view(np.uint8)
+
+
 def split_kv_b(layout: ModelLayout, name: str) -> list:
     """attn_kv_b as llama.cpp's glm-dsa loads it: attn_k_b (`TransposedKeys`) and attn_v_b
     [heads, v, rank], each head's value rows copied."""
@@ -118,6 +135,8 @@ def export_tensors(layout: ModelLayout) -> list[ExportTensor]:
     for t in layout.tensors.values():
         if adapter.gguf_split_kv_b and t.name.endswith(".attn_kv_b.weight"):
             by_layer[layer_of(t.name)] += split_kv_b(layout, t.name)
+        elif t.name.endswith(INTEGER_TABLE):
+            by_layer[layer_of(t.name)].append(IntegerTable(t.name, t.shape, (path(t.file), t.offset, t.nbytes)))
         elif t.name not in parts:
             by_layer[layer_of(t.name)].append(
                 ExportTensor(gguf_tensor_name(c, t.name), t.shape, t.encoding, t.nbytes, ((path(t.file), t.offset, t.nbytes),),
@@ -150,7 +169,7 @@ def joined_tensor(layout: ModelLayout, name: str, pieces: list[tuple[str, int, i
 def file_type(tensors: list[ExportTensor]) -> gguf.LlamaFileType:
     weight_bytes: dict[str, int] = {}
     for t in tensors:
-        if len(t.shape) >= 2:
+        if len(t.shape) >= 2 and t.encoding in FILE_TYPES:
             weight_bytes[t.encoding] = weight_bytes.get(t.encoding, 0) + t.nbytes
     return FILE_TYPES[max(weight_bytes, key=weight_bytes.get)]
 

@@ -26,7 +26,7 @@ import numpy as np
 from colibri.convert.arch import ADAPTERS
 from colibri.convert.expert_layout import expert_file_bytes, write_expert_layer
 from colibri.convert.gguf_arch import (
-    GGUFMetadata, config_from_gguf, expert_shapes, expert_tensor_name, gguf_tensor_name, kv_b_from_split, layer_of,
+    INTEGER_TABLE, GGUFMetadata, config_from_gguf, expert_shapes, expert_tensor_name, gguf_tensor_name, kv_b_from_split, layer_of,
     permuted_heads, resident_shapes, tensor_chunks,
 )
 from colibri.convert.gguf_source import ByteReader, GGUFError, GGUFSource, GGUFTensor, read_ahead
@@ -77,6 +77,23 @@ class GatheredRows:
     def chunks(self, reader: ByteReader):
         for file, offset, nbytes in self.spans:
             yield from tensor_chunks(reader, file, offset, nbytes, 1)
+
+
+@dataclass(frozen=True)
+class FloatTable:
+    """DeepSeek-V4's token → experts table: llama.cpp's I32 values as the layout's float32."""
+
+    name: str
+    shape: tuple[int, ...]
+    source: GGUFTensor
+    encoding: str = "F32"
+
+    @property
+    def source_bytes(self) -> int:
+        return self.source.nbytes
+
+    def chunks(self, reader: ByteReader):
+        yield reader.read(self.source.file, self.source.offset, self.source.nbytes).view("<i4").astype(np.float32).view(np.uint8)
 
 
 @dataclass(frozen=True)
@@ -219,6 +236,8 @@ class ImportPlan:
         if name.endswith(".attn_kv_b.weight"):  # a GGUF holding both forms: attn_k_b/attn_v_b are redundant
             self.skipped += [n for n in split if self.present.pop(n, None)]
         t = self._tensor(gguf_tensor_name(self.config, name), shape)
+        if t and name.endswith(INTEGER_TABLE) and t.type == "I32":
+            return FloatTable(name, shape, t)
         return t and CopiedTensor(name, t.type, shape, str(t.file), t.offset, t.nbytes, permuted_heads(self.config, name))
 
     def _gathered(self, name: str, shape: tuple) -> GatheredRows | None:
@@ -263,7 +282,8 @@ class ImportPlan:
         unexpected = sorted(set(self.present) - self.used)
         if unexpected:
             raise GGUFError(f"{file}: unexpected tensor {some(unexpected, MAX_LISTED)} for {c.architecture} as its metadata describes it")
-        unsupported = [f"{n} ({self.present[n].type})" for n in self.present if self.present[n].type not in ENCODINGS]
+        unsupported = [f"{n} ({t.type})" for n, t in self.present.items()
+                       if t.type not in ENCODINGS and not (n.endswith(INTEGER_TABLE) and t.type == "I32")]
         if unsupported:
             raise GGUFError(f"{file}: {len(unsupported)} tensors have types colibri cannot compute "
                             f"(supported: {', '.join(ENCODINGS)}): {some(unsupported, MAX_LISTED)}")

@@ -14,7 +14,7 @@ import numpy as np
 
 from colibri.convert.arch import Adapter, adapter_for
 from colibri.convert.arch.base import ExpertNames, normalized_config
-from colibri.formats.checkpoint import CONVERTIBLE_DTYPES, MXFP4_DTYPE, Checkpoint, CheckpointError
+from colibri.formats.checkpoint import CONVERTIBLE_DTYPES, INTEGER_DTYPES, MXFP4_DTYPE, Checkpoint, CheckpointError
 from colibri.formats.layout import EXPERT_MATRICES
 from colibri.formats.messages import some
 from colibri.formats.model_config import ModelConfig
@@ -110,7 +110,7 @@ def make_plan(checkpoint: Checkpoint, adapter: Adapter | None = None) -> Convers
         expected.update(expected_expert_tensors(src))
         expert_layers.append(src)
 
-    _compare(present, expected, config.architecture)
+    _compare(present, expected, config.architecture, adapter.integer_tensors)
     resident = []
     expert_tensor_names = {n for src in expert_layers for n in expected_expert_tensors(src)}
     for name, shape in expected.items():
@@ -128,7 +128,7 @@ def _layer_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _compare(present: dict, expected: dict[str, tuple], architecture: str) -> None:
+def _compare(present: dict, expected: dict[str, tuple], architecture: str, integers: tuple[str, ...] = ()) -> None:
     missing = [n for n in expected if n not in present]
     if missing:
         raise CheckpointError(f"checkpoint lacks tensor {some(missing, 1)}, which config.json implies")
@@ -140,6 +140,8 @@ def _compare(present: dict, expected: dict[str, tuple], architecture: str) -> No
         entry = present[name]
         if entry.shape != tuple(shape):
             raise CheckpointError(f"{entry.file.name}: tensor {name} has shape {list(entry.shape)}, config.json implies {list(shape)}")
+        if name.endswith(integers) and entry.dtype in INTEGER_DTYPES:
+            continue
         if entry.dtype not in CONVERTIBLE_DTYPES:
             raise CheckpointError(f"{entry.file.name}: tensor {name} has dtype {entry.dtype}, expected a float type, packed "
                                   "INT4 or MXFP4")

@@ -44,6 +44,8 @@ TEXT_MODEL_TOP = ("lm_head.weight",)  # text tensors a Qwen3.5-style wrapper kee
 PACKED_DTYPE = "I4"  # compressed-tensors' packed INT4 weight with its group scales (formats.compressed_tensors)
 MXFP4_DTYPE = "MXFP4"  # gpt-oss's `_blocks` and `_scales` of one weight (formats.mxfp4)
 CONVERTIBLE_DTYPES = (*FLOAT_DTYPES, PACKED_DTYPE, MXFP4_DTYPE)
+INTEGER_DTYPES = {"I32": "<i4", "I64": "<i8"}  # integer tables, read as float32 (`Checkpoint.read`)
+EXACT_FLOAT_INTEGERS = 1 << 24  # whole numbers float32 holds exactly
 FP8_BLOCK = 128
 FP8_SCALES = (".weight_scale_inv", ".weight_scale")  # DeepSeek's block scales; compressed-tensors' scales
 HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # what a Hugging Face repo id looks like: owner/name
@@ -295,11 +297,16 @@ class Checkpoint:
                                                  self.read(weight.scale.name, first, count), weight.cols)
         if entry.dtype == MXFP4_DTYPE:
             return mxfp4.dequantize(*self._mxfp4_parts(name, first, count))
-        if entry.dtype not in FLOAT_DTYPES:
+        if entry.dtype not in FLOAT_DTYPES and entry.dtype not in INTEGER_DTYPES:
             raise CheckpointError(f"{entry.file.name}: tensor {name} has dtype {entry.dtype}, not a float type")
         count = (entry.shape[0] if entry.shape else 1) - first if count is None else count
         raw = self.read_raw(name, first, count)
         shape = (count, *entry.shape[1:]) if entry.shape else ()
+        if entry.dtype in INTEGER_DTYPES:
+            values = raw.view(INTEGER_DTYPES[entry.dtype]).reshape(shape)
+            if values.size and np.abs(values).max() >= EXACT_FLOAT_INTEGERS:
+                raise CheckpointError(f"{entry.file.name}: tensor {name} holds integers beyond {EXACT_FLOAT_INTEGERS}")
+            return values.astype(np.float32)
         if entry.dtype == "F32":
             return raw.view("<f4").reshape(shape)
         if entry.dtype == "F16":

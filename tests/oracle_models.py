@@ -87,6 +87,10 @@ def _reinit(model, seed: int, hidden: int, zero_centred: bool = False) -> None:
     tensors = list(model.named_parameters()) + list(model.named_buffers())
     with torch.no_grad():
         for name, t in tensors:
+            if name.endswith("tid2eid"):  # DeepSeek-V4's token -> experts table: distinct ids per token
+                experts = model.config.n_routed_experts
+                t.copy_(torch.argsort(torch.rand(t.shape[0], experts, generator=gen), dim=1)[:, :t.shape[1]])
+                continue
             if not t.is_floating_point():
                 continue
             if name.endswith("inv_freq"):
@@ -97,6 +101,8 @@ def _reinit(model, seed: int, hidden: int, zero_centred: bool = False) -> None:
                 std, mean = router_std, 0.0
             elif name.endswith(".sinks"):  # gpt-oss's attention sinks: logits the scores compete with
                 std, mean = 1.0, 0.0
+            elif re.search(r"(_hc\.(base|scale)|hc_head\.hc_(base|scale)|position_bias)$", name):
+                std, mean = 0.5, 0.0  # DeepSeek-V4's stream mixing and compressor position biases
             elif name.endswith(("conv1d.weight", ".A_log", ".dt_bias")):  # a DeltaNet's taps and decays
                 std, mean = 0.5, 0.0
             elif t.ndim == 1 and "norm" in name:

@@ -13,6 +13,7 @@ from oracle_models import build_with_transformers, load_reference, oracle_availa
 
 from colibri.convert.hf_to_colibri import ConvertOptions, convert
 from colibri.convert.synthetic import ARCHITECTURES
+from colibri.formats.config_check import OVERLAPPING_RATIO
 
 available, reason = oracle_available()
 pytestmark = [pytest.mark.oracle, pytest.mark.skipif(not available, reason=reason)]
@@ -117,11 +118,22 @@ QUANT_BOUNDS = {
     "Q8_0": {"median_cos": 0.999, "mean_kl": 0.002, "top1": 0.85},
     "Q4_K_M": {"median_cos": 0.96, "mean_kl": 0.01, "top1": 0.6},
 }
-# DeepSeek's sparse attention: past index_topk positions quantization also changes which
-# positions a query attends to (DeepSeek-V3.2's median cosine there: Q8_0 0.997, Q4_K_M 0.936),
-# so the bounds above hold for the rows before, these for the rows after
+# DeepSeek's sparse attention: past index_topk positions (DeepSeek-V4: compressed entries of 4)
+# quantization also changes which ones a query attends to (DeepSeek-V3.2's median cosine there:
+# Q8_0 0.997, Q4_K_M 0.936), so the bounds above hold for the rows before, these for the rows after
 SPARSE_MEDIAN_COS = {"Q8_0": 0.99, "Q4_K_M": 0.9}
+# DeepSeek-V4's tiny model has more products a row than the others (query LoRA, grouped output,
+# compressors, 4 streams mixed twice a layer): its Q4_K_M median cosine is 0.958 on the dense rows,
+# whether or not its hyper-connection and compressor tensors are quantized
+MEDIAN_COS_OF = {("deepseek_v4", "Q4_K_M"): 0.95}
 CLEAR_MARGIN = 0.5  # top-1 minus top-2 logit, in units of the logits' standard deviation
+
+
+def dense_rows(c, n: int) -> int:
+    """The first rows whose queries attend to every position (DeepSeek-V4: every entry)."""
+    if not c.index_topk:
+        return n
+    return (c.index_topk + 1) * OVERLAPPING_RATIO - 1 if c.attention == "compressed" else c.index_topk
 
 
 def log_softmax(x):
@@ -141,19 +153,20 @@ def test_quantized_runs_stay_close_to_f32(built, arch, quant):
     cos = (got * want).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))
     log_p, log_q = log_softmax(want), log_softmax(got)
     kl = (np.exp(log_p) * (log_p - log_q)).sum(-1).mean()
-    dense = model.config.index_topk or len(ids)  # rows whose queries attend to every position
+    dense = dense_rows(model.config, len(ids))
     top2 = np.sort(want, axis=-1)[:, -2:]
     clear = ((top2[:, 1] - top2[:, 0]) > CLEAR_MARGIN * want.std())[:dense]
     agreement = (got.argmax(-1) == want.argmax(-1))[:dense][clear].mean() if clear.any() else 1.0
     bounds = QUANT_BOUNDS[quant]
-    assert np.median(cos[:dense]) >= bounds["median_cos"], (arch, quant, np.median(cos[:dense]))
+    median_cos = MEDIAN_COS_OF.get((arch, quant), bounds["median_cos"])
+    assert np.median(cos[:dense]) >= median_cos, (arch, quant, np.median(cos[:dense]))
     if dense < len(ids):
         assert np.median(cos[dense:]) >= SPARSE_MEDIAN_COS[quant], (arch, quant, np.median(cos[dense:]))
     assert kl <= bounds["mean_kl"], (arch, quant, kl)
     assert agreement >= bounds["top1"], (arch, quant, agreement, int(clear.sum()))
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "gpt_oss", "glm_moe_dsa", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "gpt_oss", "glm_moe_dsa", "qwen3_5_moe", "deepseek_v4"])
 def test_placement_never_changes_logits(built, arch):
     entry = built(arch)
     path = converted(entry, "Q4_K_M")

@@ -233,6 +233,7 @@ class Adapter:
     gguf_split_kv_b = False  # MLA's attn_kv_b exported split into attn_k_b and attn_v_b (llama.cpp needs it)
     zero_centred_norms = False  # the checkpoint's RMSNorm weights are w where 1 + w is applied
     skipped_prefixes: tuple[str, ...] = ()  # checkpoint tensors no conversion reads (a separate MTP head)
+    integer_tensors: tuple[str, ...] = ()  # name endings of integer tables (stored as float32, whole numbers below 2**24)
 
     @property
     def gguf_arch_name(self) -> str:

@@ -17,7 +17,7 @@ DTYPES = {
     "bf16": ("BF16", 2, "bfloat16"),
     "fp8": ("F8_E4M3", 1, "bfloat16"),
 }
-ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1}
+ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I64": 8}
 #: std of the noise added to 1.0 for RMSNorm weights
 NORM_NOISE_STD = 0.1
 #: std of DeepSeek-V3/GLM ``e_score_correction_bias``
@@ -28,6 +28,8 @@ SINK_STD = 1.0
 CONV_STD = 0.5
 #: std of a DeltaNet's A_log and dt_bias (decays exp(-exp(A_log) softplus(a + dt_bias)) around 1/2)
 DECAY_STD = 0.5
+#: std of DeepSeek-V4's hyper-connection biases and scales, and of its compressors' position biases
+MIXING_STD = 0.5
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,8 @@ class TensorSpec:
     tensor; ``kind`` is one of ``linear`` (2-D projection weight, FP8-eligible),
     ``experts`` (fused 3-D expert weight, FP8-eligible), ``embed``, ``head``, ``norm``,
     ``router``, ``gate`` (other tiny gating projections), ``mtp_proj`` (MTP ``eh_proj``),
-    ``bias``, ``score_bias`` and ``scale_inv`` (FP8 block scales of ``source``).
+    ``bias``, ``score_bias``, ``scale_inv`` (FP8 block scales of ``source``) and ``table`` (I64
+    rows of distinct ids below ``choices``: DeepSeek-V4's token → experts table).
     """
 
     name: str
@@ -49,6 +52,7 @@ class TensorSpec:
     mean: float = 0.0
     parts: tuple = ()
     source: str | None = None  # for scale_inv: the weight tensor name
+    choices: int = 0  # for table: the ids each row chooses among
 
     @property
     def numel(self) -> int:
@@ -214,7 +218,40 @@ class _Planner:
         self.norm(p + "post_attention_layernorm", self.c.hidden_size)
         self.mlp(p, i)
 
+    def compressed_model(self) -> list[TensorSpec]:
+        """DeepSeek-V4's tensors, by the adapter's names: its own attention, hyper-connections
+        (float32, as transformers keeps them) and hash tables; each layer's experts after it."""
+        c, adapter = self.c, self.adapter
+        for name, shape in adapter.global_tensors(c).items():
+            self.compressed_tensor(name, shape)
+        for i in range(c.n_layers):
+            for name, shape in adapter.layer_tensors(c, i).items():
+                self.compressed_tensor(name, shape)
+            self.experts(f"model.layers.{i}.ffn.", c.n_experts, c.expert_ffn)
+        return self.specs
+
+    def compressed_tensor(self, name: str, shape: tuple) -> None:
+        base = name.removesuffix(".weight")
+        if name.endswith("norm.weight"):
+            self.norm(base, shape[0])
+        elif name.endswith("tid2eid"):
+            self._add(TensorSpec(name, shape, "table", "I64", parts=(name,), choices=self.c.n_experts))
+        elif name.endswith("_fn"):
+            self.plain(name, shape, "gate", self.std, dtype="F32")
+        elif name.endswith(("_base", "_scale", ".ape", "attn_sink")):
+            self.plain(name, shape, "bias", SINK_STD if name.endswith("attn_sink") else MIXING_STD, dtype="F32")
+        elif name.endswith("gate.bias"):
+            self.plain(name, shape, "score_bias", SCORE_BIAS_STD, dtype="F32")
+        elif name.endswith("gate.weight"):
+            self.plain(name, shape, "router", self.router_std)
+        elif name in ("model.embed_tokens.weight", "head.weight"):
+            self.plain(name, shape, "embed" if name.startswith("model.") else "head", self.std)
+        else:
+            self.linear(base, *shape)
+
     def build(self) -> list[TensorSpec]:
+        if self.c.attention == "compressed":
+            return self.compressed_model()
         D, V = self.c.hidden_size, self.c.vocab_size
         self.plain("model.embed_tokens.weight", (V, D), "embed", self.std)
         for i in range(self.c.n_layers):

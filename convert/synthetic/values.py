@@ -51,8 +51,18 @@ def affine(z: np.ndarray, spec) -> np.ndarray:
     return z
 
 
+def table_values(spec, seed: int = 0) -> np.ndarray:
+    """A ``table`` tensor's int64 rows: each the ``spec.shape[1]`` distinct ids of 0..choices-1
+    whose normal values are largest."""
+    rows, k = spec.shape
+    z = part_range(seed, spec.name, rows * spec.choices, 0, rows * spec.choices).reshape(rows, spec.choices)
+    return np.argsort(-z, axis=1, kind="stable")[:, :k].astype(np.int64)
+
+
 def tensor_values(spec, seed: int = 0) -> np.ndarray:
     """Float32 values of a (non scale_inv) tensor before storage rounding/quantisation."""
+    if spec.kind == "table":
+        return table_values(spec, seed).astype(np.float32)
     if spec.kind == "scale_inv":
         raise ValueError("scale_inv tensors are derived from their weight; use stored_values")
     part_len = spec.numel // len(spec.parts)

@@ -15,7 +15,7 @@ from colibri.convert.synthetic.configs import resolve_config
 from colibri.convert.synthetic.tensor_plan import DTYPES, TensorSpec, checkpoint_plan
 from colibri.convert.synthetic.storage import bf16_round_inplace, fp8_quantize_2d
 from colibri.convert.synthetic.tokenizer import write_tokenizer_files
-from colibri.convert.synthetic.values import CHUNK, affine, name_key, normal_chunk, part_range
+from colibri.convert.synthetic.values import CHUNK, affine, name_key, normal_chunk, part_range, table_values
 from colibri.formats.checkpoint import FP8_BLOCK
 
 #: default cap of one safetensors shard when a checkpoint is too big for ``shards`` files
@@ -108,6 +108,9 @@ class _Writer:
             scales = self.scales.pop(spec.source)
             assert scales.shape == spec.shape, (scales.shape, spec.shape)
             f.write(np.ascontiguousarray(scales, dtype="<f4").tobytes())
+            return
+        if spec.kind == "table":
+            f.write(np.ascontiguousarray(table_values(spec, self.seed), dtype="<i8").tobytes())
             return
         part_len = spec.numel // len(spec.parts)
         if spec.dtype == "F8_E4M3":
