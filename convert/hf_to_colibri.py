@@ -141,6 +141,8 @@ def write_experts(checkpoint: Checkpoint, out_dir: Path, unit: ExpertUnit, advan
         encoded = []
         for matrix, name in zip(EXPERT_MATRICES, src.names.per_expert_names(e)):
             copy = checkpoint.q4_0_copy(name) if encodings[matrix] == "Q4_0" else None  # packed INT4 kept as it is
+            if encodings[matrix] == "MXFP4" and checkpoint.tensors[name].dtype == MXFP4_DTYPE:
+                copy = checkpoint.mxfp4_copy(name)  # DeepSeek-V4's FP4 experts, bits moved
             encoded.append(copy if copy is not None else quantized(matrix, checkpoint.read(name), e))
         return encoded
 

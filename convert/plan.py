@@ -84,8 +84,7 @@ def make_plan(checkpoint: Checkpoint, adapter: Adapter | None = None) -> Convers
     config = normalized_config(adapter, checkpoint.config)
     present = dict(checkpoint.tensors)
     mtp_layers = range(config.n_layers, config.n_layers + adapter.mtp_layers(checkpoint.config))
-    skipped = sorted(n for n in present if _layer_of(n) in mtp_layers or IGNORED.search(n)
-                     or n.startswith(adapter.skipped_prefixes))
+    skipped = sorted(n for n in present if _layer_of(n) in mtp_layers or IGNORED.search(n) or adapter.skips(n, config))
     for name in skipped:
         present.pop(name)
     skipped += checkpoint.other_model_tensors  # a multimodal checkpoint's vision tower and projector
@@ -96,6 +95,10 @@ def make_plan(checkpoint: Checkpoint, adapter: Adapter | None = None) -> Convers
         present.pop(name)
     for name in [n for n in present if n.endswith(".weight_scale")]:  # compressed-tensors' FP8 scales
         weight = name.removesuffix("_scale")
+        if present.get(weight) is not None and present[weight].dtype == "F8_E4M3":
+            present.pop(name)
+    for name in [n for n in present if n.endswith(".scale")]:  # DeepSeek-V4's FP8 block scales
+        weight = name.removesuffix(".scale") + ".weight"
         if present.get(weight) is not None and present[weight].dtype == "F8_E4M3":
             present.pop(name)
 

@@ -32,7 +32,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 # safetensors dtype → bytes per element
 DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
 }
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F8_E4M3")
@@ -47,7 +47,17 @@ CONVERTIBLE_DTYPES = (*FLOAT_DTYPES, PACKED_DTYPE, MXFP4_DTYPE)
 INTEGER_DTYPES = {"I32": "<i4", "I64": "<i8"}  # integer tables, read as float32 (`Checkpoint.read`)
 EXACT_FLOAT_INTEGERS = 1 << 24  # whole numbers float32 holds exactly
 FP8_BLOCK = 128
-FP8_SCALES = (".weight_scale_inv", ".weight_scale")  # DeepSeek's block scales; compressed-tensors' scales
+# DeepSeek-V3's block scales; compressed-tensors' scales; DeepSeek-V4's block scales (powers of two, E8M0)
+FP8_SCALES = (".weight_scale_inv", ".weight_scale", ".scale")
+E8M0_DTYPE = "F8_E8M0"  # a power of two a byte: 2^(byte - 127), 0xFF NaN
+# a release whose tensors transformers renames (model_type → (pattern, replacement) in order): read
+# under transformers' names, as its adapter lists them. DeepSeek-V4's own files have no `model.`
+# prefix and call the key-value norm `kv_norm`; their MTP block (`mtp.`) keeps its names.
+RELEASE_NAMES = {"deepseek_v4": (
+    (r"^embed\.weight$", "model.embed_tokens.weight"), (r"^norm\.weight$", "model.norm.weight"),
+    (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"), (r"^layers\.(\d+)\.attn\.kv_norm\.", r"layers.\1.attn.norm."),
+    (r"^layers\.", "model.layers."),
+)}
 HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # what a Hugging Face repo id looks like: owner/name
 
 
@@ -207,6 +217,7 @@ class Checkpoint:
         self._check_index()
         self._fds: dict[Path, int] = {}
         self.other_model_tensors = self._text_model_view()
+        self._release_view()
         # compressed-tensors' packed INT4 weights, each listed as one tensor of dtype I4
         try:
             self.packed = find_packed(self.tensors, lambda entry: self.read_raw(entry.name).view(
@@ -222,7 +233,7 @@ class Checkpoint:
             self.parts.update((p.name, p) for p in parts)
             self.tensors[name] = TensorEntry(name, weight.packed.file, PACKED_DTYPE, (weight.rows, weight.cols),
                                              weight.packed.offset, sum(p.nbytes for p in parts))
-        try:  # gpt-oss's MXFP4 weights, each listed as one tensor of dtype MXFP4
+        try:  # gpt-oss's and DeepSeek-V4's MXFP4 weights, each listed as one tensor of dtype MXFP4
             self.mxfp4 = mxfp4.find_mxfp4(self.tensors)
         except mxfp4.Mxfp4Error as e:
             raise CheckpointError(str(e)) from None
@@ -252,6 +263,20 @@ class Checkpoint:
         self.tensors = {new: replace(self.tensors[old], name=new) for old, new in renamed.items()}
         return others
 
+    def _release_view(self) -> None:
+        """A release named otherwise than transformers writes it (RELEASE_NAMES: recognized by
+        its unprefixed embedding) is read under transformers' names."""
+        renames = RELEASE_NAMES.get(self.config.get("model_type"))
+        if renames is None or "embed.weight" not in self.tensors:
+            return
+        renamed = {}
+        for name, entry in self.tensors.items():
+            new = name
+            for pattern, replacement in renames:
+                new = re.sub(pattern, replacement, new)
+            renamed[new] = replace(entry, name=new)
+        self.tensors = renamed
+
     def _check_index(self) -> None:
         index_path = self.directory / INDEX_NAME
         if not index_path.is_file():
@@ -276,7 +301,10 @@ class Checkpoint:
 
     def read_raw(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
         """Bytes of `name[first:first+count]` (slicing the first axis), as a uint8 array."""
-        entry = self._entry(name)
+        return self._read_entry(self._entry(name), first, count)
+
+    def _read_entry(self, entry: TensorEntry, first: int = 0, count: int | None = None) -> np.ndarray:
+        """`read_raw` of a tensor's entry (a packed weight's part, whatever name it is listed by)."""
         rows = entry.shape[0] if entry.shape else 1
         count = rows - first if count is None else count
         row_bytes = entry.nbytes // rows if rows else 0
@@ -284,7 +312,7 @@ class Checkpoint:
         buffer = np.empty(nbytes, dtype=np.uint8)
         got = os.preadv(self._fd(entry.file), [buffer], entry.offset + first * row_bytes)
         if got != nbytes:
-            raise CheckpointError(f"{entry.file.name}: short read of tensor {name} ({got} of {nbytes} bytes)")
+            raise CheckpointError(f"{entry.file.name}: short read of tensor {entry.name} ({got} of {nbytes} bytes)")
         return buffer
 
     def read(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
@@ -297,11 +325,13 @@ class Checkpoint:
                                                  self.read(weight.scale.name, first, count), weight.cols)
         if entry.dtype == MXFP4_DTYPE:
             return mxfp4.dequantize(*self._mxfp4_parts(name, first, count))
-        if entry.dtype not in FLOAT_DTYPES and entry.dtype not in INTEGER_DTYPES:
+        if entry.dtype not in FLOAT_DTYPES and entry.dtype not in INTEGER_DTYPES and entry.dtype != E8M0_DTYPE:
             raise CheckpointError(f"{entry.file.name}: tensor {name} has dtype {entry.dtype}, not a float type")
         count = (entry.shape[0] if entry.shape else 1) - first if count is None else count
         raw = self.read_raw(name, first, count)
         shape = (count, *entry.shape[1:]) if entry.shape else ()
+        if entry.dtype == E8M0_DTYPE:
+            return np.where(raw == 0xFF, np.float32(np.nan), np.ldexp(np.float32(1), raw.astype(np.int32) - 127)).reshape(shape)
         if entry.dtype in INTEGER_DTYPES:
             values = raw.view(INTEGER_DTYPES[entry.dtype]).reshape(shape)
             if values.size and np.abs(values).max() >= EXACT_FLOAT_INTEGERS:
@@ -341,8 +371,8 @@ class Checkpoint:
         """(blocks, scales) of MXFP4 weight `name[first:first+count]`, in their shapes."""
         weight = self.mxfp4[name]
         count = weight.blocks.shape[0] - first if count is None else count
-        blocks = self.read_raw(weight.blocks.name, first, count).reshape(count, *weight.blocks.shape[1:])
-        return blocks, self.read_raw(weight.scales.name, first, count).reshape(count, *weight.scales.shape[1:])
+        blocks = self._read_entry(weight.blocks, first, count).reshape(count, *weight.blocks.shape[1:])
+        return blocks, self._read_entry(weight.scales, first, count).reshape(count, *weight.scales.shape[1:])
 
     def _dequantize_fp8(self, name: str, values: np.ndarray, first: int) -> np.ndarray:
         """FP8 values times their scales: DeepSeek's `.weight_scale_inv`, one per FP8_BLOCK²

@@ -1,8 +1,9 @@
-"""MXFP4 tensors as gpt-oss checkpoints store them, and their GGML MXFP4 blocks.
+"""MXFP4 tensors as gpt-oss and DeepSeek-V4 checkpoints store them, and their GGML MXFP4 blocks.
 
-A weight `P` is two uint8 tensors: `P_blocks` [..., groups, 16], 32 FP4 (E2M1) codes a group,
-two a byte (the even element in the low nibble), and `P_scales` [..., groups], one E8M0
-exponent a group (value = E2M1[code] × 2^(scale − 127)). GGML's MXFP4 block holds the same
+A gpt-oss weight `P` is two uint8 tensors: `P_blocks` [..., groups, 16], 32 FP4 (E2M1) codes a
+group, two a byte (the even element in the low nibble), and `P_scales` [..., groups], one E8M0
+exponent a group (value = E2M1[code] × 2^(scale − 127)). DeepSeek-V4's routed experts hold the
+same as `P.weight` (I8 or U8 [rows, cols / 2]) and `P.scale` (F8_E8M0 [rows, cols / 32]). GGML's MXFP4 block holds the same
 codes and the same exponent byte (its table is the E2M1 values doubled, its scale 2^(e − 128)),
 only the nibbles are placed otherwise: element j < 16 in the low nibble of byte j, element
 j + 16 in its high nibble. So a block converts exactly, byte for byte.
@@ -10,13 +11,14 @@ j + 16 in its high nibble. So a block converts exactly, byte for byte.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from colibri.formats.encodings import MXFP4_VALUES
 
 BLOCKS, SCALES = "_blocks", "_scales"
+PACKED_WEIGHT, PACKED_SCALE = ".weight", ".scale"  # DeepSeek-V4's pair
 GROUP = 32  # weights a scale covers
 
 
@@ -53,6 +55,25 @@ def find_mxfp4(tensors: dict) -> dict[str, Mxfp4Weight]:
             raise Mxfp4Error(f"{scales.file.name}: {base + SCALES} is {scales.dtype} {list(scales.shape)}, not U8 "
                              f"{list(blocks.shape[:-1])} (a scale for each group of {name})")
         found[base] = Mxfp4Weight(base, blocks, scales)
+    found.update(_packed_pairs(tensors))
+    return found
+
+
+def _packed_pairs(tensors: dict) -> dict[str, Mxfp4Weight]:
+    """DeepSeek-V4's `P.weight` + `P.scale` pairs (an FP8 weight's `.scale` scales F8_E4M3, not bytes)."""
+    found = {}
+    for name, weight in tensors.items():
+        scale = tensors.get(name.removesuffix(PACKED_WEIGHT) + PACKED_SCALE) if name.endswith(PACKED_WEIGHT) else None
+        if scale is None or weight.dtype not in ("I8", "U8"):
+            continue
+        if len(weight.shape) != 2 or weight.shape[1] % (GROUP // 2):
+            raise Mxfp4Error(f"{weight.file.name}: {name} is {weight.dtype} {list(weight.shape)}, not [rows, 16 × groups]")
+        groups = weight.shape[1] // (GROUP // 2)
+        if scale.dtype != "F8_E8M0" or tuple(scale.shape) != (weight.shape[0], groups):
+            raise Mxfp4Error(f"{scale.file.name}: {scale.name} is {scale.dtype} {list(scale.shape)}, not F8_E8M0 "
+                             f"[{weight.shape[0]}, {groups}] (a scale for each group of {name})")
+        found[name] = Mxfp4Weight(name, replace(weight, dtype="U8", shape=(weight.shape[0], groups, GROUP // 2)),
+                                  replace(scale, dtype="U8"))
     return found
 
 

@@ -364,3 +364,104 @@ def load_reference(path):
         for b in model.buffers():
             b.data = b.data.clone()
     return model.eval()
+
+
+# DeepSeek-V4's release: which of transformers' tensors it stores in FP8 (the rest as saved)
+_V4_FP8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$")
+V4_RELEASE_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
+                           "activation_scheme": "dynamic"}
+
+
+def _release_name(name: str) -> str:
+    for old, new in (("model.embed_tokens.weight", "embed.weight"), ("model.norm.weight", "norm.weight"),
+                     ("model.hc_head.hc_", "hc_head_"), (".attn.norm.weight", ".attn.kv_norm.weight"), ("model.layers.", "layers.")):
+        name = name.replace(old, new)
+    return name
+
+
+def _e8m0_fp8(w):
+    """FP8 e4m3 codes of w [rows, cols] and power-of-two block scales (E8M0 bytes), 128 × 128."""
+    import numpy as np
+
+    from colibri.convert.synthetic.storage import encode_e4m3
+
+    rows, cols = w.shape
+    R, C = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    padded = np.zeros((R * FP8_BLOCK, C * FP8_BLOCK), np.float32)
+    padded[:rows, :cols] = w
+    amax = np.abs(padded.reshape(R, FP8_BLOCK, C, FP8_BLOCK)).max(axis=(1, 3))
+    exponent = np.ceil(np.log2(np.maximum(amax, 1e-30) / 448)).astype(np.int32)
+    scale = np.repeat(np.repeat(np.ldexp(np.float32(1), exponent), FP8_BLOCK, 0), FP8_BLOCK, 1)[:rows, :cols]
+    return encode_e4m3(w / scale), (exponent + 127).astype(np.uint8)
+
+
+def _fp4(w):
+    """DeepSeek-V4's FP4 of w [rows, cols]: E2M1 codes two a byte (the even element low) and a
+    power-of-two scale per 32 (E8M0 bytes)."""
+    import numpy as np
+
+    values = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+    groups = w.reshape(w.shape[0], -1, 32)
+    exponent = np.ceil(np.log2(np.maximum(np.abs(groups).max(axis=2), 1e-30) / 6)).astype(np.int32)
+    scaled = groups / np.ldexp(np.float32(1), exponent)[..., None]
+    codes = np.abs(np.abs(scaled)[..., None] - values).argmin(-1).astype(np.uint8) | (np.signbit(scaled) << 3).astype(np.uint8)
+    codes = codes.reshape(w.shape[0], -1)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(np.int8), (exponent + 127).astype(np.uint8)
+
+
+def _release_config(conf: dict) -> dict:
+    """transformers' DeepSeek-V4 config.json as the release writes it: compress_ratios,
+    num_hash_layers, rope_theta, compress_rope_theta and rope_scaling."""
+    rates, rope = conf.pop("compress_rates"), conf.pop("rope_parameters")
+    conf["compress_ratios"] = [rates.get(kind, 0) for kind in conf.pop("layer_types")] + [0]  # and the MTP block's
+    conf["num_hash_layers"] = conf.pop("mlp_layer_types").count("hash_moe")
+    compress = {k: v for k, v in rope["compress"].items() if k not in ("rope_theta", "partial_rotary_factor", "rope_type",
+                                                                       "attention_factor")}
+    conf.update(rope_theta=rope["main"]["rope_theta"], compress_rope_theta=rope["compress"]["rope_theta"], rope_scaling=compress)
+    return conf
+
+
+def to_deepseek_v4_release(src, out) -> pathlib.Path:
+    """A copy of the transformers-format DeepSeek-V4 checkpoint `src` as the release stores it:
+    its names, FP8 attention and shared experts with E8M0 block scales, FP4 routed experts, the
+    hash layers' unused router bias, and an MTP tensor (both skipped on conversion)."""
+    import numpy as np
+    from safetensors.numpy import load_file
+    from safetensors.torch import save_file
+
+    torch = _torch()
+    src, out = pathlib.Path(src), pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((src / name).read_bytes())
+    tensors = {}
+    for file in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    release = {}
+    for name, w in tensors.items():
+        new = _release_name(name)
+        scale = new.removesuffix(".weight") + ".scale"
+        if _V4_FP8.search(name):
+            codes, exponents = _e8m0_fp8(w)
+            release[new] = torch.from_numpy(codes).view(torch.float8_e4m3fn)
+            release[scale] = torch.from_numpy(exponents).view(torch.float8_e8m0fnu)
+        elif _EXPERT.match(name):
+            packed, exponents = _fp4(w)
+            release[new], release[scale] = torch.from_numpy(packed), torch.from_numpy(exponents).view(torch.float8_e8m0fnu)
+        else:
+            release[new] = torch.from_numpy(w)
+    conf = _release_config(json.loads((src / "config.json").read_text()))
+    for layer in range(conf["num_hash_layers"]):
+        release[f"layers.{layer}.ffn.gate.bias"] = torch.zeros(conf["n_routed_experts"])
+    release["mtp.0.norm.weight"] = torch.ones(conf["hidden_size"])
+    names = list(release)
+    halves = names[:len(names) // 2], names[len(names) // 2:]
+    weight_map = {}
+    for i, part in enumerate(halves):
+        file = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: release[n].contiguous() for n in part}, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    conf.update(quantization_config=V4_RELEASE_QUANTIZATION, expert_dtype="fp4")
+    (out / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
+    return out

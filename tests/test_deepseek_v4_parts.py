@@ -250,3 +250,69 @@ def test_a_long_prompt_and_its_decode_match_transformers(tmp_path):
     model.prefill(ids[:250])
     decoded = np.concatenate([model.prefill([t]) for t in ids[250:]])  # one token at a time, past entry 1's end
     assert np.abs(decoded - want[250:]).max() <= 1e-4 * want.std()
+
+
+def test_the_release_keeps_its_fp4_experts_as_mxfp4_bytes_and_scales_fp8_exactly(tmp_path):
+    """The release's files (its names, FP8 with power-of-two block scales, FP4 experts): each
+    expert's GGML MXFP4 blocks hold exactly its FP4 values (gguf-py decodes them), each FP8
+    weight is its codes times its scales, and the model computes what the same values in F32 do."""
+    import gguf
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from colibri.convert.hf_to_colibri import ConvertOptions, convert
+    from colibri.formats.layout import ModelLayout
+    from colibri.runtime import open_model
+    from oracle_models import to_deepseek_v4_release
+
+    src = build_with_transformers(tmp_path / "src", "deepseek_v4")
+    release = to_deepseek_v4_release(src, tmp_path / "release")
+    summary = convert(str(release), tmp_path / "out", ConvertOptions(quant="F32", progress=False))
+    assert summary["skipped_tensors"] == 2  # the hash layer's router bias, the MTP block
+    stored = {}
+    for file in release.glob("*.safetensors"):
+        stored.update(load_file(file))
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+    def fp4(name):  # the release's values of an FP4 weight
+        packed = stored[name + ".weight"].view(torch.uint8)
+        codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1).long()
+        scales = torch.exp2(stored[name + ".scale"].view(torch.uint8).float() - 127).repeat_interleave(32, dim=1)
+        return (e2m1[codes] * scales).numpy()
+
+    def fp8(name):
+        codes, scales = stored[name + ".weight"].float(), torch.exp2(stored[name + ".scale"].view(torch.uint8).float() - 127)
+        return (codes * scales.repeat_interleave(128, 0).repeat_interleave(128, 1)[:codes.shape[0], :codes.shape[1]]).numpy()
+
+    layout = ModelLayout(tmp_path / "out")
+    table = layout.expert_layers[2]
+    for e in (0, 7):
+        for matrix, leaf in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            m = table.matrices[matrix]
+            assert m.encoding == "MXFP4"
+            data = np.asarray(layout.expert_matrix_data(2, e, matrix)).reshape(m.shape[0], -1)
+            values = gguf.quants.dequantize(data, gguf.GGMLQuantizationType.MXFP4)
+            assert np.array_equal(values, fp4(f"layers.2.ffn.experts.{e}.{leaf}"))
+    q_a = layout.tensor_data("blk.1.attn_q_a.weight").view(np.float32).reshape(layout.tensors["blk.1.attn_q_a.weight"].shape)
+    assert np.array_equal(q_a, fp8("layers.1.attn.wq_a"))
+
+    # the same values as a transformers-format F32 checkpoint: the same logits, but for the
+    # int8 activations the MXFP4 experts are multiplied with
+    tensors = {}
+    for file in src.glob("*.safetensors"):
+        tensors.update(load_file(file))
+    for name in tensors:
+        base = name.removesuffix(".weight").replace("model.layers.", "layers.").replace(".attn.norm", ".attn.kv_norm")
+        if base + ".scale" in stored:
+            tensors[name] = torch.from_numpy(fp4(base) if ".experts." in name else fp8(base))
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (dense / name).write_bytes((src / name).read_bytes())
+    save_file(tensors, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    convert(str(dense), tmp_path / "dense-f32", ConvertOptions(quant="F32", progress=False))
+    ids = [int(t) for t in np.random.default_rng(3).integers(0, 512, 40)]
+    got = open_model(tmp_path / "out", ctx=64, kv_quant="f32", ram_budget="8G").prefill(ids)
+    want = open_model(tmp_path / "dense-f32", ctx=64, kv_quant="f32", ram_budget="8G").prefill(ids)
+    cos = (got * want).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))
+    assert np.median(cos) >= 0.999, np.median(cos)

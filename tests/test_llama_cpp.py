@@ -81,6 +81,24 @@ def test_q4_k_m_logits_stay_close_to_llama_cpp(tmp_path_factory, arch):
     assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.8
 
 
+def test_deepseek_v4_release_runs_in_llama_cpp_with_its_fp4_experts_as_mxfp4(tmp_path):
+    """DeepSeek-V4 as the release stores it (FP8 attention, FP4 experts): our conversion keeps
+    the experts as MXFP4 blocks, and llama.cpp runs our export of it as we do."""
+    from oracle_models import build_with_transformers, oracle_available, to_deepseek_v4_release
+
+    available, reason = oracle_available()
+    if not available:
+        pytest.skip(reason)
+    release = to_deepseek_v4_release(build_with_transformers(tmp_path / "src", "deepseek_v4"), tmp_path / "release")
+    convert(str(release), tmp_path / "colibri", ConvertOptions(quant="Q8_0", progress=False))
+    export_gguf(tmp_path / "colibri", tmp_path / "model.gguf", progress=False)
+    ours = open_model(tmp_path / "colibri", ctx=64, kv_quant="f32", ram_budget="8G").prefill(TOKENS)
+    theirs = llama_cpp_logits(tmp_path / "model.gguf")
+    deviation = np.abs(theirs - ours).max(-1) / ours.std()
+    assert np.median(deviation) <= 0.15, np.median(deviation)
+    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.8
+
+
 def test_split_export_loads_in_llama_cpp(tmp_path):
     convert(str(write_checkpoint(tmp_path / "src", "qwen3_moe")), tmp_path / "colibri", ConvertOptions(progress=False))
     export_gguf(tmp_path / "colibri", tmp_path / "one.gguf", progress=False)

@@ -243,6 +243,10 @@ class Adapter:
     def normalize(self, hf: dict) -> ModelConfig:
         raise NotImplementedError
 
+    def skips(self, name: str, c: ModelConfig) -> bool:
+        """Whether checkpoint tensor `name` is one no conversion reads (`skipped_prefixes`)."""
+        return name.startswith(self.skipped_prefixes)
+
     def mtp_layers(self, hf: dict) -> int:
         """Multi-token-prediction layers stored after the decoder layers (skipped)."""
         return int(hf.get("num_nextn_predict_layers") or 0)

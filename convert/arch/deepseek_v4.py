@@ -5,7 +5,9 @@ hash-routed first layers, sqrt-softplus routing and a clamped SwiGLU. llama.cpp 
 `deepseek4`, under tensor names newer than the gguf package's, kept here as strings.
 
 Checkpoints are read as transformers writes them (`model.layers.N.attn.wq_a.weight`, F32, F16 or
-BF16). The hub's own release (no `model.` prefix, FP8 attention and FP4 experts) is not read yet.
+BF16) and as the release stores them (no `model.` prefix, read under transformers' names:
+`formats.checkpoint.RELEASE_NAMES`): FP8 weights with power-of-two block scales, and routed
+experts in FP4 with a power-of-two scale per 32, which become GGML MXFP4 byte for byte.
 """
 
 import dataclasses
@@ -193,6 +195,11 @@ class DeepseekV4(Adapter):
             shared_expert_ffn=ffn * n_shared,
             mtp_layers_skipped=int(hf.get("num_nextn_predict_layers") or 0),
         )
+
+    def skips(self, name: str, c: ModelConfig) -> bool:
+        """The MTP block, and the release's router bias of hash layers (which choose by their table)."""
+        match = _LAYER.fullmatch(name)
+        return super().skips(name, c) or bool(match and match.group(2) == "ffn.gate.bias" and int(match.group(1)) in c.hash_layers)
 
     def mtp_layers(self, hf: dict) -> int:
         return 0  # not among the decoder layers: transformers writes none, the release keeps them under `mtp.`
