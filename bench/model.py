@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write the benchmark MoE checkpoint (hub layout, deterministic random bf16 weights).
 
-    python bench/model.py OUT [--shape mixtral-ref|qwen3-ref|qwen3-128] [--seed 0] [--force]
+    python bench/model.py OUT [--shape mixtral-ref|qwen3-ref|qwen3-128|deepseek-v4-slice] [--seed 0] [--force]
 
 ``mixtral-ref``: Mixtral architecture, hidden 2048, expert FFN 1024, 32 experts, top-4,
 16 layers, 16 heads / 4 KV heads, vocab 32000, rope theta 1e6, untied head, bf16,
@@ -9,7 +9,11 @@ weights N(0, 0.02), routers N(0, 2/sqrt(hidden)) -- 3.52 B parameters, ~7.0 GB.
 ``qwen3-ref``: Qwen3-MoE with more, smaller experts: hidden 2048, expert FFN 768,
 64 experts, top-8, 12 layers, 16 heads / 4 KV heads of dim 128, vocab 32000 -- 3.88 B
 parameters, ~7.8 GB. ``qwen3-128``: Qwen3-30B-A3B's layer (128 experts of FFN 768, top-8)
-in 6 layers, otherwise as ``qwen3-ref`` -- ~3.7 B parameters, ~7.4 GB.
+in 6 layers, otherwise as ``qwen3-ref`` -- ~3.7 B parameters, ~7.4 GB. ``deepseek-v4-slice``:
+DeepSeek-V4-Flash's real widths (hidden 4096, 64 heads of 512, query LoRA 1024, 8 output groups of
+1024, indexer 64 x 128 keeping 512, window 128, experts of FFN 2048, top-6 and one shared, vocab
+129280) in 4 layers (window, CSA, HCA, CSA; the first hash-routed) of 16 experts -- ~3.3 B
+parameters, ~6.6 GB.
 
 Nothing is written when OUT already holds a complete checkpoint made with the same
 parameters (recorded in ``OUT/.colibri-bench.json``, written last).
@@ -65,6 +69,18 @@ SHAPES = {
         },
     },
     "qwen3-128": {"arch": "qwen3_moe", "config": None},  # qwen3-ref's, with the changes below
+    "deepseek-v4-slice": {
+        "arch": "deepseek_v4",
+        "config": {
+            "hidden_size": 4096, "num_attention_heads": 64, "head_dim": 512, "q_lora_rank": 1024, "qk_rope_head_dim": 64,
+            "o_groups": 8, "o_lora_rank": 1024, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+            "sliding_window": 128, "moe_intermediate_size": 2048, "n_routed_experts": 16, "num_experts_per_tok": 6,
+            "n_shared_experts": 1, "vocab_size": 129280, "num_hidden_layers": 4, "num_hash_layers": 1,
+            "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                            "compressed_sparse_attention"],
+            "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        },
+    },
 }
 SHAPES["qwen3-128"]["config"] = {**SHAPES["qwen3-ref"]["config"], "num_experts": 128, "num_hidden_layers": 6,
                                  "max_window_layers": 6}

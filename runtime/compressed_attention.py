@@ -21,10 +21,12 @@ projections (`KVCache` streams) and the entries made so far (`KVCache.entries`).
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from colibri.formats.config_check import OVERLAPPING_RATIO
 from colibri.formats.model_config import ModelConfig
+from colibri.runtime import kernels
 from colibri.runtime.kernels import rms_norm
 from colibri.runtime.rope import Rope, RopeTable, rotated
 
@@ -113,8 +115,24 @@ class LightningIndexer:
         `keys` [visible, width]: the best scores, of equal ones the earliest."""
         if keys.shape[0] <= self.topk:
             return np.arange(keys.shape[0])
-        scores = (np.maximum(q @ keys.T, 0) * F32(self.width ** -0.5) * weights[:, None]).sum(axis=0)
-        return np.sort(np.argsort(-scores, kind="stable")[:self.topk])
+        scores = np.empty(keys.shape[0], F32)
+        index_scores(q, weights, keys, F32(self.width ** -0.5), scores)
+        return np.argsort(-scores, kind="stable")[:self.topk]
+
+
+@numba.njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def index_scores(q, weights, keys, scale, out):
+    """out[s] = sum over heads h of weights[h] * relu(q[h] . keys[s]) * scale (the indexer's
+    scores; q [heads, width], keys [entries, width])."""
+    for s in numba.prange(keys.shape[0]):
+        total = F32(0)
+        for h in range(q.shape[0]):
+            dot = F32(0)
+            for j in range(q.shape[1]):
+                dot += q[h, j] * keys[s, j]
+            if dot > 0:
+                total += weights[h] * (dot * scale)
+        out[s] = total
 
 
 class CompressedAttention:
@@ -150,26 +168,29 @@ class CompressedAttention:
             for compressor in (self.compressor, self.indexer and self.indexer.compressor):
                 if compressor:
                     compressor.append(cache, self.layer, h[s.rows], s.start)
-            first, window = cache.first(self.layer, "kv"), cache.read(self.layer, "kv", s.end)
-            entries = cache.entries_of(self.layer, "comp", s.end // self.ratio) if self.ratio else None
-            index_keys = cache.entries_of(self.layer, "index", s.end // self.ratio) if self.indexer else None
-            for row, t in zip(range(s.first, s.first + s.count), range(s.start, s.end)):
-                keys = window[max(t - c.sliding_window + 1, first) - first:t + 1 - first]
-                if entries is not None:
-                    visible = (t + 1) // self.ratio
-                    chosen = self.indexer.choose(index[0][row], index[1][row], index_keys[:visible]) \
-                        if self.indexer else slice(0, visible)
-                    keys = np.concatenate([keys, entries[chosen]])
-                out[row] = self.attend(q[row], keys)
+            out[s.rows] = self.attend(q[s.rows], s, index and (index[0][s.rows], index[1][s.rows]))
         out = rotated_tail(out, self.inverse, positions)
         groups = c.output_groups
         grouped = self.o_a.times_per_head(out.reshape(n * groups, -1), groups, c.output_lora_rank, c.output_lora_rank)
         return self.o_b(grouped.reshape(n, groups * c.output_lora_rank))
 
-    def attend(self, q: np.ndarray, keys: np.ndarray) -> np.ndarray:
-        """Each head of q [heads, width] over `keys` [k, width] (also the values), with its sink."""
-        scores = (q @ keys.T) * F32(self.c.head_dim ** -0.5)
-        top = np.maximum(scores.max(axis=1), self.sinks)
-        weights = np.exp(scores - top[:, None])
-        total = weights.sum(axis=1) + np.exp(self.sinks - top)
-        return (weights / total[:, None]) @ keys
+    def attend(self, q: np.ndarray, s, index) -> np.ndarray:
+        """Segment s's queries q [count, heads, width] over their window and the entries they
+        see, in one attention call: the rows are the entries, then the cached window (K = V);
+        `chosen` keeps, for each query, its window and its visible (CSA: indexed) entries."""
+        c, cache = self.c, s.cache
+        first, window = cache.first(self.layer, "kv"), cache.read(self.layer, "kv", s.end)
+        made = s.end // self.ratio if self.ratio else 0
+        entries = cache.entries_of(self.layer, "comp", made) if made else np.empty((0, c.head_dim), F32)
+        keys = np.concatenate([entries, window])[:, None, :]
+        index_keys = cache.entries_of(self.layer, "index", made) if self.indexer else None
+        chosen = np.zeros((s.count, keys.shape[0]), np.uint8)
+        for i, t in enumerate(range(s.start, s.end)):
+            chosen[i, made + max(t - c.sliding_window + 1, first) - first:] = 1  # the window (rows past t: causal)
+            visible = (t + 1) // self.ratio if self.ratio else 0
+            if self.indexer and visible:
+                chosen[i, self.indexer.choose(index[0][i], index[1][i], index_keys[:visible])] = 1
+            else:
+                chosen[i, :visible] = 1
+        start = keys.shape[0] - s.count  # the segment's last rows are its own positions
+        return kernels.attention(q, keys, keys, start, F32(c.head_dim ** -0.5), sinks=self.sinks, chosen=chosen)

@@ -1,0 +1,59 @@
+#!/usr/bin/env python
+"""RAM one sequence's cache takes, at given contexts, for release configs colibri cannot hold
+here: what `plan` and the RAM budget count (`runtime.model.Decoder.cache_shape_for`).
+
+    python bench/cache_size.py [--ctx 4096,131072,1048576] [--json]
+
+DeepSeek-V4-Flash's config.json values (a snapshot of the hub file; every field agrees with
+transformers' defaults): 43 layers, `compress_ratios` [0, 0] + [4, 128] × 20 + [4], window 128,
+one key-value head of 512, indexer keys of 128.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from colibri.convert.arch import adapter_for
+from colibri.convert.arch.base import normalized_config
+from colibri.runtime.kv_cache import KV_KINDS
+from colibri.runtime.model import Decoder
+
+CONFIGS = {
+    "DeepSeek-V4-Flash": {
+        "model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,
+        "q_lora_rank": 1024, "qk_rope_head_dim": 64, "num_experts_per_tok": 6, "n_routed_experts": 256,
+        "n_shared_experts": 1, "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "routed_scaling_factor": 1.5,
+        "max_position_embeddings": 1048576, "rope_theta": 10000, "compress_rope_theta": 160000,
+        "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                         "beta_slow": 1},
+        "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "num_hash_layers": 3, "swiglu_limit": 10.0,
+        "sliding_window": 128, "o_groups": 8, "o_lora_rank": 1024, "index_n_heads": 64, "index_head_dim": 128,
+        "index_topk": 512, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-6,
+    },
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ctx", default="4096,131072,1048576", help="contexts, comma-separated (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    contexts = [int(c) for c in args.ctx.split(",")]
+    rows = []
+    for name, hf in CONFIGS.items():
+        shape = Decoder.cache_shape_for(normalized_config(adapter_for(hf), hf))
+        for ctx in contexts:
+            rows.append({"model": name, "ctx": ctx, **{kind: shape.nbytes(ctx, kind) for kind in KV_KINDS}})
+    if args.json:
+        print(json.dumps(rows))
+        return
+    print(f"{'model':20s} {'ctx':>9s} " + " ".join(f"{kind:>10s}" for kind in KV_KINDS) + "   (GiB a sequence)")
+    for row in rows:
+        print(f"{row['model']:20s} {row['ctx']:9d} " + " ".join(f"{row[kind] / 2**30:10.3f}" for kind in KV_KINDS))
+
+
+if __name__ == "__main__":
+    main()
