@@ -37,8 +37,8 @@ MIXES = {"Q2_K": "Q2_K", "Q2_K_S": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "
          "IQ2_M": "IQ2_S", "IQ3_XXS": "IQ3_XXS", "IQ3_XS": "IQ3_S", "IQ3_S": "IQ3_S", "IQ3_M": "IQ3_S"}
 RECIPES = (*MIXES, "Q8_0", "BF16", "F16", "F32")
 # kept float32 by the BF16 and F16 recipes, as transformers keeps them (DeepSeek-V4's stream
-# mixing and compressor position biases); llama-quantize's mixes quantize them
-FLOAT32_IN_FLOAT_RECIPES = ("_hc_fn.weight", "hc_attn_fn.weight", "hc_ffn_fn.weight", "compressor_ape.weight")
+# mixing); llama-quantize's mixes quantize them
+FLOAT32_IN_FLOAT_RECIPES = ("_hc_fn.weight", "hc_attn_fn.weight", "hc_ffn_fn.weight")
 # the types whose tensors llama-quantize quantizes only with an importance matrix entry (not the
 # token embeddings or the output); Q2_K tensors need one too in a Q2_K_S file
 IMATRIX_TYPES = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_M", "IQ1_S")
@@ -145,9 +145,11 @@ def _nested_repeat(parsed, inside: bool) -> bool:
 
 def is_quantizable(name: str, shape) -> bool:
     """2-D weights are quantized; 1-D tensors, biases, the router gate, DeepSeek-V4's token →
-    experts table and the DeltaNet convolution (llama.cpp's rule: rows of a few taps) stay F32."""
+    experts table and the DeltaNet convolution (llama.cpp's rule: rows of a few taps) stay F32;
+    so do DeepSeek-V4's compressor position biases, which llama-quantize would quantize (they are
+    added to logits, not multiplied: no importance matrix has them, so no low-bit mix could)."""
     return name.endswith(".weight") and len(shape) >= 2 and not any(
-        part in name for part in ("ffn_gate_inp.weight", "ffn_gate_tid2eid.weight", "ssm_conv1d"))
+        part in name for part in ("ffn_gate_inp.weight", "ffn_gate_tid2eid.weight", "ssm_conv1d", "compressor_ape.weight"))
 
 
 @dataclass

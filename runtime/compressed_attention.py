@@ -171,6 +171,8 @@ class CompressedAttention:
             out[s.rows] = self.attend(q[s.rows], s, index and (index[0][s.rows], index[1][s.rows]))
         out = rotated_tail(out, self.inverse, positions)
         groups = c.output_groups
+        if self.o_a.observe is not None:  # what each group's rows of attn_output_a multiply, pooled
+            self.o_a.observe(out.reshape(n * groups, -1))
         grouped = self.o_a.times_per_head(out.reshape(n * groups, -1), groups, c.output_lora_rank, c.output_lora_rank)
         return self.o_b(grouped.reshape(n, groups * c.output_lora_rank))
 

@@ -1,6 +1,7 @@
 """Importance matrices from our own runtime, as `llama-imatrix` collects them.
 
-While text runs through the model, every matrix of a layer (`blk.*`) adds the squares of
+While text runs through the model, every matrix of a layer (`blk.*`, and DeepSeek-V4's head
+mixing `output_hc_fn`) adds the squares of
 the activations it multiplies to a per-column sum, and counts the activations; a routed
 expert tensor keeps one sum and one count per expert, over the rows routed to that expert.
 The down projection of an expert sees the SwiGLU of its gate and up products, which the
@@ -8,9 +9,10 @@ runtime's expert kernels compute inside one call, so it is recomputed here for t
 each expert. The file is llama-imatrix's GGUF (`NAME.in_sum2`, `NAME.counts`, the dataset
 and chunk keys), which `colibri-convert --imatrix` and `llama-quantize --imatrix` read.
 
-Not collected: MLA's `attn_kv_b` (our absorbed attention multiplies it per head in the
-latent space, not as llama.cpp's graph does) and `output.weight` (llama-imatrix skips it by
-default too).
+The matrices our attention multiplies per head report what they multiply themselves: MLA's
+`attn_kv_b` the normalized latent, DeepSeek-V4's grouped `attn_output_a` every group's heads,
+pooled (one sum per column, as llama-quantize reads it for the 2-D tensor). Not collected:
+`output.weight` (llama-imatrix skips it by default too).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from colibri.runtime import kernels
 from colibri.runtime.model import MoE
 
 EXPERT_MATRICES = ("gate", "up", "down")
+OBSERVED = ("blk.", "output_hc_")  # the layers' matrices and DeepSeek-V4's head mixing (not output.weight)
 
 
 class ActivationSums:
@@ -45,10 +48,10 @@ class ActivationSums:
         self.counts[name][matrix] += x.shape[0]
 
     def attach(self, model) -> None:
-        """Observe every `blk.*` matrix and MoE layer of an open model's decoder."""
+        """Observe every `OBSERVED` matrix and MoE layer of an open model's decoder."""
         decoder = model.decoder
         for name, matrix in decoder.weights.matrices.items():
-            if name.startswith("blk."):
+            if name.startswith(OBSERVED):
                 matrix.observe = lambda x, name=name: self.add(name, x)
         for *_, ffn in decoder.layers:
             if isinstance(ffn, MoE):

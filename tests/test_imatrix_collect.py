@@ -157,3 +157,23 @@ def test_mla_s_kv_b_gets_its_entry_though_absorbed_it_never_runs_as_a_product(ch
     assert counts.tolist() == entries["blk.0.attn_kv_a_mqa.weight"][1].tolist() and counts[0] > 0
     assert sums.shape[-1] == ModelLayout(tmp_path / "m").config.kv_lora_rank and (sums > 0).all()
     convert(str(src), tmp_path / "grid", ConvertOptions(quant="IQ3_XXS", imatrix=out, progress=False))
+
+
+def test_deepseek_v4_s_grouped_output_and_head_mixing_get_entries(checkpoint, tmp_path):
+    """DeepSeek-V4's attn_output_a runs per group of heads and its head's mixing outside the
+    layers; both get entries (the groups pooled), so its low-bit mixes can be made from ours."""
+    src = checkpoint("deepseek_v4", dtype="f32")
+    convert(str(src), tmp_path / "m", ConvertOptions(quant="Q8_0", progress=False))
+    (tmp_path / "text.txt").write_text(" ".join(["the river town woke slowly at dawn"] * 40))
+    out = tmp_path / "imatrix.gguf"
+    assert main(["imatrix", str(tmp_path / "m"), "--text", str(tmp_path / "text.txt"), "-o", str(out), "--chunk",
+                 str(CHUNK), "--chunks", "2", "--no-progress"]) == 0
+    _, entries = read_entries(out)
+    c = ModelLayout(tmp_path / "m").config
+    tokens = entries["blk.1.attn_q_a.weight"][1][0]
+    sums, counts = entries["blk.1.attn_output_a.weight"]
+    assert counts[0] == c.output_groups * tokens and sums.shape[-1] == c.n_heads * c.head_dim // c.output_groups
+    assert entries["output_hc_fn.weight"][1][0] == tokens and (entries["output_hc_fn.weight"][0] > 0).all()
+    assert "blk.1.attn_compressor_ape.weight" not in entries  # added to logits, no product
+    convert(str(src), tmp_path / "grid", ConvertOptions(quant="IQ2_XXS", imatrix=out, progress=False))
+    assert ModelLayout(tmp_path / "grid").tensors["blk.1.attn_output_a.weight"].encoding == "IQ2_XXS"
