@@ -137,6 +137,13 @@ def test_layout_index_and_plan(ckpt, arch):
 
 
 _MUST_HAVE = {
+    "dots1": {  # a dense first layer, then routed experts with a correction bias and a shared expert
+        "model.layers.0.mlp.gate_proj.weight": [512, 256],
+        "model.layers.1.self_attn.q_norm.weight": [64],
+        "model.layers.1.mlp.gate.e_score_correction_bias": [8],
+        "model.layers.1.mlp.shared_experts.up_proj.weight": [256, 256],
+        "model.layers.2.mlp.experts.7.down_proj.weight": [256, 256],
+    },
     "deepseek_v4": {  # a window, CSA, HCA and CSA layer; the first routed by its token table
         "model.layers.0.ffn.gate.tid2eid": [512, 2],
         "model.layers.0.hc_attn_fn": [24, 1024],
@@ -286,7 +293,7 @@ def test_config_and_arch_specific_tensors(ckpt, arch):
         "minimax_m2": ["MiniMaxM2ForCausalLM"], "gpt_oss": ["GptOssForCausalLM"],
         "deepseek_v32": ["DeepseekV32ForCausalLM"], "glm_moe_dsa": ["GlmMoeDsaForCausalLM"],
         "qwen3_next": ["Qwen3NextForCausalLM"], "qwen3_5_moe": ["Qwen3_5MoeForCausalLM"],
-        "deepseek_v4": ["DeepseekV4ForCausalLM"],
+        "deepseek_v4": ["DeepseekV4ForCausalLM"], "dots1": ["Dots1ForCausalLM"],
     }[arch]
     if arch == "gpt_oss":
         assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["rope_scaling"]["truncate"] is False
