@@ -3,7 +3,7 @@
 ``write_reference_gguf(src, out)`` reads a tiny Hugging Face checkpoint (F32 safetensors)
 and writes, with gguf-py's own ``GGUFWriter`` -- never colibri's exporter -- what
 ``convert_hf_to_gguf.py --outtype f32`` writes (llama.cpp as vendored by
-llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm,minimax,gpt_oss,dots1}.py``):
+llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm,minimax,gpt_oss,dots1,ernie}.py``):
 
 * the metadata of ``TextModel.set_gguf_parameters`` and of each model class;
 * tensor names from gguf's ``TensorNameMap`` (``map_tensor_name``), with
@@ -74,8 +74,10 @@ def add_metadata(w: gguf.GGUFWriter, hp: dict, block_count: int) -> None:
         w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     w.add_rope_freq_base(hp.get("rope_theta") or hp["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    w.add_expert_count(hp.get("num_local_experts") or hp.get("num_experts") or hp["n_routed_experts"])
-    w.add_expert_used_count(hp["num_experts_per_tok"])
+    if (experts := hp.get("num_local_experts") or hp.get("num_experts") or hp.get("n_routed_experts")) is not None:
+        w.add_expert_count(experts)
+    if hp.get("num_experts_per_tok") is not None:
+        w.add_expert_used_count(hp["num_experts_per_tok"])
     if hp.get("n_group") is not None:
         w.add_expert_group_count(hp["n_group"])
     if hp.get("topk_group") is not None:
@@ -106,6 +108,17 @@ def dots1_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
     w.add_expert_shared_count(hp["n_shared_experts"])
     w.add_expert_weights_scale(hp["routed_scaling_factor"])
     w.add_expert_weights_norm(hp["norm_topk_prob"])
+
+
+def ernie_moe_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
+    w.add_expert_count(hp["moe_num_experts"])
+    w.add_expert_used_count(hp["moe_k"])
+    w.add_interleave_moe_layer_step(hp["moe_layer_interval"])
+    w.add_leading_dense_block_count(hp["moe_layer_start_index"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_expert_shared_count(hp["moe_num_shared_experts"])
+    if hp["moe_num_shared_experts"]:  # the converter's own formula
+        w.add_expert_shared_feed_forward_length(hp["intermediate_size"] // hp["num_key_value_heads"])
 
 
 def olmoe_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
@@ -194,6 +207,7 @@ MODEL_CLASS_KEYS = {
     gguf.MODEL_ARCH.OLMOE: olmoe_keys, gguf.MODEL_ARCH.DEEPSEEK2: deepseek2_keys, gguf.MODEL_ARCH.GLM4_MOE: glm4moe_keys,
     gguf.MODEL_ARCH.MINIMAXM2: minimaxm2_keys, gguf.MODEL_ARCH.GPT_OSS: gpt_oss_keys, gguf.MODEL_ARCH.GLM_DSA: glm_dsa_keys,
     gguf.MODEL_ARCH.QWEN3NEXT: qwen3next_keys, gguf.MODEL_ARCH.QWEN35MOE: qwen3next_keys, gguf.MODEL_ARCH.DOTS1: dots1_keys,
+    gguf.MODEL_ARCH.ERNIE4_5_MOE: ernie_moe_keys,
 }
 
 

@@ -132,11 +132,16 @@ def test_layout_index_and_plan(ckpt, arch):
         if name != "__metadata__"
     }
     for s in plan:  # K-quant friendly: every matrix's input dimension is a multiple of 256
-        if len(s.shape) >= 2 and s.kind not in ("conv", "table"):  # a DeltaNet's taps, DeepSeek-V4's ids: no matrix
+        if len(s.shape) >= 2 and s.kind not in ("conv", "table", "score_bias"):  # taps, ids, ERNIE's [1, E] bias: no matrix
             assert s.shape[-1] % 256 == 0, s
 
 
 _MUST_HAVE = {
+    "ernie4_5_moe": {  # a dense first layer; the correction bias stored as one group's
+        "model.layers.0.mlp.up_proj.weight": [512, 256],
+        "model.layers.1.mlp.moe_statics.e_score_correction_bias": [1, 8],
+        "model.layers.2.mlp.shared_experts.down_proj.weight": [256, 256],
+    },
     "dots1": {  # a dense first layer, then routed experts with a correction bias and a shared expert
         "model.layers.0.mlp.gate_proj.weight": [512, 256],
         "model.layers.1.self_attn.q_norm.weight": [64],
@@ -294,6 +299,7 @@ def test_config_and_arch_specific_tensors(ckpt, arch):
         "deepseek_v32": ["DeepseekV32ForCausalLM"], "glm_moe_dsa": ["GlmMoeDsaForCausalLM"],
         "qwen3_next": ["Qwen3NextForCausalLM"], "qwen3_5_moe": ["Qwen3_5MoeForCausalLM"],
         "deepseek_v4": ["DeepseekV4ForCausalLM"], "dots1": ["Dots1ForCausalLM"],
+        "ernie4_5_moe": ["Ernie4_5_MoeForCausalLM"],
     }[arch]
     if arch == "gpt_oss":
         assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["rope_scaling"]["truncate"] is False

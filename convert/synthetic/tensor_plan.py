@@ -203,8 +203,10 @@ class _Planner:
             self.plain(m + "router.bias", (c.n_experts,), "bias", self.std)
         else:
             self.plain(m + "gate.weight", (c.n_experts, D), "router", self.router_std)
-        if c.router_bias:
-            self.plain(m + self.adapter.router_bias_leaf, (c.n_experts,), "score_bias", SCORE_BIAS_STD, dtype="F32")
+        if c.router_bias:  # its shape as the adapter lists it (ERNIE-4.5 stores one group's, [1, experts])
+            bias = m + self.adapter.router_bias_leaf
+            self.plain(bias, self.adapter.router_tensors(c, p.removesuffix("."))[bias], "score_bias", SCORE_BIAS_STD,
+                       dtype="F32")
         self.experts(m, c.n_experts, c.expert_ffn)
         if c.n_shared_experts:
             self.dense_mlp(f"{m}{self.adapter.shared_block}.", c.shared_expert_ffn)
