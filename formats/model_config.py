@@ -32,6 +32,7 @@ class ModelConfig:
     sliding_window: int = 0  # positions a query of a `sliding_layers` layer sees, its own the last
     sliding_layers: list[int] = field(default_factory=list)
     qk_norm: str = "none"  # "none", "head" (RMSNorm per head), "full" (over the whole projection)
+    qk_norm_after_rope: bool = False  # the q/k norms apply to the rotated q and k (HunYuan)
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
     q_lora_rank: int | None = None  # MLA; None when q is projected directly
     kv_lora_rank: int | None = None  # MLA compressed latent width

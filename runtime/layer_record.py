@@ -43,7 +43,8 @@ LATENT_NORM_EPS = 1e-6
 
 class GQAInput(NamedTuple):
     """A GQA / MHA layer's attention input: x's norm, then q, k, v with their biases, q/k
-    norms (`QK_NORMS`: over the whole projection or per head), clip (0: none) and rotation."""
+    norms (`QK_NORMS`: over the whole projection or per head; after the rotation when
+    `norm_after_rope`), clip (0: none) and rotation."""
 
     norm: np.ndarray
     eps: np.float32
@@ -56,6 +57,7 @@ class GQAInput(NamedTuple):
     q_norm: np.ndarray
     k_norm: np.ndarray
     qk_norm: int
+    norm_after_rope: bool
     clip: np.float32
     rope: RopeTable
     heads: int
@@ -201,7 +203,7 @@ def _gqa(c: ModelConfig, w, p: str, rope: Rope, attn_norm: np.ndarray, matrices:
     biases = [w.vector(p + f"attn_{x}.bias") for x in "qkv"] if c.attn_bias else [NONE] * 3
     norms = [w.vector(p + f"attn_{x}_norm.weight") for x in "qk"] if c.qk_norm != "none" else [NONE] * 2
     return GQAInput(attn_norm, F32(c.norm_eps), q.product, k.product, v.product, *biases, *norms, QK_NORMS[c.qk_norm],
-                    F32(c.clip_qkv or 0), rope.table, c.n_heads, c.n_kv_heads)
+                    c.qk_norm_after_rope, F32(c.clip_qkv or 0), rope.table, c.n_heads, c.n_kv_heads)
 
 
 def _latent(c: ModelConfig, w, p: str, rope: Rope, attn_norm: np.ndarray, matrices: dict):

@@ -31,7 +31,7 @@ def _clip(values, limit):
 def finish_qkv(rec, q, k, v, positions):
     """q [n, heads * width], k [n, kv heads * width], v [n, kv heads * v width] (C-contiguous,
     the products of a layer's `GQAInput`) in place: + their biases, the q/k norms, the clip,
-    then q and k rotated at `positions` [n]."""
+    then q and k rotated at `positions` [n] (the norms after it when `norm_after_rope`)."""
     n = q.shape[0]
     if rec.q_bias.size:
         _add_rows(q, rec.q_bias)
@@ -45,9 +45,18 @@ def finish_qkv(rec, q, k, v, positions):
         _clip(k, rec.clip)
         _clip(v, rec.clip)
     q_heads, k_heads = q.reshape(n, rec.heads, -1), k.reshape(n, rec.kv_heads, -1)
-    if rec.qk_norm == 2:
-        rms_norm_into(q_heads.reshape(n * rec.heads, -1), rec.q_norm, rec.eps, q_heads.reshape(n * rec.heads, -1))
-        rms_norm_into(k_heads.reshape(n * rec.kv_heads, -1), rec.k_norm, rec.eps, k_heads.reshape(n * rec.kv_heads, -1))
+    if rec.qk_norm == 2 and not rec.norm_after_rope:
+        _head_norms(rec, q_heads, k_heads)
     rotate_into(q_heads, rec.rope, positions, q_heads)
     rotate_into(k_heads, rec.rope, positions, k_heads)
+    if rec.qk_norm == 2 and rec.norm_after_rope:
+        _head_norms(rec, q_heads, k_heads)
+
+
+@numba.njit(cache=True, nogil=True)
+def _head_norms(rec, q_heads, k_heads):
+    """Each head of q [n, heads, width] and k [n, kv heads, width] RMS-normalized in place."""
+    n = q_heads.shape[0]
+    rms_norm_into(q_heads.reshape(n * rec.heads, -1), rec.q_norm, rec.eps, q_heads.reshape(n * rec.heads, -1))
+    rms_norm_into(k_heads.reshape(n * rec.kv_heads, -1), rec.k_norm, rec.eps, k_heads.reshape(n * rec.kv_heads, -1))
 

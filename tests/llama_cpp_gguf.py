@@ -3,7 +3,7 @@
 ``write_reference_gguf(src, out)`` reads a tiny Hugging Face checkpoint (F32 safetensors)
 and writes, with gguf-py's own ``GGUFWriter`` -- never colibri's exporter -- what
 ``convert_hf_to_gguf.py --outtype f32`` writes (llama.cpp as vendored by
-llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm,minimax,gpt_oss,dots1,ernie}.py``):
+llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm,minimax,gpt_oss,dots1,ernie,hunyuan}.py``):
 
 * the metadata of ``TextModel.set_gguf_parameters`` and of each model class;
 * tensor names from gguf's ``TensorNameMap`` (``map_tensor_name``), with
@@ -121,6 +121,20 @@ def ernie_moe_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
         w.add_expert_shared_feed_forward_length(hp["intermediate_size"] // hp["num_key_value_heads"])
 
 
+def hunyuan_moe_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
+    w.add_expert_shared_feed_forward_length(hp["intermediate_size"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"][0])
+    w.add_expert_used_count(hp["moe_topk"][0])
+    w.add_expert_shared_count(hp["num_shared_expert"][0])
+    if rope.get("type") == "dynamic":  # NTK alpha folded into the base (the converter's width: hidden / heads)
+        dim = hp["hidden_size"] // hp["num_attention_heads"]
+        w.add_rope_freq_base(hp["rope_theta"] * rope["alpha"] ** (dim / (dim - 2)))
+        w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        w.add_rope_scaling_factor(1)
+        w.add_rope_scaling_orig_ctx_len(256 * 1024)
+        w.add_context_length(256 * 1024)
+
+
 def olmoe_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
     w.add_layer_norm_rms_eps(1e-5)
 
@@ -207,7 +221,7 @@ MODEL_CLASS_KEYS = {
     gguf.MODEL_ARCH.OLMOE: olmoe_keys, gguf.MODEL_ARCH.DEEPSEEK2: deepseek2_keys, gguf.MODEL_ARCH.GLM4_MOE: glm4moe_keys,
     gguf.MODEL_ARCH.MINIMAXM2: minimaxm2_keys, gguf.MODEL_ARCH.GPT_OSS: gpt_oss_keys, gguf.MODEL_ARCH.GLM_DSA: glm_dsa_keys,
     gguf.MODEL_ARCH.QWEN3NEXT: qwen3next_keys, gguf.MODEL_ARCH.QWEN35MOE: qwen3next_keys, gguf.MODEL_ARCH.DOTS1: dots1_keys,
-    gguf.MODEL_ARCH.ERNIE4_5_MOE: ernie_moe_keys,
+    gguf.MODEL_ARCH.ERNIE4_5_MOE: ernie_moe_keys, gguf.MODEL_ARCH.HUNYUAN_MOE: hunyuan_moe_keys,
 }
 
 

@@ -97,7 +97,7 @@ def _reinit(model, seed: int, hidden: int, zero_centred: bool = False) -> None:
                 continue  # rotary buffers are not persistent, keep them
             if name.endswith("e_score_correction_bias"):
                 std, mean = 0.05, 0.0
-            elif re.search(r"\.(gate|router)\.weight$", name):
+            elif re.search(r"\.(gate|router|gate\.wg)\.weight$", name):
                 std, mean = router_std, 0.0
             elif name.endswith(".sinks"):  # gpt-oss's attention sinks: logits the scores compete with
                 std, mean = 1.0, 0.0

@@ -137,6 +137,11 @@ def test_layout_index_and_plan(ckpt, arch):
 
 
 _MUST_HAVE = {
+    "hunyuan_v1_moe": {  # the router's `wg`, the q/k norms' names, one shared MLP
+        "model.layers.1.mlp.gate.wg.weight": [8, 256],
+        "model.layers.1.self_attn.query_layernorm.weight": [64],
+        "model.layers.1.mlp.shared_mlp.gate_proj.weight": [256, 256],
+    },
     "ernie4_5_moe": {  # a dense first layer; the correction bias stored as one group's
         "model.layers.0.mlp.up_proj.weight": [512, 256],
         "model.layers.1.mlp.moe_statics.e_score_correction_bias": [1, 8],
@@ -299,7 +304,7 @@ def test_config_and_arch_specific_tensors(ckpt, arch):
         "deepseek_v32": ["DeepseekV32ForCausalLM"], "glm_moe_dsa": ["GlmMoeDsaForCausalLM"],
         "qwen3_next": ["Qwen3NextForCausalLM"], "qwen3_5_moe": ["Qwen3_5MoeForCausalLM"],
         "deepseek_v4": ["DeepseekV4ForCausalLM"], "dots1": ["Dots1ForCausalLM"],
-        "ernie4_5_moe": ["Ernie4_5_MoeForCausalLM"],
+        "ernie4_5_moe": ["Ernie4_5_MoeForCausalLM"], "hunyuan_v1_moe": ["HunYuanMoEV1ForCausalLM"],
     }[arch]
     if arch == "gpt_oss":
         assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["rope_scaling"]["truncate"] is False

@@ -221,6 +221,8 @@ class Adapter:
     shared_block = "shared_experts"
     fused_expert_layout = "halves"  # ExpertNames.fused_layout
     router_bias_leaf = "gate.e_score_correction_bias"  # the selection bias, within moe_block
+    router_leaf = "gate.weight"  # the router's matrix, within moe_block
+    qk_norm_leaves = ("q_norm", "k_norm")  # the q/k RMSNorms, within self_attn
     o_proj_bias = False  # the hub's o_proj has a bias too when attention_bias is set
     # llama.cpp's `gguf_arch`, as its converter writes it and its loader reads it
     gguf_names: dict[str, str] = {}  # colibri's tensor name part → llama.cpp's, where they differ
@@ -276,10 +278,11 @@ class Adapter:
         t = {f"{a}.q_proj.weight": (q, d), f"{a}.k_proj.weight": (kv, d), f"{a}.v_proj.weight": (kv, d), f"{a}.o_proj.weight": (d, c.n_heads * c.v_head_dim)}
         if c.attn_bias:
             t.update({f"{a}.q_proj.bias": (q,), f"{a}.k_proj.bias": (kv,), f"{a}.v_proj.bias": (kv,)})
+        q_norm, k_norm = (f"{a}.{leaf}.weight" for leaf in self.qk_norm_leaves)
         if c.qk_norm == "head":
-            t.update({f"{a}.q_norm.weight": (c.head_dim,), f"{a}.k_norm.weight": (c.head_dim,)})
+            t.update({q_norm: (c.head_dim,), k_norm: (c.head_dim,)})
         elif c.qk_norm == "full":
-            t.update({f"{a}.q_norm.weight": (q,), f"{a}.k_norm.weight": (kv,)})
+            t.update({q_norm: (q,), k_norm: (kv,)})
         return t
 
     def mla_tensors(self, c: ModelConfig, p: str) -> dict[str, tuple]:
@@ -306,7 +309,7 @@ class Adapter:
 
     def router_tensors(self, c: ModelConfig, p: str) -> dict[str, tuple]:
         m = f"{p}.{self.moe_block}"
-        t = {f"{m}.gate.weight": (c.n_experts, c.hidden_size)}
+        t = {f"{m}.{self.router_leaf}": (c.n_experts, c.hidden_size)}
         if c.router_bias:
             t[f"{m}.{self.router_bias_leaf}"] = (c.n_experts,)
         if c.n_shared_experts:

@@ -142,8 +142,9 @@ class _Planner:
             self.plain(a + "sinks", (H,), "sink", SINK_STD)
         if c.qk_norm != "none":
             head = c.qk_norm == "head"
-            self.norm(a + "q_norm", c.head_dim if head else q)
-            self.norm(a + "k_norm", c.head_dim if head else kv)
+            q_norm, k_norm = self.adapter.qk_norm_leaves
+            self.norm(a + q_norm, c.head_dim if head else q)
+            self.norm(a + k_norm, c.head_dim if head else kv)
 
     def linear_attention(self, a):
         """A gated DeltaNet's tensors, as the adapter names them."""
@@ -202,7 +203,7 @@ class _Planner:
             self.plain(m + "router.weight", (c.n_experts, D), "router", self.router_std)
             self.plain(m + "router.bias", (c.n_experts,), "bias", self.std)
         else:
-            self.plain(m + "gate.weight", (c.n_experts, D), "router", self.router_std)
+            self.plain(m + self.adapter.router_leaf, (c.n_experts, D), "router", self.router_std)
         if c.router_bias:  # its shape as the adapter lists it (ERNIE-4.5 stores one group's, [1, experts])
             bias = m + self.adapter.router_bias_leaf
             self.plain(bias, self.adapter.router_tensors(c, p.removesuffix("."))[bias], "score_bias", SCORE_BIAS_STD,
