@@ -154,7 +154,8 @@ class DeepseekV4(Adapter):
         fields = common_fields(hf, "deepseek_v4", self.gguf_arch, windows=True)
         n_layers, head_dim = fields["n_layers"], fields["head_dim"]
         ratios = layer_ratios(hf, n_layers)
-        kinds = hf.get("mlp_layer_types") or ["hash_moe"] * int(hf.get("num_hash_layers", 3)) + ["moe"] * n_layers
+        hashed = min(max(int(hf.get("num_hash_layers", 3)), 0), n_layers)  # (a count from a stranger's file)
+        kinds = hf.get("mlp_layer_types") or ["hash_moe"] * hashed + ["moe"] * n_layers
         theta, compress_theta, compress_scaling = rope_parts(hf)
         rope_dim = int(hf.get("qk_rope_head_dim") or fields["rope_dim"])
         n_shared = int(hf.get("n_shared_experts") or 0)
