@@ -266,7 +266,8 @@ class Checkpoint:
     def _release_view(self) -> None:
         """A release named otherwise than transformers writes it (RELEASE_NAMES: recognized by
         its unprefixed embedding) is read under transformers' names."""
-        renames = RELEASE_NAMES.get(self.config.get("model_type"))
+        model_type = self.config.get("model_type")
+        renames = RELEASE_NAMES.get(model_type) if isinstance(model_type, str) else None
         if renames is None or "embed.weight" not in self.tensors:
             return
         renamed = {}

@@ -19,7 +19,7 @@ import numpy as np
 
 from colibri.formats.config_check import OVERLAPPING_RATIO
 from colibri.formats.encodings import FLOAT_DTYPES
-from colibri.formats.layout import ModelLayout, align_up
+from colibri.formats.layout import FormatError, ModelLayout, align_up
 from colibri.formats.model_config import ModelConfig
 from colibri.runtime import fused, hyper_connections, kernels
 from colibri.runtime.compressed_attention import CompressedAttention
@@ -323,7 +323,8 @@ class HashRouter(Router):
         name = f"blk.{record.layer}.ffn_gate_tid2eid.weight"
         table = w.array(name)
         if not np.all((table >= 0) & (table < c.n_experts) & (table == np.floor(table))):
-            raise ValueError(f"{name}: expert ids outside 0..{c.n_experts - 1}")
+            raise FormatError(f"{w.layout.path(w.layout.tensors[name].file)}: {name} holds expert ids outside "
+                              f"0..{c.n_experts - 1}")
         self.table = table.astype(np.int64)
 
     def __call__(self, h: np.ndarray, tokens=None) -> tuple[np.ndarray, np.ndarray]:

@@ -191,3 +191,26 @@ def test_verify_loads_the_text_files_as_the_runtime_will(model, capsys, name, te
     write_manifest(model, manifest)  # a stranger's model: consistent checksums, broken contents
     code, out, err = run(["verify", "--quick", str(model)], capsys)
     assert code == 1 and name in out and word in out, out
+
+
+def test_deepseek_v4_token_table_naming_an_expert_it_lacks(tmp_path):
+    """A hash layer's token → experts table is an index into the layer's experts: an id past
+    them (checksums rewritten, as a stranger can) is refused at load, naming the file."""
+    import hashlib
+
+    import numpy as np
+
+    convert(str(write_checkpoint(tmp_path / "src", "deepseek_v4")), tmp_path / "model",
+            ConvertOptions(quant="Q8_0", progress=False))
+    manifest = load_manifest(tmp_path / "model")
+    entry = manifest["tensors"]["blk.0.ffn_gate_tid2eid.weight"]
+    with open(tmp_path / "model" / entry["file"], "r+b") as f:
+        f.seek(entry["offset"])
+        table = np.frombuffer(f.read(entry["nbytes"]), np.float32).copy()
+        table[5] = manifest["config"]["n_experts"]
+        f.seek(entry["offset"])
+        f.write(table.tobytes())
+    entry["sha256"] = hashlib.sha256(table.tobytes()).hexdigest()
+    write_manifest(tmp_path / "model", manifest)
+    with pytest.raises(FormatError, match="resident.bin: blk.0.ffn_gate_tid2eid.weight holds expert ids outside"):
+        open_model(tmp_path / "model", ctx=64, ram_budget="8G")
