@@ -32,7 +32,8 @@ from tqdm import tqdm
 
 from colibri.convert.arch import ADAPTERS
 from colibri.convert.gguf_arch import (
-    INTEGER_TABLE, expert_tensor_name, gguf_arch_name, gguf_tensor_name, layer_of, permuted_heads, tensor_chunks, write_arch_metadata,
+    INTEGER_TABLE, expert_tensor_name, gguf_arch_name, gguf_tensor_name, layer_of, permuted_heads, tensor_chunks,
+    write_arch_metadata,
 )
 from colibri.convert.gguf_source import ByteReader, read_ahead
 from colibri.convert.pipeline import ConvertError, check_free_space

@@ -3,10 +3,11 @@
 A gpt-oss weight `P` is two uint8 tensors: `P_blocks` [..., groups, 16], 32 FP4 (E2M1) codes a
 group, two a byte (the even element in the low nibble), and `P_scales` [..., groups], one E8M0
 exponent a group (value = E2M1[code] × 2^(scale − 127)). DeepSeek-V4's routed experts hold the
-same as `P.weight` (I8 or U8 [rows, cols / 2]) and `P.scale` (F8_E8M0 [rows, cols / 32]). GGML's MXFP4 block holds the same
-codes and the same exponent byte (its table is the E2M1 values doubled, its scale 2^(e − 128)),
-only the nibbles are placed otherwise: element j < 16 in the low nibble of byte j, element
-j + 16 in its high nibble. So a block converts exactly, byte for byte.
+same as `P.weight` (I8 or U8 [rows, cols / 2]) and `P.scale` (F8_E8M0 [rows, cols / 32]).
+GGML's MXFP4 block holds the same codes and the same exponent byte (its table is the E2M1 values
+doubled, its scale 2^(e − 128)), only the nibbles are placed otherwise: element j < 16 in the
+low nibble of byte j, element j + 16 in its high nibble. So a block converts exactly, byte for
+byte.
 """
 
 from __future__ import annotations
