@@ -283,7 +283,7 @@ def _check_moe(c: ModelConfig, dim, need) -> None:
 
 def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every non-expert tensor the runtime reads for `c`, by canonical name, with its shape."""
-    d, h = c.hidden_size, c.n_heads
+    d = c.hidden_size
     tensors = {"token_embd.weight": (c.vocab_size, d), "output_norm.weight": (d,)}
     if not c.tie_word_embeddings:
         tensors["output.weight"] = (c.vocab_size, d)
@@ -291,31 +291,37 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         s = c.hyper_streams
         tensors.update({"output_hc_fn.weight": (s, s * d), "output_hc_base.weight": (s,), "output_hc_scale.weight": (1,)})
     for layer in range(c.n_layers):
-        p = f"blk.{layer}."
-        tensors.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,)})
-        if layer in c.linear_layers:
-            tensors.update(_linear_tensors(c, p))
-        elif c.attention == "compressed":
-            tensors.update(_compressed_tensors(c, p, layer))
-        else:
-            tensors.update(_attention_tensors(c, p, layer))
-        if layer in c.moe_layers:
-            tensors[p + "ffn_gate_inp.weight"] = (c.n_experts, d)
-            if layer in c.hash_layers:  # expert ids, stored as float32
-                tensors[p + "ffn_gate_tid2eid.weight"] = (c.vocab_size, c.n_experts_used)
-            elif c.router_bias:
-                tensors[p + "exp_probs_b.bias"] = (c.n_experts,)
-            if c.router_logit_bias:
-                tensors[p + "ffn_gate_inp.bias"] = (c.n_experts,)
-            if c.expert_bias:  # resident beside the router: a few KB an expert
-                tensors.update({p + f"ffn_{m}_exps.bias": (c.n_experts, width)
-                                for m, width in (("gate", c.expert_ffn), ("up", c.expert_ffn), ("down", d))})
-            if c.n_shared_experts:
-                tensors.update(_mlp(p + "ffn_{}_shexp.weight", c.shared_expert_ffn, d))
-            if c.shared_expert_gate:
-                tensors[p + "ffn_gate_inp_shexp.weight"] = (1, d)
-        else:
-            tensors.update(_mlp(p + "ffn_{}.weight", c.dense_ffn, d))
+        tensors.update(layer_tensors(c, layer))
+    return tensors
+
+
+def layer_tensors(c: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """The non-expert tensors of decoder layer `layer`, by canonical name, with their shapes."""
+    d, p = c.hidden_size, f"blk.{layer}."
+    tensors = {p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,)}
+    if layer in c.linear_layers:
+        tensors.update(_linear_tensors(c, p))
+    elif c.attention == "compressed":
+        tensors.update(_compressed_tensors(c, p, layer))
+    else:
+        tensors.update(_attention_tensors(c, p, layer))
+    if layer in c.moe_layers:
+        tensors[p + "ffn_gate_inp.weight"] = (c.n_experts, d)
+        if layer in c.hash_layers:  # expert ids, stored as float32
+            tensors[p + "ffn_gate_tid2eid.weight"] = (c.vocab_size, c.n_experts_used)
+        elif c.router_bias:
+            tensors[p + "exp_probs_b.bias"] = (c.n_experts,)
+        if c.router_logit_bias:
+            tensors[p + "ffn_gate_inp.bias"] = (c.n_experts,)
+        if c.expert_bias:  # resident beside the router: a few KB an expert
+            tensors.update({p + f"ffn_{m}_exps.bias": (c.n_experts, width)
+                            for m, width in (("gate", c.expert_ffn), ("up", c.expert_ffn), ("down", d))})
+        if c.n_shared_experts:
+            tensors.update(_mlp(p + "ffn_{}_shexp.weight", c.shared_expert_ffn, d))
+        if c.shared_expert_gate:
+            tensors[p + "ffn_gate_inp_shexp.weight"] = (1, d)
+    else:
+        tensors.update(_mlp(p + "ffn_{}.weight", c.dense_ffn, d))
     return tensors
 
 

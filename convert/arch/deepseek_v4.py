@@ -15,9 +15,9 @@ import re
 
 import gguf
 
-from colibri.convert.arch.base import Adapter, ConfigError, ExpertNames, ResidentView, TinyModel, common_fields, require
+from colibri.convert.arch.base import Adapter, ConfigError, ExpertNames, TinyModel, common_fields, require
 from colibri.convert.gguf_source import GGUFError
-from colibri.formats.config_check import OVERLAPPING_RATIO, expected_tensors
+from colibri.formats.config_check import OVERLAPPING_RATIO, layer_tensors
 from colibri.formats.model_config import ModelConfig
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -85,6 +85,7 @@ LAYER_NAMES = {
     "ffn.gate.tid2eid": "ffn_gate_tid2eid.weight",
     **{f"ffn.shared_experts.{leaf}.weight": f"ffn_{m}_shexp.weight" for leaf, m in (("w1", "gate"), ("w3", "up"), ("w2", "down"))},
 }
+TRANSFORMERS_NAMES = {part: name for name, part in LAYER_NAMES.items()}
 GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "head.weight": "output.weight", "model.hc_head.hc_fn": "output_hc_fn.weight",
                 "model.hc_head.hc_base": "output_hc_base.weight", "model.hc_head.hc_scale": "output_hc_scale.weight"}
@@ -212,10 +213,9 @@ class DeepseekV4(Adapter):
 
     def layer_tensors(self, c: ModelConfig, layer: int) -> dict[str, tuple]:
         """The runtime's tensors of the layer (formats.config_check), by transformers' names."""
-        ours = {v: k for k, v in LAYER_NAMES.items()}
         prefix = f"blk.{layer}."
-        return {f"model.layers.{layer}.{ours[name[len(prefix):]]}": shape
-                for name, shape in expected_tensors(c).items() if name.startswith(prefix)}
+        return {f"model.layers.{layer}.{TRANSFORMERS_NAMES[name[len(prefix):]]}": shape
+                for name, shape in layer_tensors(c, layer).items()}
 
     def experts(self, layer: int, packed: bool = False) -> ExpertNames:
         return ExpertNames(f"model.layers.{layer}.ffn.experts", self.expert_leaves)
@@ -226,10 +226,6 @@ class DeepseekV4(Adapter):
         match = _LAYER.fullmatch(hf_name)
         part = LAYER_NAMES.get(match.group(2)) if match else None
         return None if part is None else f"blk.{match.group(1)}.{part}"
-
-    def resident_views(self, name: str, shape: tuple, c: ModelConfig) -> list[ResidentView]:
-        canonical = self.canonical_name(name, c.n_layers)
-        return [] if canonical is None else [ResidentView(canonical, None, shape)]
 
     # --- GGUF: llama.cpp's deepseek4 ---------------------------------------------------
 
