@@ -93,12 +93,9 @@ def make_plan(checkpoint: Checkpoint, adapter: Adapter | None = None) -> Convers
         if weight not in present or present[weight].dtype != "F8_E4M3":
             raise CheckpointError(f"{present[name].file.name}: {name} scales no FP8 weight {weight}")
         present.pop(name)
-    for name in [n for n in present if n.endswith(".weight_scale")]:  # compressed-tensors' FP8 scales
-        weight = name.removesuffix("_scale")
-        if present.get(weight) is not None and present[weight].dtype == "F8_E4M3":
-            present.pop(name)
-    for name in [n for n in present if n.endswith(".scale")]:  # DeepSeek-V4's FP8 block scales
-        weight = name.removesuffix(".scale") + ".weight"
+    # compressed-tensors' FP8 scales (`.weight_scale`) and DeepSeek-V4's block scales (`.scale`)
+    for name in [n for n in present if n.endswith((".weight_scale", ".scale"))]:
+        weight = name.removesuffix("_scale") if name.endswith(".weight_scale") else name.removesuffix(".scale") + ".weight"
         if present.get(weight) is not None and present[weight].dtype == "F8_E4M3":
             present.pop(name)
 
