@@ -143,16 +143,22 @@ def test_unusable_text_is_one_line_naming_it(collected, tmp_path, capsys):
     assert not (tmp_path / "x.gguf").exists()
 
 
-def test_mla_s_kv_b_gets_its_entry_though_absorbed_it_never_runs_as_a_product(checkpoint, tmp_path):
-    """MLA multiplies kv_b into the queries and the context, never the latent; its entry is the
-    normalized latent every token stores, so the grid mixes that type kv_b can be made from ours."""
-    src = checkpoint("deepseek_v3", dtype="f32")
+def imatrix_of(checkpoint, arch, tmp_path):
+    """(the F32 checkpoint of `arch`, `colibri imatrix` of its Q8_0 conversion (folder `m`) over
+    a short text, that file's entries)."""
+    src = checkpoint(arch, dtype="f32")
     convert(str(src), tmp_path / "m", ConvertOptions(quant="Q8_0", progress=False))
     (tmp_path / "text.txt").write_text(" ".join(["the river town woke slowly at dawn"] * 40))
     out = tmp_path / "imatrix.gguf"
     assert main(["imatrix", str(tmp_path / "m"), "--text", str(tmp_path / "text.txt"), "-o", str(out), "--chunk",
                  str(CHUNK), "--chunks", "2", "--no-progress"]) == 0
-    _, entries = read_entries(out)
+    return src, out, read_entries(out)[1]
+
+
+def test_mla_s_kv_b_gets_its_entry_though_absorbed_it_never_runs_as_a_product(checkpoint, tmp_path):
+    """MLA multiplies kv_b into the queries and the context, never the latent; its entry is the
+    normalized latent every token stores, so the grid mixes that type kv_b can be made from ours."""
+    src, out, entries = imatrix_of(checkpoint, "deepseek_v3", tmp_path)
     sums, counts = entries["blk.0.attn_kv_b.weight"]
     assert counts.tolist() == entries["blk.0.attn_kv_a_mqa.weight"][1].tolist() and counts[0] > 0
     assert sums.shape[-1] == ModelLayout(tmp_path / "m").config.kv_lora_rank and (sums > 0).all()
@@ -162,13 +168,7 @@ def test_mla_s_kv_b_gets_its_entry_though_absorbed_it_never_runs_as_a_product(ch
 def test_deepseek_v4_s_grouped_output_and_head_mixing_get_entries(checkpoint, tmp_path):
     """DeepSeek-V4's attn_output_a runs per group of heads and its head's mixing outside the
     layers; both get entries (the groups pooled), so its low-bit mixes can be made from ours."""
-    src = checkpoint("deepseek_v4", dtype="f32")
-    convert(str(src), tmp_path / "m", ConvertOptions(quant="Q8_0", progress=False))
-    (tmp_path / "text.txt").write_text(" ".join(["the river town woke slowly at dawn"] * 40))
-    out = tmp_path / "imatrix.gguf"
-    assert main(["imatrix", str(tmp_path / "m"), "--text", str(tmp_path / "text.txt"), "-o", str(out), "--chunk",
-                 str(CHUNK), "--chunks", "2", "--no-progress"]) == 0
-    _, entries = read_entries(out)
+    src, out, entries = imatrix_of(checkpoint, "deepseek_v4", tmp_path)
     c = ModelLayout(tmp_path / "m").config
     tokens = entries["blk.1.attn_q_a.weight"][1][0]
     sums, counts = entries["blk.1.attn_output_a.weight"]
