@@ -2,6 +2,7 @@
 rule that the tests of the optional extras ran."""
 
 import os
+import shutil
 
 import pytest
 
@@ -19,6 +20,23 @@ def checkpoint(tmp_path):
         return write_checkpoint(tmp_path / f"src{count}-{arch}", arch, **kwargs)
 
     return make
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_scratch_is_removed(tmp_path_factory):
+    """Remove the folders a test module made with `tmp_path_factory` once the module is done.
+
+    pytest keeps them to the end of the session, and the suite's tiny models add up to several GB:
+    this bounds the run's disk use by its largest module instead.
+    """
+    root = tmp_path_factory.getbasetemp()
+    before = set(root.iterdir())
+    yield
+    for path in set(root.iterdir()) - before:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 # Skipped on a machine without llama.cpp, Ray Data or Chromium; with COLIBRI_REQUIRE_OPTIONAL=1
