@@ -34,6 +34,7 @@ import numpy as np
 
 from colibri.convert.arch import ADAPTERS, GGUF_ADAPTERS
 from colibri.convert.arch.base import Adapter
+from colibri.convert.arch.mimo_v2 import VALUE_SCALE
 from colibri.convert.gguf_source import ByteReader, GGUFError
 from colibri.formats.config_check import MAX_EXPERTS, MAX_LAYERS, config_problems
 from colibri.formats.model_config import ModelConfig
@@ -78,7 +79,8 @@ def gguf_tensor_name(config: ModelConfig, name: str) -> str:
 KEY_TYPES = {key: float for key in (A.CLAMP_KQV, A.LAYERNORM_RMS_EPS, K.EXPERT_WEIGHTS_SCALE, R.FREQ_BASE,
                                     R.SCALING_FACTOR, R.SCALING_YARN_LOG_MUL, R.SCALING_YARN_BETA_FAST,
                                     R.SCALING_YARN_BETA_SLOW, R.SCALING_YARN_ATTN_FACTOR)}
-KEY_TYPES |= {K.EXPERT_WEIGHTS_NORM: bool, R.SCALING_TYPE: str}
+KEY_TYPES |= {K.EXPERT_WEIGHTS_NORM: bool, R.SCALING_TYPE: str, A.SLIDING_WINDOW_PATTERN: bool, R.FREQ_BASE_SWA: float,
+              VALUE_SCALE: float}
 _TYPE_NAMES = {float: "a float", bool: "a bool", str: "a string", int: "an integer"}
 
 
@@ -107,6 +109,16 @@ class GGUFMetadata:
             raise GGUFError(f"{self.file}: metadata {key} is {type(value).__name__} {value!r:.40}, not {_TYPE_NAMES[kind]}")
         return value
 
+    def per_layer(self, template: str, layers: int, default) -> list:
+        """A key llama.cpp reads per layer: its first `layers` values (one value: for every layer)."""
+        key = template.format(arch=self.arch)
+        value = self.source.get(key, default)
+        values = value if isinstance(value, list) else [value] * layers
+        kind = KEY_TYPES.get(template, int)
+        if len(values) < layers or not all(isinstance(v, kind) and (kind is bool or not isinstance(v, bool)) for v in values):
+            raise GGUFError(f"{self.file}: metadata {key} is not {_TYPE_NAMES[kind]} or {layers} of them")
+        return values[:layers]
+
     def require(self, template: str):
         value = self.get(template)
         if value is None:
@@ -132,6 +144,7 @@ def config_from_gguf(meta: GGUFMetadata, shapes: dict[str, tuple]) -> ModelConfi
     if not expert_ffn:
         raise GGUFError(f"{file}: lacks metadata key {K.EXPERT_FEED_FORWARD_LENGTH.format(arch=a)}")
     head_dim = meta.get(A.KEY_LENGTH, hidden // heads)
+    kv_heads = meta.per_layer(A.HEAD_COUNT_KV, n_layers, heads)
     n_shared = meta.get(K.EXPERT_SHARED_COUNT, 0)
     q_norm = shapes.get("blk.0.attn_q_norm.weight")
     eos = [meta.source.get(key) for key in (T.EOS_ID, T.EOT_ID, T.EOM_ID)]
@@ -143,7 +156,7 @@ def config_from_gguf(meta: GGUFMetadata, shapes: dict[str, tuple]) -> ModelConfi
         "hidden_size": hidden,
         "n_layers": n_layers,
         "n_heads": heads,
-        "n_kv_heads": meta.get(A.HEAD_COUNT_KV, heads),
+        "n_kv_heads": kv_heads[0] if len(set(kv_heads)) == 1 else kv_heads,  # per layer: the adapter's to read
         "head_dim": head_dim,
         "v_head_dim": meta.get(A.VALUE_LENGTH, head_dim),
         "norm_eps": f32_value(meta.require(A.LAYERNORM_RMS_EPS)),
@@ -218,7 +231,8 @@ def write_arch_metadata(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
         writer.add_key_length_mla(c.head_dim)
         writer.add_value_length_mla(c.v_head_dim)
     else:  # MLA: llama.cpp's legacy layout, attn_kv_b unsplit (no key_length_mla)
-        writer.add_head_count_kv(c.n_heads if c.attention == "mla" else c.n_kv_heads)
+        per_layer = [c.kv_heads_of(i) for i in range(c.n_layers)]
+        writer.add_head_count_kv(c.n_heads if c.attention == "mla" else per_layer if c.sliding_kv_heads else c.n_kv_heads)
         writer.add_key_length(c.head_dim)
         writer.add_value_length(c.v_head_dim)
     writer.add_layer_norm_rms_eps(c.norm_eps)

@@ -135,6 +135,7 @@ def config_problems(c: ModelConfig) -> list[str]:
     need(isinstance(layers, list) and all(is_int(i) for i in layers) and layers == sorted(set(layers))
          and all(0 <= i < c.n_layers for i in layers) and (not layers or c.sliding_window),
          f"sliding_layers {layers!r} are not distinct increasing layers of the {c.n_layers} (with a sliding_window)")
+    _check_sliding(c, dim, need)
     problems += _rope_scaling_problems(c.rope_scaling)
     _check_linear(c, dim, need)
     need(not c.attn_output_gate or (c.attention == "gqa" and not c.attn_bias),
@@ -144,6 +145,20 @@ def config_problems(c: ModelConfig) -> list[str]:
         need(isinstance(ids, list) and all(is_int(i) and 0 <= i < c.vocab_size for i in ids),
              f"{name} {ids!r} is not a token of the {c.vocab_size}-token vocabulary")
     return problems
+
+
+def _check_sliding(c: ModelConfig, dim, need) -> None:
+    """What the sliding layers have of their own (MiMo-V2-Flash), through `config_problems`' `dim` and `need`."""
+    own = c.sliding_kv_heads or c.sliding_rope_theta or c.sinks_sliding_only
+    need(not own or (c.attention == "gqa" and bool(c.sliding_layers)),
+         "sliding_kv_heads, sliding_rope_theta and sinks_sliding_only need GQA attention with sliding_layers")
+    if dim("sliding_kv_heads", 0) and c.sliding_kv_heads:
+        need(c.n_heads % c.sliding_kv_heads == 0,
+             f"n_heads {c.n_heads} is not a multiple of sliding_kv_heads {c.sliding_kv_heads}")
+    need(_is_finite(c.sliding_rope_theta) and c.sliding_rope_theta >= 0,
+         f"sliding_rope_theta is {c.sliding_rope_theta!r}, not 0 or a positive number")
+    need(not c.sinks_sliding_only or c.attn_sinks, "sinks_sliding_only without attn_sinks")
+    need(_is_finite(c.value_scale) and c.value_scale > 0, f"value_scale is {c.value_scale!r}, not a positive number")
 
 
 def _check_indexer(c: ModelConfig, dim, need) -> None:
@@ -359,7 +374,7 @@ def _attention_tensors(c: ModelConfig, p: str, layer: int) -> dict[str, tuple[in
     tensors = {p + "attn_output.weight": (d, h * c.v_head_dim)}
     if c.attn_output_bias:
         tensors[p + "attn_output.bias"] = (d,)
-    if c.attn_sinks:
+    if c.has_sinks(layer):
         tensors[p + "attn_sinks.weight"] = (h,)
     if c.attention == "mla":
         tensors.update({p + "attn_kv_a_mqa.weight": (c.kv_lora_rank + c.qk_rope_head_dim, d),
@@ -376,12 +391,13 @@ def _attention_tensors(c: ModelConfig, p: str, layer: int) -> dict[str, tuple[in
                             p + "indexer.k_norm.weight": (w,), p + "indexer.k_norm.bias": (w,),
                             p + "indexer.proj.weight": (i, d)})
     else:
-        q, kv = h * c.head_dim, c.n_kv_heads * c.head_dim
+        kv_heads = c.kv_heads_of(layer)
+        q, k, v = h * c.head_dim, kv_heads * c.head_dim, kv_heads * c.v_head_dim
         gated = 2 if c.attn_output_gate else 1  # the gate's rows beside each head's query rows
-        tensors.update({p + "attn_q.weight": (gated * q, d), p + "attn_k.weight": (kv, d), p + "attn_v.weight": (kv, d)})
+        tensors.update({p + "attn_q.weight": (gated * q, d), p + "attn_k.weight": (k, d), p + "attn_v.weight": (v, d)})
         if c.attn_bias:
-            tensors.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
-        norms = {"head": (c.head_dim, c.head_dim), "full": (q, kv)}.get(c.qk_norm)
+            tensors.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (k,), p + "attn_v.bias": (v,)})
+        norms = {"head": (c.head_dim, c.head_dim), "full": (q, k)}.get(c.qk_norm)
         if norms:
             tensors.update({p + "attn_q_norm.weight": (norms[0],), p + "attn_k_norm.weight": (norms[1],)})
     return tensors

@@ -31,6 +31,10 @@ class ModelConfig:
     attn_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
     sliding_window: int = 0  # positions a query of a `sliding_layers` layer sees, its own the last
     sliding_layers: list[int] = field(default_factory=list)
+    sliding_kv_heads: int = 0  # key-value heads of the sliding layers (0: n_kv_heads) (MiMo-V2-Flash)
+    sliding_rope_theta: float = 0.0  # the rotation base of the sliding layers (0: rope_theta)
+    sinks_sliding_only: bool = False  # attn_sinks in the sliding layers only
+    value_scale: float = 1.0  # values are multiplied by this before they are cached (MiMo-V2-Flash)
     qk_norm: str = "none"  # "none", "head" (RMSNorm per head), "full" (over the whole projection)
     qk_norm_after_rope: bool = False  # the q/k norms apply to the rotated q and k (HunYuan)
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
@@ -135,3 +139,12 @@ class ModelConfig:
     def window_of(self, layer: int) -> int:
         """The positions a query of `layer` sees (0: all of them)."""
         return self.sliding_window if layer in self.sliding_layers else 0
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.sliding_kv_heads if self.sliding_kv_heads and layer in self.sliding_layers else self.n_kv_heads
+
+    def rope_theta_of(self, layer: int) -> float:
+        return self.sliding_rope_theta if self.sliding_rope_theta and layer in self.sliding_layers else self.rope_theta
+
+    def has_sinks(self, layer: int) -> bool:
+        return self.attn_sinks and (not self.sinks_sliding_only or layer in self.sliding_layers)

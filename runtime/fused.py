@@ -469,8 +469,9 @@ class DecodeLayer(_LayerStep):
         cache.write(layer, "k", position, self.query.out.k)
         cache.write(layer, "v", position, self.query.out.v)
         first = cache.first(layer, "k")
-        keys = cache.stored(layer, "k", position + 1).reshape(position + 1 - first, c.n_kv_heads, c.head_dim)
-        values = cache.stored(layer, "v", position + 1).reshape(position + 1 - first, c.n_kv_heads, c.v_head_dim)
+        heads = record.mixer.kv_heads
+        keys = cache.stored(layer, "k", position + 1).reshape(position + 1 - first, heads, c.head_dim)
+        values = cache.stored(layer, "v", position + 1).reshape(position + 1 - first, heads, c.v_head_dim)
         # attention through the general path's own kernels: compiled inside another kernel, its
         # loops could be vectorized differently, and the two paths would part by a few ulps
         kernels.attention_into(self.q, keys, values, Seen(position, first, record.window, kernels.NO_CHOICE),

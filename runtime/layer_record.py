@@ -42,9 +42,9 @@ LATENT_NORM_EPS = 1e-6
 
 
 class GQAInput(NamedTuple):
-    """A GQA / MHA layer's attention input: x's norm, then q, k, v with their biases, q/k
-    norms (`QK_NORMS`: over the whole projection or per head; after the rotation when
-    `norm_after_rope`), clip (0: none) and rotation."""
+    """A GQA / MHA layer's attention input: x's norm, then q, k, v with their biases, v's
+    scale, q/k norms (`QK_NORMS`: over the whole projection or per head; after the rotation
+    when `norm_after_rope`), clip (0: none) and rotation."""
 
     norm: np.ndarray
     eps: np.float32
@@ -54,6 +54,7 @@ class GQAInput(NamedTuple):
     q_bias: np.ndarray
     k_bias: np.ndarray
     v_bias: np.ndarray
+    v_scale: np.float32
     q_norm: np.ndarray
     k_norm: np.ndarray
     qk_norm: int
@@ -171,7 +172,7 @@ def describe_layer(c: ModelConfig, w, layer: int, rope: Rope, store) -> LayerRec
     elif c.attention == "mla":
         mixer, lora, per_head, scale = _latent(c, w, p, rope, attn_norm, matrices)
     else:
-        mixer = _gqa(c, w, p, rope, attn_norm, matrices)
+        mixer = _gqa(c, w, layer, rope, attn_norm, matrices)
     o_bias = w.vector(p + "attn_output.bias") if c.attn_output_bias and mixer is not None else NONE
     output = LayerOutput(matrices["o"].product, o_bias, w.vector(p + "ffn_norm.weight"), F32(c.norm_eps))
     router = experts = ffn = None
@@ -189,12 +190,13 @@ def describe_layer(c: ModelConfig, w, layer: int, rope: Rope, store) -> LayerRec
                 matrices["shared_gate"] = w.linear(p + "ffn_gate_inp_shexp.weight")
     else:
         ffn = _ffn(w, layer, "", matrices)
-    sinks = w.vector(p + "attn_sinks.weight") if c.attn_sinks else np.full(heads, kernels.NO_SINK, F32)
+    sinks = w.vector(p + "attn_sinks.weight") if c.has_sinks(layer) else np.full(heads, kernels.NO_SINK, F32)
     return LayerRecord(layer, attn_norm, matrices, mixer, lora, per_head, output, router, ffn, experts, heads, width,
                        c.window_of(layer), Scoring(np.ascontiguousarray(sinks, dtype=F32), scale))
 
 
-def _gqa(c: ModelConfig, w, p: str, rope: Rope, attn_norm: np.ndarray, matrices: dict) -> GQAInput:
+def _gqa(c: ModelConfig, w, layer: int, rope: Rope, attn_norm: np.ndarray, matrices: dict) -> GQAInput:
+    p = f"blk.{layer}."
     q, k, v = (w.linear(p + f"attn_{x}.weight") for x in "qkv")
     if c.attn_output_gate:  # Qwen3-Next's output gate: its rows of attn_q, held apart from the query's
         q, matrices["gate"] = query_and_gate(q, c.n_heads, c.head_dim)
@@ -202,8 +204,9 @@ def _gqa(c: ModelConfig, w, p: str, rope: Rope, attn_norm: np.ndarray, matrices:
     matrices.update(q=q, k=k, v=v, o=w.linear(p + "attn_output.weight"))
     biases = [w.vector(p + f"attn_{x}.bias") for x in "qkv"] if c.attn_bias else [NONE] * 3
     norms = [w.vector(p + f"attn_{x}_norm.weight") for x in "qk"] if c.qk_norm != "none" else [NONE] * 2
-    return GQAInput(attn_norm, F32(c.norm_eps), q.product, k.product, v.product, *biases, *norms, QK_NORMS[c.qk_norm],
-                    c.qk_norm_after_rope, F32(c.clip_qkv or 0), rope.table, c.n_heads, c.n_kv_heads)
+    return GQAInput(attn_norm, F32(c.norm_eps), q.product, k.product, v.product, *biases, F32(c.value_scale), *norms,
+                    QK_NORMS[c.qk_norm], c.qk_norm_after_rope, F32(c.clip_qkv or 0), rope.table, c.n_heads,
+                    c.kv_heads_of(layer))
 
 
 def _latent(c: ModelConfig, w, p: str, rope: Rope, attn_norm: np.ndarray, matrices: dict):

@@ -28,15 +28,24 @@ def _clip(values, limit):
 
 
 @numba.njit(cache=True, nogil=True)
+def _scale(values, factor):
+    flat = values.reshape(-1)
+    for i in range(flat.size):
+        flat[i] *= factor
+
+
+@numba.njit(cache=True, nogil=True)
 def finish_qkv(rec, q, k, v, positions):
     """q [n, heads * width], k [n, kv heads * width], v [n, kv heads * v width] (C-contiguous,
-    the products of a layer's `GQAInput`) in place: + their biases, the q/k norms, the clip,
-    then q and k rotated at `positions` [n] (the norms after it when `norm_after_rope`)."""
+    the products of a layer's `GQAInput`) in place: + their biases, v's scale, the q/k norms,
+    the clip, then q and k rotated at `positions` [n] (the norms after it when `norm_after_rope`)."""
     n = q.shape[0]
     if rec.q_bias.size:
         _add_rows(q, rec.q_bias)
         _add_rows(k, rec.k_bias)
         _add_rows(v, rec.v_bias)
+    if rec.v_scale != 1:
+        _scale(v, rec.v_scale)
     if rec.qk_norm == 1:
         rms_norm_into(q, rec.q_norm, rec.eps, q)
         rms_norm_into(k, rec.k_norm, rec.eps, k)

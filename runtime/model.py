@@ -137,7 +137,7 @@ class Attention:
         self.q, self.k, self.v, self.o = m["q"], m["k"], m["v"], m["o"]
         self.gate = m.get("gate")  # Qwen3-Next's output gate: its rows of attn_q, held apart from the query's
         self.o_bias = record.output.o_bias if record.output.o_bias.size else None
-        self.window, self.scoring = record.window, record.scoring
+        self.window, self.scoring, self.kv_heads = record.window, record.scoring, record.mixer.kv_heads
 
     def __call__(self, h: np.ndarray, positions: np.ndarray, segments: list[Segment]) -> np.ndarray:
         """h [n, hidden] at `positions` [n]; each segment's rows attend over its own cache."""
@@ -151,15 +151,15 @@ class Attention:
             pool.write(self.layer, "k", slots, at, k[rows])
             pool.write(self.layer, "v", slots, at, v[rows])
             keys, values = pool.stored(self.layer, "k"), pool.stored(self.layer, "v")
-            keys = keys.reshape(*keys.shape[:2], c.n_kv_heads, c.head_dim)
-            values = values.reshape(*values.shape[:2], c.n_kv_heads, c.v_head_dim)
+            keys = keys.reshape(*keys.shape[:2], self.kv_heads, c.head_dim)
+            values = values.reshape(*values.shape[:2], self.kv_heads, c.v_head_dim)
             out[rows] = attention_of_slots(q[rows], keys, values, slots, at, self.scoring)
         for s in segments:
             s.cache.write(self.layer, "k", s.start, k[s.rows])
             s.cache.write(self.layer, "v", s.start, v[s.rows])
             first = s.cache.first(self.layer, "k")
-            keys = s.cache.stored(self.layer, "k", s.end).reshape(s.end - first, c.n_kv_heads, c.head_dim)
-            values = s.cache.stored(self.layer, "v", s.end).reshape(s.end - first, c.n_kv_heads, c.v_head_dim)
+            keys = s.cache.stored(self.layer, "k", s.end).reshape(s.end - first, self.kv_heads, c.head_dim)
+            values = s.cache.stored(self.layer, "v", s.end).reshape(s.end - first, self.kv_heads, c.v_head_dim)
             out[s.rows] = kernels.attention(q[s.rows], keys, values, s.start, self.scoring.scale, self.window,
                                             self.scoring.sinks, first)
         out = out.reshape(n, c.n_heads * c.v_head_dim)
@@ -175,7 +175,7 @@ class Attention:
         c, n = self.c, h.shape[0]
         q, k, v, *gate = kernels.products(h, (self.q, self.k, self.v) + ((self.gate,) if self.gate else ()))
         finish_qkv(self.record.mixer, q, k, v, np.asarray(positions, dtype=np.int64))
-        return q.reshape(n, c.n_heads, c.head_dim), k.reshape(n, c.n_kv_heads, c.head_dim), v, gate[0] if gate else None
+        return q.reshape(n, c.n_heads, c.head_dim), k.reshape(n, self.kv_heads, c.head_dim), v, gate[0] if gate else None
 
 
 class LatentAttention:
@@ -447,12 +447,15 @@ class Decoder:
         c = self.config = layout.config
         w = self.weights = Weights(layout)
         rope = Rope(c, ctx)
+        ropes = {c.rope_theta: rope}  # a table per base: MiMo-V2-Flash's sliding layers have their own
+        for theta in {c.rope_theta_of(i) for i in range(c.n_layers)} - {c.rope_theta}:
+            ropes[theta] = Rope(dataclasses.replace(c, rope_theta=theta), ctx)
         index_rope = Rope(dataclasses.replace(c, rope_interleaved=c.index_rope_interleaved), ctx) if c.index_topk else None
         self.embed = w.linear("token_embd.weight")
         self.output = w.linear("output.weight" if w.has("output.weight") else "token_embd.weight")
         self.output_norm = w.vector("output_norm.weight")
         self.route_log = None  # called as route_log(layer, positions, expert ids, weights) after each MoE layer
-        self.records = [describe_layer(c, w, i, rope, store) for i in range(c.n_layers)]
+        self.records = [describe_layer(c, w, i, ropes[c.rope_theta_of(i)], store) for i in range(c.n_layers)]
         compress_rope = Rope(dataclasses.replace(c, rope_theta=c.compress_rope_theta, rope_scaling=c.compress_rope_scaling),
                              ctx) if c.attention == "compressed" else None
         self.layers = []  # (attention norm, token mixer, FFN norm, FFN) of each layer, for the prompt path
@@ -519,9 +522,11 @@ class Decoder:
             widths = {"kv": c.kv_lora_rank + c.qk_rope_head_dim, **({"index_k": c.index_head_dim} if c.index_topk else {})}
         else:
             widths = {"k": c.n_kv_heads * c.head_dim, "v": c.n_kv_heads * c.v_head_dim}
+        own = tuple({"k": c.kv_heads_of(i) * c.head_dim, "v": c.kv_heads_of(i) * c.v_head_dim}
+                    for i in range(c.n_layers)) if c.sliding_kv_heads else ()  # sliding layers' own KV heads
         return CacheShape(c.n_layers, widths, tuple(c.window_of(layer) for layer in range(c.n_layers)),
                           tuple(GatedDeltaNet.state_shapes(c) if c.is_linear_layer(layer) else {}
-                                for layer in range(c.n_layers)))
+                                for layer in range(c.n_layers)), layer_widths=own)
 
     def forward(self, tokens, cache: KVCache, all_logits: bool = True) -> np.ndarray:
         """Logits [n, vocab] for `tokens` placed after the cache's contents ([1, vocab] for the

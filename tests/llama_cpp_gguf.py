@@ -3,7 +3,7 @@
 ``write_reference_gguf(src, out)`` reads a tiny Hugging Face checkpoint (F32 safetensors)
 and writes, with gguf-py's own ``GGUFWriter`` -- never colibri's exporter -- what
 ``convert_hf_to_gguf.py --outtype f32`` writes (llama.cpp as vendored by
-llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm,minimax,gpt_oss,dots1,ernie,hunyuan}.py``):
+llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm,minimax,gpt_oss,dots1,ernie,hunyuan,mimo}.py``):
 
 * the metadata of ``TextModel.set_gguf_parameters`` and of each model class;
 * tensor names from gguf's ``TensorNameMap`` (``map_tensor_name``), with
@@ -73,7 +73,8 @@ def add_metadata(w: gguf.GGUFWriter, hp: dict, block_count: int) -> None:
         w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     w.add_rope_freq_base(hp.get("rope_theta") or hp["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    if hp.get("rms_norm_eps") is not None:
+        w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
     if (experts := hp.get("num_local_experts") or hp.get("num_experts") or hp.get("n_routed_experts")) is not None:
         w.add_expert_count(experts)
     if hp.get("num_experts_per_tok") is not None:
@@ -215,6 +216,22 @@ def qwen3next_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
         w.add_rope_dimension_sections([11, 11, 10, 0])
 
 
+def mimo2_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
+    """MimoV2Model, on the config as AutoConfig gives it (a sliding query sees `sliding_window_size`
+    earlier positions), converted without its MTP layers (`--no-mtp`)."""
+    pattern = hp["hybrid_layer_pattern"]
+    w.add_head_count_kv([hp["swa_num_key_value_heads"] if p == 1 else hp["num_key_value_heads"] for p in pattern])
+    w.add_sliding_window(hp["sliding_window_size"] + 1)
+    w.add_sliding_window_pattern([p == 1 for p in pattern])
+    w.add_value_length(hp["v_head_dim"])
+    w.add_expert_count(hp["n_routed_experts"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_rope_freq_base_swa(hp["swa_rope_theta"])
+    w.add_rope_dimension_count(int(hp["head_dim"] * hp["partial_rotary_factor"]))
+    w.add_layer_norm_rms_eps(hp["layernorm_epsilon"])
+    w.add_float32(f"{w.arch}.attention.value_scale", hp["attention_value_scale"])
+
+
 # llama.cpp's converter: one model class per architecture it writes
 MODEL_CLASS_KEYS = {
     gguf.MODEL_ARCH.LLAMA: llama_keys, gguf.MODEL_ARCH.QWEN2MOE: qwen_moe_keys, gguf.MODEL_ARCH.QWEN3MOE: qwen_moe_keys,
@@ -222,6 +239,7 @@ MODEL_CLASS_KEYS = {
     gguf.MODEL_ARCH.MINIMAXM2: minimaxm2_keys, gguf.MODEL_ARCH.GPT_OSS: gpt_oss_keys, gguf.MODEL_ARCH.GLM_DSA: glm_dsa_keys,
     gguf.MODEL_ARCH.QWEN3NEXT: qwen3next_keys, gguf.MODEL_ARCH.QWEN35MOE: qwen3next_keys, gguf.MODEL_ARCH.DOTS1: dots1_keys,
     gguf.MODEL_ARCH.ERNIE4_5_MOE: ernie_moe_keys, gguf.MODEL_ARCH.HUNYUAN_MOE: hunyuan_moe_keys,
+    gguf.MODEL_ARCH.MIMO2: mimo2_keys,
 }
 
 
@@ -307,6 +325,8 @@ def gguf_tensors(tensors: dict[str, np.ndarray], hp: dict, block_count: int, fus
             yield name_map.get_name(name.replace("kv_b_proj.weight", "v_b_proj")) + ".weight", np.ascontiguousarray(kv_b[:, nope:])
             continue
         name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        if "attention_sink" in name and not name.endswith(".weight"):  # MimoV2Model.filter_tensors
+            name += ".weight"
         if adapter.gguf_arch == gguf.MODEL_ARCH.GPT_OSS:
             pairs = gpt_oss_tensors(name, data)
         elif adapter.gguf_arch in (gguf.MODEL_ARCH.QWEN3NEXT, gguf.MODEL_ARCH.QWEN35MOE):

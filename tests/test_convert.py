@@ -48,7 +48,7 @@ def test_fused_experts_equal_per_expert(checkpoint, tmp_path, arch):
         assert (tmp_path / "a" / layer.file).read_bytes() == (tmp_path / "b" / layer.file).read_bytes()
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "kimi_k2"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "kimi_k2", "mimo_v2_flash"])  # as their releases are stored
 def test_fp8_source(checkpoint, tmp_path, arch):
     src = checkpoint(arch, dtype="fp8")
     ckpt = Checkpoint(src)

@@ -137,6 +137,14 @@ def test_layout_index_and_plan(ckpt, arch):
 
 
 _MUST_HAVE = {
+    "mimo_v2_flash": {  # a dense full layer, then sliding ones: twice the KV heads, sinks; values narrower than keys
+        "model.layers.0.mlp.down_proj.weight": [256, 256],
+        "model.layers.0.self_attn.k_proj.weight": [96, 256],
+        "model.layers.1.self_attn.k_proj.weight": [192, 256],
+        "model.layers.1.self_attn.v_proj.weight": [128, 256],
+        "model.layers.1.self_attn.attention_sink_bias": [4],
+        "model.layers.2.mlp.gate.e_score_correction_bias": [8],
+    },
     "hunyuan_v1_moe": {  # the router's `wg`, the q/k norms' names, one shared MLP
         "model.layers.1.mlp.gate.wg.weight": [8, 256],
         "model.layers.1.self_attn.query_layernorm.weight": [64],
@@ -269,6 +277,7 @@ _MUST_HAVE = {
     },
 }
 _MUST_NOT_HAVE = {
+    "mimo_v2_flash": ["model.layers.0.self_attn.attention_sink_bias", "model.layers.0.mlp.gate.weight"],
     "deepseek_v4": ["model.layers.0.ffn.gate.bias", "model.layers.0.attn.compressor.ape",
                     "model.layers.2.attn.indexer.wq_b.weight", "lm_head.weight"],
     "qwen3_next": ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.linear_attn.in_proj_qkvz.weight"],
@@ -305,6 +314,7 @@ def test_config_and_arch_specific_tensors(ckpt, arch):
         "qwen3_next": ["Qwen3NextForCausalLM"], "qwen3_5_moe": ["Qwen3_5MoeForCausalLM"],
         "deepseek_v4": ["DeepseekV4ForCausalLM"], "dots1": ["Dots1ForCausalLM"],
         "ernie4_5_moe": ["Ernie4_5_MoeForCausalLM"], "hunyuan_v1_moe": ["HunYuanMoEV1ForCausalLM"],
+        "mimo_v2_flash": ["MiMoV2FlashForCausalLM"],
     }[arch]
     if arch == "gpt_oss":
         assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["rope_scaling"]["truncate"] is False

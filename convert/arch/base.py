@@ -128,8 +128,9 @@ def check_sizes(hf: dict) -> None:
     """Refuse a count that would make planning build tables without end (a layer count of 2**40)."""
     for key, limit in SIZING_KEYS.items():
         value = hf.get(key)
-        if value is not None and not (is_int(value) and 0 <= value <= limit):
-            raise ConfigError(f"config.json: {key} is {value!r}, not a whole number in 0..{limit}")
+        values = value if isinstance(value, list) and len(value) <= MAX_LAYERS else [value]  # or one per layer
+        if value is not None and not all(is_int(v) and 0 <= v <= limit for v in values):
+            raise ConfigError(f"config.json: {key} is {value!r}, not a whole number in 0..{limit} (or one per layer)")
     for key, value in hf.items():
         if isinstance(value, int) and abs(value) > MAX_JSON_INT:
             raise ConfigError(f"config.json: {key} is {value}, larger than any config value")
@@ -223,6 +224,7 @@ class Adapter:
     router_bias_leaf = "gate.e_score_correction_bias"  # the selection bias, within moe_block
     router_leaf = "gate.weight"  # the router's matrix, within moe_block
     qk_norm_leaves = ("q_norm", "k_norm")  # the q/k RMSNorms, within self_attn
+    sinks_leaf = "sinks"  # the attention sinks, within self_attn
     o_proj_bias = False  # the hub's o_proj has a bias too when attention_bias is set
     # llama.cpp's `gguf_arch`, as its converter writes it and its loader reads it
     gguf_names: dict[str, str] = {}  # colibri's tensor name part → llama.cpp's, where they differ
@@ -265,24 +267,25 @@ class Adapter:
         """Every non-expert tensor of decoder layer `layer`, with its shape."""
         p = f"model.layers.{layer}"
         tensors = {f"{p}.input_layernorm.weight": (c.hidden_size,), f"{p}.post_attention_layernorm.weight": (c.hidden_size,)}
-        tensors.update(self.mla_tensors(c, p) if c.attention == "mla" else self.attention_tensors(c, p))
+        tensors.update(self.mla_tensors(c, p) if c.attention == "mla" else self.attention_tensors(c, p, layer))
         if c.is_moe_layer(layer):
             tensors.update(self.router_tensors(c, p))
         else:
             tensors.update(self.mlp_tensors(f"{p}.mlp", c.dense_ffn, c.hidden_size))
         return tensors
 
-    def attention_tensors(self, c: ModelConfig, p: str) -> dict[str, tuple]:
-        q, kv, d = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.hidden_size
+    def attention_tensors(self, c: ModelConfig, p: str, layer: int) -> dict[str, tuple]:
+        kv_heads, d = c.kv_heads_of(layer), c.hidden_size
+        q, k, v = c.n_heads * c.head_dim, kv_heads * c.head_dim, kv_heads * c.v_head_dim
         a = f"{p}.self_attn"
-        t = {f"{a}.q_proj.weight": (q, d), f"{a}.k_proj.weight": (kv, d), f"{a}.v_proj.weight": (kv, d), f"{a}.o_proj.weight": (d, c.n_heads * c.v_head_dim)}
+        t = {f"{a}.q_proj.weight": (q, d), f"{a}.k_proj.weight": (k, d), f"{a}.v_proj.weight": (v, d), f"{a}.o_proj.weight": (d, c.n_heads * c.v_head_dim)}
         if c.attn_bias:
-            t.update({f"{a}.q_proj.bias": (q,), f"{a}.k_proj.bias": (kv,), f"{a}.v_proj.bias": (kv,)})
+            t.update({f"{a}.q_proj.bias": (q,), f"{a}.k_proj.bias": (k,), f"{a}.v_proj.bias": (v,)})
         q_norm, k_norm = (f"{a}.{leaf}.weight" for leaf in self.qk_norm_leaves)
         if c.qk_norm == "head":
             t.update({q_norm: (c.head_dim,), k_norm: (c.head_dim,)})
         elif c.qk_norm == "full":
-            t.update({q_norm: (q,), k_norm: (kv,)})
+            t.update({q_norm: (q,), k_norm: (k,)})
         return t
 
     def mla_tensors(self, c: ModelConfig, p: str) -> dict[str, tuple]:

@@ -153,8 +153,8 @@ class Qwen3Next(Qwen2Moe):
             tensors.update(self.linear_attention_tensors(c, f"{p}.{LINEAR}"))
         return tensors
 
-    def attention_tensors(self, c: ModelConfig, p: str) -> dict[str, tuple]:
-        tensors = super().attention_tensors(c, p)
+    def attention_tensors(self, c: ModelConfig, p: str, layer: int) -> dict[str, tuple]:
+        tensors = super().attention_tensors(c, p, layer)
         tensors[f"{p}.self_attn.q_proj.weight"] = (2 * c.n_heads * c.head_dim, c.hidden_size)  # [query | gate] per head
         return tensors
 

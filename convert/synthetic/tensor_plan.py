@@ -133,18 +133,18 @@ class _Planner:
         if c.is_linear_layer(i):
             self.linear_attention(p + "linear_attn")
             return
-        q, kv = H * c.head_dim, c.n_kv_heads * c.head_dim
+        q, k, v = H * c.head_dim, c.kv_heads_of(i) * c.head_dim, c.kv_heads_of(i) * c.v_head_dim
         self.linear(a + "q_proj", 2 * q if c.attn_output_gate else q, D, bias=c.attn_bias)
-        self.linear(a + "k_proj", kv, D, bias=c.attn_bias)
-        self.linear(a + "v_proj", kv, D, bias=c.attn_bias)
-        self.linear(a + "o_proj", D, q, bias=c.attn_bias and self.adapter.o_proj_bias)
-        if c.attn_sinks:
-            self.plain(a + "sinks", (H,), "sink", SINK_STD)
+        self.linear(a + "k_proj", k, D, bias=c.attn_bias)
+        self.linear(a + "v_proj", v, D, bias=c.attn_bias)
+        self.linear(a + "o_proj", D, H * c.v_head_dim, bias=c.attn_bias and self.adapter.o_proj_bias)
+        if c.has_sinks(i):
+            self.plain(a + self.adapter.sinks_leaf, (H,), "sink", SINK_STD)
         if c.qk_norm != "none":
             head = c.qk_norm == "head"
             q_norm, k_norm = self.adapter.qk_norm_leaves
             self.norm(a + q_norm, c.head_dim if head else q)
-            self.norm(a + k_norm, c.head_dim if head else kv)
+            self.norm(a + k_norm, c.head_dim if head else k)
 
     def linear_attention(self, a):
         """A gated DeltaNet's tensors, as the adapter names them."""
