@@ -52,7 +52,7 @@ test: $(TEST_STAMP)
 
 # What .ci/run runs: the whole suite, and a skip in the llama.cpp, Ray or Chromium tests fails it.
 test-ci: $(CI_STAMP)
-	COLIBRI_REQUIRE_OPTIONAL=1 $(BIN)/python -m pytest -q
+	COLIBRI_REQUIRE_OPTIONAL=1 $(BIN)/python -m pytest -q --durations=25
 
 # The newest release of everything but torch, in a venv of its own: drift fails here, not in CI.
 test-latest:

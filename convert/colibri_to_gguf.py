@@ -32,12 +32,13 @@ from tqdm import tqdm
 
 from colibri.convert.arch import ADAPTERS
 from colibri.convert.gguf_arch import (
-    INTEGER_TABLE, expert_tensor_name, gguf_arch_name, gguf_tensor_name, layer_of, permuted_heads, tensor_chunks,
+    expert_tensor_name, gguf_arch_name, gguf_tensor_name, layer_of, permuted_heads, tensor_chunks,
     write_arch_metadata,
 )
 from colibri.convert.gguf_source import ByteReader, read_ahead
 from colibri.convert.pipeline import ConvertError, check_free_space
 from colibri.convert.quantize_q4k import dequantize
+from colibri.formats.config_check import EXPERT_ID_TABLE
 from colibri.formats.layout import EXPERT_MATRICES, ModelLayout, fsync_dir
 
 # the llama.cpp file type named by the encoding that holds most of the weights
@@ -136,7 +137,7 @@ def export_tensors(layout: ModelLayout) -> list[ExportTensor]:
     for t in layout.tensors.values():
         if adapter.gguf_split_kv_b and t.name.endswith(".attn_kv_b.weight"):
             by_layer[layer_of(t.name)] += split_kv_b(layout, t.name)
-        elif t.name.endswith(INTEGER_TABLE):
+        elif t.name.endswith(EXPERT_ID_TABLE):
             by_layer[layer_of(t.name)].append(IntegerTable(t.name, t.shape, (path(t.file), t.offset, t.nbytes)))
         elif t.name not in parts:
             by_layer[layer_of(t.name)].append(

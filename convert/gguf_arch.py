@@ -44,7 +44,6 @@ K, A, R, T = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope, gguf.Keys.Token
 CHUNK_BYTES = 32 << 20
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 _QK = re.compile(r"^blk\.\d+\.attn_(q|k)\.(weight|bias)$")
-INTEGER_TABLE = "ffn_gate_tid2eid.weight"  # DeepSeek-V4's: float32 in the layout, I32 in llama.cpp's GGUF
 
 
 def f32_value(x: float) -> float:

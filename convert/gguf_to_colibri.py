@@ -26,13 +26,14 @@ import numpy as np
 from colibri.convert.arch import ADAPTERS
 from colibri.convert.expert_layout import expert_file_bytes, write_expert_layer
 from colibri.convert.gguf_arch import (
-    INTEGER_TABLE, GGUFMetadata, config_from_gguf, expert_shapes, expert_tensor_name, gguf_tensor_name, kv_b_from_split, layer_of,
+    GGUFMetadata, config_from_gguf, expert_shapes, expert_tensor_name, gguf_tensor_name, kv_b_from_split, layer_of,
     permuted_heads, resident_shapes, tensor_chunks,
 )
 from colibri.convert.gguf_source import ByteReader, GGUFError, GGUFSource, GGUFTensor, read_ahead
 from colibri.convert.pipeline import ConvertOptions, Job
 from colibri.convert.quantize_q4k import dequantize
 from colibri.convert.resident_layout import ResidentTensorData, resident_file_bytes, write_resident_file
+from colibri.formats.config_check import EXPERT_ID_TABLE
 from colibri.formats.encodings import ENCODINGS, row_bytes
 from colibri.formats.layout import EXPERT_MATRICES, VECTOR_ENCODINGS
 from colibri.formats.messages import some
@@ -236,7 +237,7 @@ class ImportPlan:
         if name.endswith(".attn_kv_b.weight"):  # a GGUF holding both forms: attn_k_b/attn_v_b are redundant
             self.skipped += [n for n in split if self.present.pop(n, None)]
         t = self._tensor(gguf_tensor_name(self.config, name), shape)
-        if t and name.endswith(INTEGER_TABLE) and t.type == "I32":
+        if t and name.endswith(EXPERT_ID_TABLE) and t.type == "I32":
             return FloatTable(name, shape, t)
         return t and CopiedTensor(name, t.type, shape, str(t.file), t.offset, t.nbytes, permuted_heads(self.config, name))
 
@@ -283,7 +284,7 @@ class ImportPlan:
         if unexpected:
             raise GGUFError(f"{file}: unexpected tensor {some(unexpected, MAX_LISTED)} for {c.architecture} as its metadata describes it")
         unsupported = [f"{n} ({t.type})" for n, t in self.present.items()
-                       if t.type not in ENCODINGS and not (n.endswith(INTEGER_TABLE) and t.type == "I32")]
+                       if t.type not in ENCODINGS and not (n.endswith(EXPERT_ID_TABLE) and t.type == "I32")]
         if unsupported:
             raise GGUFError(f"{file}: {len(unsupported)} tensors have types colibri cannot compute "
                             f"(supported: {', '.join(ENCODINGS)}): {some(unsupported, MAX_LISTED)}")

@@ -27,6 +27,7 @@ MAX_DIM = 1 << 24  # no width or vocabulary of a real model comes near this
 MAX_POSITIONS = 1 << 26
 MAX_LAYERS = 1 << 12  # layers and experts size the tables a reader builds: bounded tighter
 MAX_EXPERTS = 1 << 14
+EXPERT_ID_TABLE = "ffn_gate_tid2eid.weight"  # a hash layer's token → experts table (DeepSeek-V4), float32 ids
 IMPLEMENTED = {  # what the runtime computes; anything else is refused naming the key
     "attention": ("gqa", "mla", "compressed"),
     "qk_norm": ("none", "head", "full"),
@@ -323,7 +324,7 @@ def layer_tensors(c: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     if layer in c.moe_layers:
         tensors[p + "ffn_gate_inp.weight"] = (c.n_experts, d)
         if layer in c.hash_layers:  # expert ids, stored as float32
-            tensors[p + "ffn_gate_tid2eid.weight"] = (c.vocab_size, c.n_experts_used)
+            tensors[p + EXPERT_ID_TABLE] = (c.vocab_size, c.n_experts_used)
         elif c.router_bias:
             tensors[p + "exp_probs_b.bias"] = (c.n_experts,)
         if c.router_logit_bias:

@@ -26,6 +26,7 @@ except ImportError:  # Python 3.10
     import sre_constants as _regex_constants
     import sre_parse as _regex_parser
 
+from colibri.formats.config_check import EXPERT_ID_TABLE
 from colibri.formats.encodings import ENCODINGS, fits
 
 # each mix and the type most of its tensors get (llama.cpp's default type of the file type)
@@ -149,7 +150,7 @@ def is_quantizable(name: str, shape) -> bool:
     so do DeepSeek-V4's compressor position biases, which llama-quantize would quantize (they are
     added to logits, not multiplied: no importance matrix has them, so no low-bit mix could)."""
     return name.endswith(".weight") and len(shape) >= 2 and not any(
-        part in name for part in ("ffn_gate_inp.weight", "ffn_gate_tid2eid.weight", "ssm_conv1d", "compressor_ape.weight"))
+        part in name for part in ("ffn_gate_inp.weight", EXPERT_ID_TABLE, "ssm_conv1d", "compressor_ape.weight"))
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from colibri.formats.config_check import OVERLAPPING_RATIO
+from colibri.formats.config_check import EXPERT_ID_TABLE, OVERLAPPING_RATIO
 from colibri.formats.encodings import FLOAT_DTYPES
 from colibri.formats.layout import FormatError, ModelLayout, align_up
 from colibri.formats.model_config import ModelConfig
@@ -320,7 +320,7 @@ class HashRouter(Router):
 
     def __init__(self, c: ModelConfig, record: LayerRecord, w: Weights):
         super().__init__(c, record)
-        name = f"blk.{record.layer}.ffn_gate_tid2eid.weight"
+        name = f"blk.{record.layer}.{EXPERT_ID_TABLE}"
         table = w.array(name)
         if not np.all((table >= 0) & (table < c.n_experts) & (table == np.floor(table))):
             raise FormatError(f"{w.layout.path(w.layout.tensors[name].file)}: {name} holds expert ids outside "

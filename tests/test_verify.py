@@ -9,6 +9,7 @@ import struct
 import subprocess
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from huggingface_hub import HfApi
 from huggingface_hub.hf_api import BlobLfsInfo, RepoSibling
@@ -405,6 +406,19 @@ def test_inf_in_float_tensor(tmp_path, pristine):
         f.seek(t.offset + 10)
         f.write(b"\x80\x7f")  # bf16 +Inf
     assert f"tensor blk.0.attn_q.weight: NaN/Inf values (1), first at byte {t.offset + 10}" in errors(model_report(tmp_path / "bf16"))
+
+
+def test_expert_ids_outside_the_experts_are_found(tmp_path):
+    src = write_checkpoint(tmp_path / "src", "deepseek_v4")
+    convert(str(src), tmp_path / "v4", ConvertOptions(quant="Q8_0", progress=False))
+    layout = ModelLayout(tmp_path / "v4")
+    assert layout.config.hash_layers and model_report(tmp_path / "v4").ok
+    t = layout.tensors[f"blk.{layout.config.hash_layers[0]}.ffn_gate_tid2eid.weight"]
+    with open(tmp_path / "v4" / t.file, "r+b") as f:
+        f.seek(t.offset + 8)
+        f.write(np.float32(layout.config.n_experts).tobytes())  # one past the last expert
+    found = f"tensor {t.name}: values that are not expert ids 0..{layout.config.n_experts - 1} (1), first at byte {t.offset + 8}"
+    assert found in errors(model_report(tmp_path / "v4"))
 
 
 def test_missing_manifest_is_an_unfinished_conversion(model):

@@ -6,8 +6,8 @@ architecture implies, with that shape, in the encoding the recorded recipe gives
 file's size, and files in the folder it does not list. Then every byte is read once, on
 parallel threads: the sha256 of each resident tensor, each expert record and each other
 file (config, tokenizer, chat template, journal), NaN/Inf in the f16 scales of every block
-and in float tensors, and zeros in all padding (between resident tensors and after each
-expert record). A format-1 model is checked as far as it records checksums; one warning
+and in float tensors, expert ids in a token → experts table (DeepSeek-V4's hash layers), and
+zeros in all padding (between resident tensors and after each expert record). A format-1 model is checked as far as it records checksums; one warning
 names the files it cannot cover.
 """
 
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri.formats.config_check import EXPERT_ID_TABLE
 from colibri.formats.encodings import E8M0_OFFSETS, SCALE_OFFSETS, block_size
 from colibri.formats.layout import (
     EXPERT_MATRICES, JOURNAL_NAME, MANIFEST_NAME, FormatError, ModelLayout, data_files, expert_file_name, manifest_digest_problem,
@@ -34,6 +35,7 @@ from colibri.verify.sha_check import CHUNK_BYTES, ERROR, WARNING, Finding, Repor
 
 PAD = "padding"
 RAW = "bytes"  # a whole file hashed, its contents not interpreted
+IDS = "expert ids"  # a token → experts table, stored F32: whole numbers below the segment's limit
 # Float encodings: the unsigned view and the exponent mask that marks NaN/Inf.
 EXPONENTS = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80)}
 F16_EXPONENT = 0x7C00
@@ -45,8 +47,9 @@ PROBLEMS = {PAD: "non-zero padding bytes", **dict.fromkeys(EXPONENTS, "NaN/Inf v
 class Segment:
     start: int  # absolute byte offset in the file
     nbytes: int
-    kind: str  # an encoding, or PAD (must be zeros)
+    kind: str  # an encoding, or PAD (must be zeros), or IDS
     label: str  # its name in a finding: "down", "padding", "before tensor X"
+    limit: int = 0  # IDS: the expert count
 
 
 @dataclass(frozen=True)
@@ -61,11 +64,14 @@ class Task:
         return sum(s.nbytes for s in self.segments)
 
 
-def bad_offsets(chunk, kind: str) -> np.ndarray:
-    """Offsets in `chunk` of non-zero padding bytes, NaN/Inf floats, or blocks with a NaN/Inf
-    scale (f16, or E8M0)."""
+def bad_offsets(chunk, kind: str, limit: int = 0) -> np.ndarray:
+    """Offsets in `chunk` of non-zero padding bytes, NaN/Inf floats, blocks with a NaN/Inf
+    scale (f16, or E8M0), or values of an IDS table that are not whole numbers in 0..limit - 1."""
     if kind == RAW:
         return np.empty(0, np.int64)
+    if kind == IDS:
+        values = np.frombuffer(chunk, "<f4")
+        return np.flatnonzero(~((values >= 0) & (values < limit) & (values == np.floor(values)))) * values.itemsize
     if kind == PAD:
         data = np.frombuffer(chunk, np.uint8)
         return np.flatnonzero(data) if data.any() else np.empty(0, np.int64)
@@ -88,7 +94,7 @@ def bad_offsets(chunk, kind: str) -> np.ndarray:
 
 def chunk_bytes(kind: str) -> int:
     """The largest read of whole blocks of `kind` (floats and padding: any multiple of 4) up to CHUNK_BYTES."""
-    unit = 1 if kind in PROBLEMS or kind == RAW else block_size(kind)[1]
+    unit = 4 if kind == IDS else 1 if kind in PROBLEMS or kind == RAW else block_size(kind)[1]
     return CHUNK_BYTES // unit * unit
 
 
@@ -101,14 +107,15 @@ def check_task(directory: Path, task: Task, advance) -> list[Finding]:
             for chunk in read_chunks(directory / task.file, seg.start, seg.nbytes, chunk_bytes(seg.kind)):
                 if seg.kind != PAD:
                     digest.update(chunk)
-                bad = bad_offsets(chunk, seg.kind)
+                bad = bad_offsets(chunk, seg.kind, seg.limit)
                 if len(bad):
                     first = position + int(bad[0]) if first is None else first
                     count += len(bad)
                 position += len(chunk)
                 advance(len(chunk))
             if count:
-                problem = PROBLEMS.get(seg.kind, "blocks with a NaN/Inf scale")
+                problem = f"values that are not expert ids 0..{seg.limit - 1}" if seg.kind == IDS else \
+                    PROBLEMS.get(seg.kind, "blocks with a NaN/Inf scale")
                 findings.append(Finding(ERROR, task.file, f"{task.what} {seg.label}".strip() + f": {problem} ({count}), first at byte {first}"))
     except OSError as e:
         return [Finding(ERROR, task.file, f"{task.what}: cannot read ({e})")]
@@ -208,8 +215,16 @@ def check_recipe(layout: ModelLayout, report: Report) -> None:
         report.add(ERROR, MANIFEST_NAME, f"encodings contradict recipe {quant['recipe']}: {some(wrong)}")
 
 
+def _tensor_segment(t, id_tables: dict[str, int]) -> Segment:
+    """A resident tensor's bytes: its encoding's checks, or a token → experts table's (F32)."""
+    table = t.name in id_tables and t.encoding == "F32"
+    return Segment(t.offset, t.nbytes, IDS if table else t.encoding, "", id_tables.get(t.name, 0))
+
+
 def resident_tasks(layout: ModelLayout, intact: set[str], report: Report) -> list[Task]:
     """One task per resident tensor, and one for the padding of each file; overlaps reported."""
+    c = layout.config
+    id_tables = {f"blk.{layer}.{EXPERT_ID_TABLE}": c.n_experts for layer in c.hash_layers}
     by_file = defaultdict(list)
     for t in layout.tensors.values():
         by_file[t.file].append(t)
@@ -234,7 +249,7 @@ def resident_tasks(layout: ModelLayout, intact: set[str], report: Report) -> lis
         elif size > end:
             gaps.append(Segment(end, size - end, PAD, "at the end"))
         if sound and file in intact:
-            tasks += [Task(file, f"tensor {t.name}", (Segment(t.offset, t.nbytes, t.encoding, ""),), t.sha256) for t in tensors]
+            tasks += [Task(file, f"tensor {t.name}", (_tensor_segment(t, id_tables),), t.sha256) for t in tensors]
             tasks += [Task(file, "padding", tuple(gaps), None)] if gaps else []
     return tasks
 
