@@ -19,11 +19,13 @@ revisits the same few experts and flatters the cache), or with --text a text's t
 trained model's real routing); the tokens compared across modes are each step's argmax. Prints a table against the ceilings and llama.cpp: `--llama-bench BIN --gguf
 FILE` runs llama-bench in the same run with the same prompt and decode lengths (-p, -n); without
 it there is no anchor and the llama.cpp columns say so. `--isa avx2` compiles the kernels for an
-AVX2-only CPU, to compare with a llama.cpp built so. Writes bench/out/decode.json.
+AVX2-only CPU, to compare with a llama.cpp built so. `--busy N` runs everything, llama-bench
+included, beside N processes that each keep a core busy at the same priority. Writes
+bench/out/decode.json.
 
     python bench/decode.py [--model DIR] [--prompt-tokens 64] [--tokens 48] [--stream-share 0.25]
         [--io pread,direct,mmap] [--batch 8] [--repeat 3] [--prefetch] [--isa avx2] [--llama-bench BIN --gguf FILE]
-        [--text FILE]
+        [--text FILE] [--busy N]
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from colibri.runtime.kernels import kernel_paths
 from colibri.runtime.kernels.emitter import TARGET_CPUS, restart_for
 from colibri.runtime.plan import measure_disk_bandwidth
 
-from machine import evict_experts, read_bandwidth  # bench/machine.py: a script's own folder is first on sys.path
+from machine import busy_processes, evict_experts, read_bandwidth  # bench/machine.py: a script's own folder is first on sys.path
 
 BENCH = Path(__file__).resolve().parent
 
@@ -137,10 +139,18 @@ def main() -> None:
     parser.add_argument("--prefetch", action="store_true", help="read ahead the next layer's predicted experts in every row")
     parser.add_argument("--text", type=Path, help="feed this text's tokens instead of random ids (a trained model's real "
                                                   "routing: its hit rates and prefetch accuracy)")
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="run beside N processes that each keep a core busy at this priority (default: none)")
     args = parser.parse_args()
-    restart_for(args.isa)
+    restart_for(args.isa)  # before the busy processes start: it replaces this process
     if args.llama_bench and not args.gguf:
         parser.error("--llama-bench needs --gguf, the same model as a GGUF")
+    with busy_processes(args.busy):
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Every row, and llama-bench's anchor; prints the table and writes bench/out/decode.json."""
     llama = llama_bench(args.llama_bench, args.gguf, args.threads, args.prompt_tokens, args.tokens) \
         if args.llama_bench else None
 
@@ -183,7 +193,8 @@ def main() -> None:
 
     print(f"\ndecode on {layout.directory.name}: resident {resident / 1e9:.2f} GB, experts {all_experts / 1e9:.2f} GB, "
           f"{expert_per_token / 1e6:.0f} MB of experts per token; read bw {mem_bw / 1e9:.1f} GB/s, cold disk {disk_bw / 1e9:.2f} GB/s; "
-          f"streaming cache {args.stream_share:.0%} of the experts")
+          f"streaming cache {args.stream_share:.0%} of the experts"
+          + (f"; beside {args.busy} busy process{'es' if args.busy > 1 else ''}" if args.busy else ""))
     print("ceiling: memory_bw / bytes per token in RAM, disk_bw / (expert bytes per token × (1 − hit rate)) streaming;"
           " read ceiling: disk_bw / bytes actually read per token (wrong guesses included)")
     print(f"{'mode':<24}{'prompt tok/s':>13}{'decode tok/s':>13}{'vs llama tg':>12}{'hit rate':>9}{'MB read/tok':>12}"
@@ -212,7 +223,7 @@ def main() -> None:
     (BENCH / "out" / "decode.json").write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "threads": args.threads, "memory_read_bw": mem_bw, "disk_bw": disk_bw,
         "stream_share": args.stream_share, "same_tokens": same, "modes": results, "batched": batched, "llama_cpp": llama,
-        "isa": args.isa, "kernels": kernel_paths()}, indent=1))
+        "isa": args.isa, "kernels": kernel_paths(), "busy_processes": args.busy}, indent=1))
 
 
 if __name__ == "__main__":
