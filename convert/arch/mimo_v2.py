@@ -188,9 +188,6 @@ class MiMoV2(Adapter):
                 "router": "sigmoid", "router_norm_topk": True}
 
     def gguf_problems(self, c: ModelConfig) -> list[str]:
-        problems = []
-        if c.attn_sinks and not c.sinks_sliding_only:
-            problems.append("attention sinks in full layers (llama.cpp's mimo2 reads them, MiMo-V2-Flash has none)")
         if c.router != "sigmoid" or not c.router_norm_topk or c.routed_scaling_factor != 1.0:
-            problems.append("llama.cpp's mimo2 routes by sigmoid, renormalized, unscaled")
-        return problems
+            return ["llama.cpp's mimo2 routes by sigmoid, renormalized, unscaled"]
+        return []
