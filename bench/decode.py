@@ -104,7 +104,7 @@ def run(model, prompt_tokens: int, tokens: int, text: Path | None = None) -> dic
             "hit_rate": stats["expert_hit_rate"], "read_bytes_per_token": (model.store.bytes_read - read_before) / tokens,
             "effective_read_bw": (model.store.bytes_read - read_before) / seconds,
             "prefetch_accuracy": stats["prefetch_accuracy"], "read_hidden_share": stats["read_hidden_share"],
-            "tokens": predicted}
+            "threads": stats["threads"], "tokens": predicted}
 
 
 def median_run(model, prompt_tokens: int, tokens: int, repeat: int, text: Path | None) -> dict:
@@ -122,7 +122,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=BENCH / "out" / "mixtral-ref-q4km")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=lambda t: t if t == "auto" else int(t), default=os.cpu_count(),
+                        help="compute threads, or auto (the runtime's --threads auto; llama-bench gets every core)")
     parser.add_argument("--stream-share", type=float, default=0.25, help="expert cache as a share of all experts when streaming")
     parser.add_argument("--isa", choices=("native", *TARGET_CPUS), default="native",
                         help="compile the kernels for this target: avx2 = this CPU without AVX-512, AMX or AVX-VNNI "
@@ -151,15 +152,15 @@ def main() -> None:
 
 def measure(args: argparse.Namespace) -> None:
     """Every row, and llama-bench's anchor; prints the table and writes bench/out/decode.json."""
-    llama = llama_bench(args.llama_bench, args.gguf, args.threads, args.prompt_tokens, args.tokens) \
-        if args.llama_bench else None
+    cores = os.cpu_count() if args.threads == "auto" else args.threads
+    llama = llama_bench(args.llama_bench, args.gguf, cores, args.prompt_tokens, args.tokens) if args.llama_bench else None
 
     layout = ModelLayout(reference_model(args.model))
     c = layout.config
     resident = sum(t.nbytes for t in layout.tensors.values())
     all_experts = cache_bytes_for_all(layout)
     expert_per_token = sum(t.expert_bytes * c.n_experts_used for t in layout.expert_layers.values())
-    mem_bw = read_bandwidth(args.threads)
+    mem_bw = read_bandwidth(cores)
 
     from batch import decode_batch  # (bench/batch.py imports this module's helpers)
 
@@ -211,6 +212,7 @@ def measure(args: argparse.Namespace) -> None:
     anchor = (f"llama.cpp {llama['binary']} in this run: prompt {args.prompt_tokens} {llama['prompt']:.1f}, "
               f"decode {args.tokens} {llama['decode']:.1f} tok/s" if llama else "no llama.cpp anchor (--llama-bench not given)")
     print(f"kernels compiled for: {args.isa}: {kernel_paths()}; {anchor}")
+    print(f"threads ({args.threads}): " + ", ".join(f"{name} {r['threads']}" for name, r in results.items()))
     if batched:
         print(f"\nbatched, {args.batch} sequences decoding together: aggregate tok/s (ms a step, hit rate, MB read a step)")
         for name, b in batched.items():

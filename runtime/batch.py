@@ -148,7 +148,7 @@ class Scheduler:
                 rows += len(chunk)
         if not batch:
             return []
-        logits = self.model.decoder.forward_batch(batch)
+        logits = self.model.tuned(rows == len(batch), lambda: self.model.decoder.forward_batch(batch))
         events = []
         for sequence, (tokens, _), row in zip(members, batch, logits):
             if not sequence.decoding:

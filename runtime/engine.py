@@ -23,7 +23,8 @@ from colibri.runtime.expert_store import ExpertStore, cache_bytes_for_all
 from colibri.runtime.kv_cache import FLOAT_KINDS, WRITE_ROOM, ContextOverflow, KVCache, KVPool
 from colibri.runtime.memory import current_rss, format_size, parse_size, peak_rss, total_ram
 from colibri.runtime.model import Decoder
-from colibri.runtime.options import MOST_PARALLEL, EngineOptions
+from colibri.runtime.options import AUTO_THREADS, MOST_PARALLEL, EngineOptions
+from colibri.runtime.thread_tuner import ThreadTuner
 
 SCRATCH_BYTES = 64 << 20  # activations and attention scores of one step, generously
 PREFILL_CHUNK = WRITE_ROOM  # prompt tokens per forward pass (llama.cpp's ubatch): bounds a prompt's activations
@@ -109,7 +110,8 @@ class Model:
         self.layout = ModelLayout(path)
         self.config = c = self.layout.config
         self.options = options
-        if options.threads:
+        self.tuner = ThreadTuner(kernels.thread_count()) if options.threads == AUTO_THREADS else None
+        if options.threads and self.tuner is None:
             kernels.set_threads(options.threads)
         ctx, kv_quant = options.ctx, options.kv_quant
         parallel = slots_for(self.layout, options, jobs)
@@ -137,7 +139,7 @@ class Model:
         the KV cache, PREFILL_CHUNK at a time."""
         started = time.perf_counter()
         ids = self.checked_ids(token_ids)
-        chunks = [self.decoder.forward(ids[i:i + PREFILL_CHUNK], self.cache, all_logits)
+        chunks = [self.tuned(False, lambda i=i: self.decoder.forward(ids[i:i + PREFILL_CHUNK], self.cache, all_logits))
                   for i in range(0, len(ids), PREFILL_CHUNK)]
         logits = np.concatenate(chunks) if all_logits else chunks[-1]
         self.timings["prompt_tokens"] += len(token_ids)
@@ -147,10 +149,24 @@ class Model:
     def decode(self, token_id: int) -> np.ndarray:
         """Logits [vocab] for the position after `token_id`."""
         started = time.perf_counter()
-        logits = self.decoder.forward(self.checked_ids([token_id]), self.cache)[0]
+        ids = self.checked_ids([token_id])
+        logits = self.tuned(True, lambda: self.decoder.forward(ids, self.cache))[0]
         self.timings["generated_tokens"] += 1
         self.timings["generation_seconds"] += time.perf_counter() - started
         return logits
+
+    def tuned(self, decoding: bool, run):
+        """`run()` on the threads `--threads auto` chooses: a decode step on the tuner's count, timed
+        for it; any other step on the best count found (without a tuner: as the options set them)."""
+        if self.tuner is None:
+            return run()
+        threads = self.tuner.count() if decoding else self.tuner.best
+        kernels.set_threads(threads)
+        started = time.perf_counter()
+        result = run()
+        if decoding:
+            self.tuner.timed(threads, time.perf_counter() - started)
+        return result
 
     def checked_ids(self, token_ids) -> list[int]:
         """`token_ids` as ints, refused when empty, outside the vocabulary or longer than --ctx."""
@@ -291,6 +307,7 @@ class Model:
             "kv_cache_bytes": self.cache.nbytes,
             "ram_budget_bytes": self.budget.ram,
             "peak_rss_bytes": peak_rss(),
+            "threads": self.tuner.best if self.tuner else kernels.thread_count(),
             "kernels": kernels.kernel_paths(),
         }
 

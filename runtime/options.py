@@ -17,6 +17,7 @@ from colibri.runtime.kv_cache import KV_KINDS
 from colibri.runtime.memory import parse_size, size_argument
 
 MOST_PARALLEL = 32  # KV slots the fitted default gives at most
+AUTO_THREADS = "auto"  # --threads auto: runtime.thread_tuner chooses
 
 
 class OptionError(ValueError):
@@ -25,7 +26,7 @@ class OptionError(ValueError):
 
 def _option(default, help: str, *, choices: tuple | None = None, kind: str = "int", metavar: str | None = None):
     """A field of EngineOptions: its default, and for its flag the help, choices and value kind
-    ("int", "size" (bytes, e.g. 24G), "choice", "switch" (on / off))."""
+    ("int", "size" (bytes, e.g. 24G), "choice", "switch" (on / off), "threads" (a count or auto))."""
     return field(default=default, metadata={"help": help, "choices": choices, "kind": kind, "metavar": metavar})
 
 
@@ -33,7 +34,10 @@ def _option(default, help: str, *, choices: tuple | None = None, kind: str = "in
 class EngineOptions:
     """How `open_model` runs a model (the defaults are what a plain `open_model(path)` gets)."""
 
-    threads: int | None = _option(None, "compute threads (default: all cores)")
+    threads: int | str | None = _option(None, "compute threads, or auto: as many as decode fastest now, found by "
+                                              "timing a few steps at each count every few hundred (fewer when another "
+                                              "process takes a core; default: all cores)", kind="threads",
+                                        metavar="N|auto")
     ctx: int = _option(4096, "context length in tokens, per KV slot; the KV cache is preallocated for it "
                              "(default: %(default)s)")
     ram_budget: int | None = _option(None, "RAM the runtime may use for weights, KV cache, expert cache and scratch, "
@@ -57,8 +61,8 @@ class EngineOptions:
     def __post_init__(self):
         for name in ("threads", "parallel"):
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise OptionError(f"--{name} must be at least 1, got {value}")
+            if value is not None and value != AUTO_THREADS and not (isinstance(value, int) and value >= 1):
+                raise OptionError(f"--{name} must be at least 1" + (" or auto" if name == "threads" else "") + f", got {value}")
         if self.ctx < 1:
             raise OptionError(f"--ctx must be at least 1, got {self.ctx}")
         for f in dataclasses.fields(self):
@@ -91,7 +95,11 @@ def _switch(text: str) -> bool:
     return SWITCH[text]
 
 
-VALUE_TYPES = {"int": int, "size": size_argument, "choice": str, "switch": _switch}
+def _threads(text: str) -> int | str:
+    return AUTO_THREADS if text == AUTO_THREADS else int(text)
+
+
+VALUE_TYPES = {"int": int, "size": size_argument, "choice": str, "switch": _switch, "threads": _threads}
 
 
 def add_engine_flags(p: argparse.ArgumentParser, names: tuple[str, ...] | None = None, **defaults) -> None:

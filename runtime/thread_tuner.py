@@ -1,0 +1,45 @@
+"""`--threads auto`: the thread count that decodes fastest now, found by timing.
+
+A parallel kernel waits for its slowest thread, so when another process takes a core, a
+thread that shares it stalls every kernel a token runs, and fewer threads decode faster. The
+tuner notices that by trying: every PERIOD decode steps it runs TRIAL steps at each candidate count
+(one thread, half the cores, all but one, all: every count on a machine of up to four cores),
+and keeps the count whose median step was fastest until the next round.
+The kernels give the same bits at any thread count, so the choice changes speed, never output.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+PERIOD = 256  # decode steps between rounds of trials
+TRIAL = 4  # steps timed at each count in a round
+
+
+class ThreadTuner:
+    def __init__(self, cores: int, period: int = PERIOD, trial: int = TRIAL):
+        cores = max(1, cores)
+        self.candidates = sorted({1, max(1, cores // 2), max(1, cores - 1), cores})
+        self.period, self.trial = period, trial
+        self.best = cores  # what prompts and untimed steps use
+        self.steps = 0
+        self.times: dict[int, list[float]] = {}
+
+    @property
+    def trial_steps(self) -> int:
+        return self.trial * len(self.candidates)
+
+    def count(self) -> int:
+        """The threads for the next decode step: a count on trial, else the best found."""
+        place = self.steps % self.period
+        return self.candidates[place // self.trial] if place < self.trial_steps else self.best
+
+    def timed(self, threads: int, seconds: float) -> None:
+        """Record a decode step run with `threads`; at the end of a round of trials, choose."""
+        place = self.steps % self.period
+        if place < self.trial_steps:
+            self.times.setdefault(threads, []).append(seconds)
+            if place == self.trial_steps - 1:
+                self.best = min(self.times, key=lambda n: statistics.median(self.times[n]))
+                self.times = {}
+        self.steps += 1
