@@ -59,10 +59,10 @@ class EngineOptions:
                                          "the number of sequences the job has)", metavar="N")
 
     def __post_init__(self):
-        for name in ("threads", "parallel"):
-            value = getattr(self, name)
-            if value is not None and value != AUTO_THREADS and not (isinstance(value, int) and value >= 1):
-                raise OptionError(f"--{name} must be at least 1" + (" or auto" if name == "threads" else "") + f", got {value}")
+        if self.threads is not None and self.threads != AUTO_THREADS and not (isinstance(self.threads, int) and self.threads >= 1):
+            raise OptionError(f"--threads must be at least 1 or auto, got {self.threads}")
+        if self.parallel is not None and self.parallel < 1:
+            raise OptionError(f"--parallel must be at least 1, got {self.parallel}")
         if self.ctx < 1:
             raise OptionError(f"--ctx must be at least 1, got {self.ctx}")
         for f in dataclasses.fields(self):
