@@ -63,14 +63,14 @@ def test_auto_threads_decode_the_same_bits(tmp_path, capsys, threads_kept):
     ids = [int(t) for t in np.random.default_rng(0).integers(0, 500, 20)]
     runs = {}
     for threads in (2, "auto"):
-        model = open_model(tmp_path / "model", threads=threads, ctx=128, ram_budget="4G")
+        model = open_model(tmp_path / "model", threads=threads, ctx=128, ram_budget="8G")
         logits = [model.prefill(ids)[-1]]
         for _ in range(12):  # the first round of trials: 4 steps on one thread, 4 on two, then the best
             logits.append(model.decode(int(np.argmax(logits[-1]))))
         runs[threads] = np.stack(logits)
         assert model.stats()["threads"] in (1, 2)
         model.close()
-        batched = open_model(tmp_path / "model", threads=threads, ctx=128, ram_budget="4G", parallel=3)
+        batched = open_model(tmp_path / "model", threads=threads, ctx=128, ram_budget="8G", parallel=3)
         texts = {}
         for i, piece in batched.generate_many([ids[:5], ids[5:12], ids], max_tokens=12):  # decode steps of 3 rows
             texts[i] = texts.get(i, "") + piece
@@ -79,5 +79,5 @@ def test_auto_threads_decode_the_same_bits(tmp_path, capsys, threads_kept):
     assert len(runs[2, "batched"]) == 3 and runs[2, "batched"] == runs["auto", "batched"]
     assert np.array_equal(runs[2], runs["auto"])
     code = main(["run", "--model", str(tmp_path / "model"), "--prompt", "The river", "--max-tokens", "4",
-                 "--threads", "auto", "--ram-budget", "4G"])
+                 "--threads", "auto", "--ram-budget", "8G"])
     assert code == 0, capsys.readouterr().err
