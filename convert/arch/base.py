@@ -114,6 +114,15 @@ def common_fields(hf: dict, architecture: str, gguf_arch: gguf.MODEL_ARCH, windo
     )
 
 
+def sigmoid_routing(hf: dict, norm_topk: bool = True) -> dict:
+    """The ModelConfig fields of DeepSeek-V3's routing as config.json gives it: sigmoid scores, a
+    correction bias for the choice only, expert groups, the chosen weights renormalized
+    (`norm_topk_prob`, default `norm_topk`) and scaled."""
+    return dict(router="sigmoid", router_norm_topk=bool(hf.get("norm_topk_prob", norm_topk)), router_bias=True,
+                router_groups=hf.get("n_group") or 1, router_topk_groups=hf.get("topk_group") or 1,
+                routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0))
+
+
 # config.json keys that size the loops and tables a plan builds: checked before normalizing
 SIZING_KEYS = {
     **dict.fromkeys(("num_hidden_layers", "num_nextn_predict_layers", "first_k_dense_replace", "decoder_sparse_step",

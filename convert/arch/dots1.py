@@ -4,7 +4,7 @@ layers). llama.cpp stores it as `dots1`."""
 
 import gguf
 
-from colibri.convert.arch.base import Adapter, ConfigError, TinyModel, common_fields, require
+from colibri.convert.arch.base import Adapter, ConfigError, TinyModel, common_fields, require, sigmoid_routing
 from colibri.formats.model_config import ModelConfig
 
 TINY = {  # rednote-hilab/dots.llm1.inst at tiny widths
@@ -64,12 +64,7 @@ class Dots1(Adapter):
             n_experts=experts,
             n_experts_used=used,
             expert_ffn=ffn,
-            router="sigmoid",  # transformers' Dots1TopkRouter's, whatever scoring_func says
-            router_norm_topk=bool(hf.get("norm_topk_prob", False)),
-            router_bias=True,
-            router_groups=hf.get("n_group") or 1,
-            router_topk_groups=hf.get("topk_group") or 1,
-            routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+            **sigmoid_routing(hf, norm_topk=False),  # transformers' Dots1TopkRouter's, whatever scoring_func says
             n_shared_experts=n_shared,
             shared_expert_ffn=ffn * n_shared,
         )

@@ -2,7 +2,7 @@
 
 import gguf
 
-from colibri.convert.arch.base import Adapter, TinyModel, common_fields, require
+from colibri.convert.arch.base import Adapter, TinyModel, common_fields, require, sigmoid_routing
 from colibri.formats.model_config import ModelConfig
 
 TINY = {  # zai-org/GLM-4.5 (partial rotary, qkv bias, qk-norm, MTP layer)
@@ -62,12 +62,7 @@ class Glm4Moe(Adapter):
             n_experts=experts,
             n_experts_used=used,
             expert_ffn=ffn,
-            router="sigmoid",
-            router_norm_topk=bool(hf.get("norm_topk_prob", True)),
-            router_bias=True,
-            router_groups=hf.get("n_group") or 1,
-            router_topk_groups=hf.get("topk_group") or 1,
-            routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+            **sigmoid_routing(hf),
             n_shared_experts=n_shared,
             shared_expert_ffn=ffn * n_shared,
             mtp_layers_skipped=self.mtp_layers(hf),

@@ -14,7 +14,9 @@ converter writes `sliding_window` (one fewer) and so its `mimo2` sees one positi
 import gguf
 import numpy as np
 
-from colibri.convert.arch.base import Adapter, ConfigError, ResidentView, TinyModel, common_fields, require
+from colibri.convert.arch.base import (
+    Adapter, ConfigError, ResidentView, TinyModel, common_fields, require, sigmoid_routing,
+)
 from colibri.formats.model_config import ModelConfig
 
 VALUE_SCALE = "{arch}.attention.value_scale"  # llama.cpp's key (gguf-py 0.19 has no constant for it)
@@ -142,12 +144,7 @@ class MiMoV2(Adapter):
             n_experts=experts,
             n_experts_used=used,
             expert_ffn=ffn,
-            router="sigmoid",
-            router_norm_topk=bool(hf.get("norm_topk_prob", True)),
-            router_bias=True,
-            router_groups=hf.get("n_group") or 1,
-            router_topk_groups=hf.get("topk_group") or 1,
-            routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+            **sigmoid_routing(hf),
         )
 
     def layer_tensors(self, c: ModelConfig, layer: int) -> dict[str, tuple]:
