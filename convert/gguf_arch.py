@@ -83,6 +83,11 @@ KEY_TYPES |= {K.EXPERT_WEIGHTS_NORM: bool, R.SCALING_TYPE: str, A.SLIDING_WINDOW
 _TYPE_NAMES = {float: "a float", bool: "a bool", str: "a string", int: "an integer"}
 
 
+def _of_kind(value, kind: type) -> bool:
+    """Whether a metadata value is of `kind`, as llama.cpp's loader checks it (a bool is no integer)."""
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
 class GGUFMetadata:
     """The `{arch}.*` keys of a GGUF, read with the architecture filled in and each checked for
     its type."""
@@ -104,7 +109,7 @@ class GGUFMetadata:
                 raise GGUFError(f"{self.file}: {key} differs between layers ({value[:4]}...), not supported")
             value = value[0]
         kind = KEY_TYPES.get(template, int)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        if not _of_kind(value, kind):
             raise GGUFError(f"{self.file}: metadata {key} is {type(value).__name__} {value!r:.40}, not {_TYPE_NAMES[kind]}")
         return value
 
@@ -114,7 +119,7 @@ class GGUFMetadata:
         value = self.source.get(key, default)
         values = value if isinstance(value, list) else [value] * layers
         kind = KEY_TYPES.get(template, int)
-        if len(values) < layers or not all(isinstance(v, kind) and (kind is bool or not isinstance(v, bool)) for v in values):
+        if len(values) < layers or not all(_of_kind(v, kind) for v in values):
             raise GGUFError(f"{self.file}: metadata {key} is not {_TYPE_NAMES[kind]} or {layers} of them")
         return values[:layers]
 
