@@ -30,14 +30,15 @@ MAX_EXPERTS = 1 << 14
 EXPERT_ID_TABLE = "ffn_gate_tid2eid.weight"  # a hash layer's token → experts table (DeepSeek-V4), float32 ids
 IMPLEMENTED = {  # what the runtime computes; anything else is refused naming the key
     "attention": ("gqa", "mla", "compressed"),
-    "qk_norm": ("none", "head", "full"),
+    "qk_norm": ("none", "head", "full", "weightless"),
     "hidden_act": ("silu",),
     "router": ("softmax", "sigmoid", "sqrtsoftplus"),
     "router_group_score": ("top2_sum", "max"),
     "expert_glu": ("silu", "clamped_swiglu", "clamped_silu"),
-    "rope_scaling": ("default", "yarn"),
+    "rope_scaling": ("default", "yarn", "llama3", "factors"),
 }
 _YARN_NUMBERS = ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+_LLAMA3_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # an architecture's name, as transformers and gguf spell them
 MAX_LIST = MAX_LAYERS  # per-layer lists and token-id lists are no longer than this
 
@@ -137,7 +138,8 @@ def config_problems(c: ModelConfig) -> list[str]:
          and all(0 <= i < c.n_layers for i in layers) and (not layers or c.sliding_window),
          f"sliding_layers {layers!r} are not distinct increasing layers of the {c.n_layers} (with a sliding_window)")
     _check_sliding(c, dim, need)
-    problems += _rope_scaling_problems(c.rope_scaling)
+    _check_chunks(c, dim, need)
+    problems += _rope_scaling_problems(c.rope_scaling, c.rope_dim // 2)
     _check_linear(c, dim, need)
     need(not c.attn_output_gate or (c.attention == "gqa" and not c.attn_bias),
          "attn_output_gate needs GQA attention without q/k/v biases")
@@ -160,6 +162,27 @@ def _check_sliding(c: ModelConfig, dim, need) -> None:
          f"sliding_rope_theta is {c.sliding_rope_theta!r}, not 0 or a positive number")
     need(not c.sinks_sliding_only or c.attn_sinks, "sinks_sliding_only without attn_sinks")
     need(_is_finite(c.value_scale) and c.value_scale > 0, f"value_scale is {c.value_scale!r}, not a positive number")
+
+
+def _check_chunks(c: ModelConfig, dim, need) -> None:
+    """Llama 4's chunked and position-free layers, its temperature tuning and its weightless q/k
+    norms, through `config_problems`' `dim` and `need`."""
+    for name in ("chunked_layers", "nope_layers"):
+        layers = getattr(c, name)
+        need(layers == sorted(set(layers)) and all(i < c.n_layers for i in layers),
+             f"{name} {layers!r} are not distinct increasing layers of the {c.n_layers}")
+    dim("attention_chunk", 0, MAX_POSITIONS)
+    need(bool(c.chunked_layers) == bool(c.attention_chunk), "attention_chunk and chunked_layers come together")
+    need(not set(c.chunked_layers) & set(c.sliding_layers), "a layer is both in chunked_layers and in sliding_layers")
+    need(not (c.chunked_layers or c.nope_layers) or c.attention == "gqa", "chunked_layers and nope_layers need GQA attention")
+    dim("attn_temperature_floor", 0, MAX_POSITIONS)
+    need(_is_finite(c.attn_temperature_scale) and c.attn_temperature_scale >= 0,
+         f"attn_temperature_scale is {c.attn_temperature_scale!r}, not 0 or a positive number")
+    need(not c.attn_temperature_scale or (c.attn_temperature_floor > 0 and bool(c.nope_layers)),
+         "attn_temperature_scale needs an attn_temperature_floor and nope_layers")
+    need(c.qk_norm != "weightless" or c.qk_norm_after_rope, "weightless q/k norms apply after the rotation")
+    need(not c.expert_input_scaled or c.n_experts_used == 1,
+         f"expert_input_scaled needs one expert a token, not n_experts_used {c.n_experts_used}")
 
 
 def _check_indexer(c: ModelConfig, dim, need) -> None:
@@ -245,7 +268,8 @@ def _linear_tensors(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
             p + "ssm_dt.bias": (heads,), p + "ssm_norm.weight": (c.linear_v_head_dim,), p + "ssm_out.weight": (d, values)}
 
 
-def _rope_scaling_problems(scaling) -> list[str]:
+def _rope_scaling_problems(scaling, pairs: int = 0) -> list[str]:
+    """What is wrong with a rope scaling dict; `pairs`, the rotated pairs a `factors` list has one of each."""
     if scaling is None:
         return []
     if not isinstance(scaling, dict):
@@ -255,14 +279,24 @@ def _rope_scaling_problems(scaling) -> list[str]:
         return [f"rope_scaling type {kind!r} is not implemented (the runtime has {', '.join(IMPLEMENTED['rope_scaling'])})"]
     if kind == "default":
         return []
+    if kind == "factors":  # llama.cpp's rope_freqs, as a GGUF import reads it
+        factors = scaling.get("factors")
+        ok = isinstance(factors, list) and len(factors) == pairs and all(_is_finite(f) and f > 0 for f in factors)
+        return [] if ok else [f"rope_scaling factors are not {pairs} positive numbers, one per rotated pair"]
+    numbers = _LLAMA3_NUMBERS if kind == "llama3" else _YARN_NUMBERS
     problems = [f"rope_scaling {key} is {scaling[key]!r}, not a finite number"
-                for key in _YARN_NUMBERS if scaling.get(key) is not None and not _is_finite(scaling[key])]
+                for key in numbers if scaling.get(key) is not None and not _is_finite(scaling[key])]
     original = scaling.get("original_max_position_embeddings")
     if not (is_int(original) and 1 <= original <= MAX_POSITIONS):
         problems.append(f"rope_scaling original_max_position_embeddings is {original!r}, not a positive whole number")
     factor = scaling.get("factor")
     if factor is not None and _is_finite(factor) and factor <= 0:
         problems.append(f"rope_scaling factor is {factor!r}, not positive")
+    if kind == "llama3":
+        low, high = scaling.get("low_freq_factor"), scaling.get("high_freq_factor")
+        if not (factor is not None and _is_finite(low) and _is_finite(high) and 0 < low <= high):
+            problems.append(f"rope_scaling llama3 needs a factor and 0 < low_freq_factor <= high_freq_factor, "
+                            f"not {low!r} and {high!r}")
     return problems
 
 

@@ -35,8 +35,17 @@ class ModelConfig:
     sliding_rope_theta: float = 0.0  # the rotation base of the sliding layers (0: rope_theta)
     sinks_sliding_only: bool = False  # attn_sinks in the sliding layers only
     value_scale: float = 1.0  # values are multiplied by this before they are cached (MiMo-V2-Flash)
-    qk_norm: str = "none"  # "none", "head" (RMSNorm per head), "full" (over the whole projection)
+    qk_norm: str = "none"  # "none", "head" (RMSNorm per head), "full" (over the whole projection),
+    # "weightless" (per head without a weight, after the rotation, in the rotated layers only: Llama 4's)
     qk_norm_after_rope: bool = False  # the q/k norms apply to the rotated q and k (HunYuan)
+    attention_chunk: int = 0  # a query of a `chunked_layers` layer sees only its own chunk: positions
+    # p - p % attention_chunk .. p (Llama 4)
+    chunked_layers: list[int] = field(default_factory=list)
+    nope_layers: list[int] = field(default_factory=list)  # layers whose q and k are not rotated (Llama 4)
+    # in `nope_layers`, q is multiplied by 1 + attn_temperature_scale * ln(1 + floor((p + 1) /
+    # attn_temperature_floor)) at position p (Llama 4's temperature tuning; 0: none)
+    attn_temperature_scale: float = 0.0
+    attn_temperature_floor: int = 0
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
     q_lora_rank: int | None = None  # MLA; None when q is projected directly
     kv_lora_rank: int | None = None  # MLA compressed latent width
@@ -91,6 +100,8 @@ class ModelConfig:
     # "clamped_silu": silu(min(gate, limit)) * clip(up, -limit, limit) (DeepSeek-V4, shared experts too)
     swiglu_alpha: float = 1.0
     swiglu_limit: float = 0.0
+    expert_input_scaled: bool = False  # the router's weight multiplies the routed expert's input, not
+    # its output (Llama 4; one expert a token)
     expert_bias: bool = False  # each routed expert's gate, up and down products carry a bias
     router: str = "softmax"  # "softmax", "sigmoid" or "sqrtsoftplus" (sqrt(softplus), DeepSeek-V4) scores
     hash_layers: list[int] = field(default_factory=list)  # MoE layers whose experts a token-id table chooses
@@ -138,7 +149,16 @@ class ModelConfig:
 
     def window_of(self, layer: int) -> int:
         """The positions a query of `layer` sees (0: all of them)."""
+        if layer in self.chunked_layers:
+            return self.attention_chunk
         return self.sliding_window if layer in self.sliding_layers else 0
+
+    def chunk_of(self, layer: int) -> int:
+        """The chunk a query of `layer` keeps to (0: none)."""
+        return self.attention_chunk if layer in self.chunked_layers else 0
+
+    def is_rotated(self, layer: int) -> bool:
+        return layer not in self.nope_layers
 
     def kv_heads_of(self, layer: int) -> int:
         return self.sliding_kv_heads if self.sliding_kv_heads and layer in self.sliding_layers else self.n_kv_heads

@@ -421,7 +421,9 @@ class _LayerStep:
         # the routed experts run in the output kernel's call when they are all cached (the
         # kernel looks them up in the store's slot table), with the shared expert unless it is
         # gated (Qwen2-MoE's: then the experts run after the output kernel)
-        self.fuse_experts = self.moe is not None and (record.ffn is None or self.ffn_step is not None)
+        # (not Llama 4's, whose weight scales the expert's input: `model.MoE.routed` applies it)
+        self.fuse_experts = self.moe is not None and (record.ffn is None or self.ffn_step is not None) \
+            and not c.expert_input_scaled
 
     def finish(self, x: np.ndarray) -> np.ndarray:
         """x with the attention output in `attended` and then the FFN added (in place when the
@@ -474,8 +476,8 @@ class DecodeLayer(_LayerStep):
         values = cache.stored(layer, "v", position + 1).reshape(position + 1 - first, heads, c.v_head_dim)
         # attention through the general path's own kernels: compiled inside another kernel, its
         # loops could be vectorized differently, and the two paths would part by a few ulps
-        kernels.attention_into(self.q, keys, values, Seen(position, first, record.window, kernels.NO_CHOICE),
-                               record.scoring, self.attended)
+        seen = Seen(position, first, record.window, kernels.NO_CHOICE, record.chunk)
+        kernels.attention_into(self.q, keys, values, seen, record.scoring, self.attended)
         if "gate" in record.matrices:  # Qwen3-Next's output gate, as model.Attention applies it
             gate = record.matrices["gate"](self.h).reshape(self.attended.shape)
             self.attended[:] = kernels.sigmoid_gated(self.attended, gate)

@@ -35,7 +35,7 @@ from colibri.runtime.rope import Rope, RopeTable, yarn_mscale
 
 F32 = np.float32
 NONE = np.empty(0, F32)  # an absent bias or norm
-QK_NORMS = {"none": 0, "full": 1, "head": 2}
+QK_NORMS = {"none": 0, "full": 1, "head": 2, "weightless": 2}  # weightless: per head, weights of ones
 # MLA's q_a and kv_a RMSNorms keep their default epsilon whatever rms_norm_eps says, in
 # transformers and in DeepSeek's own code (GLM-5's rms_norm_eps is 1e-5)
 LATENT_NORM_EPS = 1e-6
@@ -44,7 +44,8 @@ LATENT_NORM_EPS = 1e-6
 class GQAInput(NamedTuple):
     """A GQA / MHA layer's attention input: x's norm, then q, k, v with their biases, v's
     scale, q/k norms (`QK_NORMS`: over the whole projection or per head; after the rotation
-    when `norm_after_rope`), clip (0: none) and rotation."""
+    when `norm_after_rope`), clip (0: none), rotation (none when its dim is 0) and q's
+    temperature at each position (`temperature_scale` 0: none)."""
 
     norm: np.ndarray
     eps: np.float32
@@ -61,6 +62,8 @@ class GQAInput(NamedTuple):
     norm_after_rope: bool
     clip: np.float32
     rope: RopeTable
+    temperature_scale: np.float32
+    temperature_floor: np.float32
     heads: int
     kv_heads: int
 
@@ -148,6 +151,7 @@ class LayerRecord:
     heads: int  # the heads attention (or the DeltaNet) writes: [heads, width]
     width: int
     window: int  # positions a query sees (0: all)
+    chunk: int  # a query sees only its own chunk of this many positions (0: no chunks)
     scoring: Scoring  # the scores' scale, and a learned logit per head in each softmax's denominator (sinks)
 
 
@@ -192,7 +196,7 @@ def describe_layer(c: ModelConfig, w, layer: int, rope: Rope, store) -> LayerRec
         ffn = _ffn(w, layer, "", matrices)
     sinks = w.vector(p + "attn_sinks.weight") if c.has_sinks(layer) else np.full(heads, kernels.NO_SINK, F32)
     return LayerRecord(layer, attn_norm, matrices, mixer, lora, per_head, output, router, ffn, experts, heads, width,
-                       c.window_of(layer), Scoring(np.ascontiguousarray(sinks, dtype=F32), scale))
+                       c.window_of(layer), c.chunk_of(layer), Scoring(np.ascontiguousarray(sinks, dtype=F32), scale))
 
 
 def _gqa(c: ModelConfig, w, layer: int, rope: Rope, attn_norm: np.ndarray, matrices: dict) -> GQAInput:
@@ -203,9 +207,16 @@ def _gqa(c: ModelConfig, w, layer: int, rope: Rope, attn_norm: np.ndarray, matri
         w.matrices[p + "attn_q.weight"] = q  # what an importance matrix observes of attn_q (its input)
     matrices.update(q=q, k=k, v=v, o=w.linear(p + "attn_output.weight"))
     biases = [w.vector(p + f"attn_{x}.bias") for x in "qkv"] if c.attn_bias else [NONE] * 3
-    norms = [w.vector(p + f"attn_{x}_norm.weight") for x in "qk"] if c.qk_norm != "none" else [NONE] * 2
+    qk_norm, rotated = c.qk_norm, c.is_rotated(layer)
+    if qk_norm == "weightless":  # Llama 4's, in the rotated layers only: per-head weights of ones (times 1.0 is exact)
+        qk_norm = qk_norm if rotated else "none"
+        norms = [np.ones(c.head_dim, F32)] * 2 if rotated else [NONE] * 2
+    else:
+        norms = [w.vector(p + f"attn_{x}_norm.weight") for x in "qk"] if qk_norm != "none" else [NONE] * 2
+    table = rope.table if rotated else rope.table._replace(dim=0)
+    temperature = (F32(0), F32(1)) if rotated else (F32(c.attn_temperature_scale), F32(max(c.attn_temperature_floor, 1)))
     return GQAInput(attn_norm, F32(c.norm_eps), q.product, k.product, v.product, *biases, F32(c.value_scale), *norms,
-                    QK_NORMS[c.qk_norm], c.qk_norm_after_rope, F32(c.clip_qkv or 0), rope.table, c.n_heads,
+                    QK_NORMS[qk_norm], c.qk_norm_after_rope, F32(c.clip_qkv or 0), table, *temperature, c.n_heads,
                     c.kv_heads_of(layer))
 
 

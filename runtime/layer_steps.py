@@ -8,6 +8,7 @@ written once.
 from __future__ import annotations
 
 import numba
+import numpy as np
 
 from colibri.runtime.kernels.numerics import rms_norm_into
 from colibri.runtime.rope import rotate_into
@@ -38,7 +39,8 @@ def _scale(values, factor):
 def finish_qkv(rec, q, k, v, positions):
     """q [n, heads * width], k [n, kv heads * width], v [n, kv heads * v width] (C-contiguous,
     the products of a layer's `GQAInput`) in place: + their biases, v's scale, the q/k norms,
-    the clip, then q and k rotated at `positions` [n] (the norms after it when `norm_after_rope`)."""
+    the clip, then q and k rotated at `positions` [n] (the norms after it when `norm_after_rope`),
+    then q's temperature."""
     n = q.shape[0]
     if rec.q_bias.size:
         _add_rows(q, rec.q_bias)
@@ -60,6 +62,19 @@ def finish_qkv(rec, q, k, v, positions):
     rotate_into(k_heads, rec.rope, positions, k_heads)
     if rec.qk_norm == 2 and rec.norm_after_rope:
         _head_norms(rec, q_heads, k_heads)
+    if rec.temperature_scale > 0:
+        _temperature(q, positions, rec.temperature_scale, rec.temperature_floor)
+
+
+@numba.njit(cache=True, nogil=True)
+def _temperature(q, positions, scale, floor):
+    """Row i of q times 1 + scale * ln(1 + floor((positions[i] + 1) / floor)) (Llama 4's
+    temperature tuning of its position-free layers, in float32 as transformers computes it)."""
+    for i in range(q.shape[0]):
+        steps = np.floor(np.float32(positions[i] + 1) / floor)
+        factor = np.float32(np.log1p(steps)) * scale + np.float32(1)
+        for j in range(q.shape[1]):
+            q[i, j] *= factor
 
 
 @numba.njit(cache=True, nogil=True)

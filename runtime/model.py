@@ -161,7 +161,7 @@ class Attention:
             keys = s.cache.stored(self.layer, "k", s.end).reshape(s.end - first, self.kv_heads, c.head_dim)
             values = s.cache.stored(self.layer, "v", s.end).reshape(s.end - first, self.kv_heads, c.v_head_dim)
             out[s.rows] = kernels.attention(q[s.rows], keys, values, s.start, self.scoring.scale, self.window,
-                                            self.scoring.sinks, first)
+                                            self.scoring.sinks, first, chunk=self.record.chunk)
         out = out.reshape(n, c.n_heads * c.v_head_dim)
         if gate is not None:  # Qwen3-Next's output gate
             out = kernels.sigmoid_gated(out, gate)
@@ -337,6 +337,7 @@ class MoE:
         self.layer, self.store = record.layer, store
         self.router = router or Router(c, record)
         self.experts = record.experts
+        self.input_scaled = c.expert_input_scaled
         m = record.matrices
         limit = c.swiglu_limit if c.expert_glu == "clamped_silu" else 0.0
         self.shared = SharedExpert(m["ffn_gate"], m["ffn_up"], m["ffn_down"], m.get("shared_gate"), limit) \
@@ -363,8 +364,10 @@ class MoE:
     def routed(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, batch_invariant: bool = False) -> np.ndarray:
         """The routed experts' part of `apply`. A single row takes the one-token kernel unless
         `batch_invariant` asks for the many-row path whatever the row count (their sums differ
-        in the last bits)."""
+        in the last bits). Llama 4's weight scales the expert's input instead (one expert a row)."""
         self.last_route = ids, weights
+        if self.input_scaled:
+            h, weights = h * weights, np.ones_like(weights)
         if self.observe is not None:
             self.observe(self, h, ids)
         if h.shape[0] == 1 and not batch_invariant:

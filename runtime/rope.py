@@ -1,7 +1,7 @@
 """Rotary position embeddings: frequency tables (plain and YaRN) and their application.
 
 Frequencies follow transformers' `modeling_rope_utils` (`_compute_default_rope_parameters`,
-`_compute_yarn_parameters`), so positions rotate exactly as in the reference models.
+`_compute_yarn_parameters`, `_compute_llama3_parameters`), so positions rotate exactly as in the reference models.
 """
 
 from __future__ import annotations
@@ -29,8 +29,12 @@ def inverse_frequencies(config: ModelConfig) -> tuple[np.ndarray, float]:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in ("default", None):
         return (1.0 / pos_freqs).astype(np.float32), 1.0
+    if kind == "llama3":
+        return llama3_frequencies(1.0 / pos_freqs, scaling), 1.0
+    if kind == "factors":  # llama.cpp's rope_freqs: each frequency divided by its factor
+        return ((1.0 / pos_freqs) / np.asarray(scaling["factors"], np.float32)).astype(np.float32), 1.0
     if kind != "yarn":
-        raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, yarn)")
+        raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, yarn, llama3, factors)")
     factor = scaling.get("factor") or config.max_position_embeddings / scaling["original_max_position_embeddings"]
     attention_factor = scaling.get("attention_factor")
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
@@ -55,6 +59,20 @@ def inverse_frequencies(config: ModelConfig) -> tuple[np.ndarray, float]:
     extrapolation = 1 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def llama3_frequencies(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
+    """inv_freq stretched as transformers' `_compute_llama3_parameters` does it (float32)."""
+    factor, low, high = (np.float32(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    original = np.float32(scaling["original_max_position_embeddings"])
+    inv_freq = inv_freq.astype(np.float32)
+    wavelen = np.float32(2 * math.pi) / inv_freq
+    stretched = np.where(wavelen > original / low, inv_freq / factor, inv_freq).astype(np.float32)
+    medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+    if high > low:
+        smooth = (original / wavelen[medium] - low) / (high - low)
+        stretched[medium] = (1 - smooth) * stretched[medium] / factor + smooth * stretched[medium]
+    return stretched.astype(np.float32)
 
 
 class RopeTable(NamedTuple):

@@ -22,13 +22,15 @@ NO_SINK = np.finfo(np.float32).min  # below softmax_in_place's threshold: no sin
 
 class Seen(NamedTuple):
     """Which cached rows each query sees: cache row r holds position first_key + r; query i
-    (position start + i) sees the `window` positions up to its own, and of them only rows r
-    with chosen[i, r] when `chosen` has rows."""
+    (position p = start + i) sees the `window` positions up to its own, with a `chunk` > 0 only
+    those of its own chunk (p - p % chunk..p), and of them only rows r with chosen[i, r] when
+    `chosen` has rows."""
 
     start: int
     first_key: int
     window: int
     chosen: np.ndarray
+    chunk: int = 0
 
 
 class Scoring(NamedTuple):
@@ -51,6 +53,16 @@ def _float_row_into_overload(row, target):
     def copied(row, target):
         target[:] = row
     return copied
+
+
+@njit(cache=True, nogil=True)
+def _first_row(seen, i, end):
+    """The first cache row query i sees, `end` its own row + 1: the window's, or its chunk's."""
+    lo = max(0, end - seen.window)
+    if seen.chunk > 0:
+        position = seen.start + i
+        lo = max(lo, position - position % seen.chunk - seen.first_key)
+    return lo
 
 
 @njit(cache=True, nogil=True)
@@ -81,7 +93,7 @@ def _attend(q, keys, values, seen, scoring, out, items, share):
     heads that share the kv head together (of them, the part-th of `parts` equal shares:
     `share`), so that each cached key and value is converted to float32 once for all of them."""
     (first, stop), (part, parts) = items, share
-    start, first_key, window, chosen = seen
+    start, first_key, chosen = seen.start, seen.first_key, seen.chosen
     sinks, scale = scoring
     n, heads, width = q.shape
     kv_heads, v_width = keys.shape[1], values.shape[2]
@@ -94,7 +106,7 @@ def _attend(q, keys, values, seen, scoring, out, items, share):
     for work in range(first, stop):
         i, kv = work // kv_heads, work % kv_heads
         end, h0 = start + i + 1 - first_key, kv * group + g_lo  # causal: query i sees rows ..end-1
-        lo = max(0, end - window)
+        lo = _first_row(seen, i, end)
         queries = q[i, h0:h0 + mine]
         for tile_lo in range(lo, end, KEY_TILE):  # a tile of keys converted, then scored by a few heads at a time
             rows = min(KEY_TILE, end - tile_lo)
@@ -153,7 +165,7 @@ def _one_position_each(q, keys, values, slots, positions, scoring, out, nthreads
         lo, hi = part_range(q.shape[0], nthreads, t, 1)
         for i in range(lo, hi):
             end = positions[i] + 1
-            _attend(q[i:i + 1], keys[slots[i], :end], values[slots[i], :end], Seen(positions[i], 0, end + 1, NO_CHOICE),
+            _attend(q[i:i + 1], keys[slots[i], :end], values[slots[i], :end], Seen(positions[i], 0, end + 1, NO_CHOICE, 0),
                     scoring, out[i:i + 1], (0, kv_heads), (0, 1))
 
 
@@ -210,7 +222,7 @@ def _prompt_attention(q, keys, values, seen, scoring, out, nthreads):
                 for i in range(count):
                     scores[i, pos] = dots[i] * scale
             for i in range(count):
-                row_lo = max(0, before + i + 1 - window)
+                row_lo = _first_row(seen, first + i, before + i + 1)
                 if chosen.shape[0]:
                     _leave_out(scores[i:i + 1], chosen[first + i], row_lo, before + i + 1)
                 softmax_in_place(scores, i, row_lo, before + i + 1, sinks[h])
@@ -218,20 +230,22 @@ def _prompt_attention(q, keys, values, seen, scoring, out, nthreads):
                     _weigh_none(scores[i:i + 1], chosen[first + i], row_lo, before + i + 1)
             outputs[:count] = 0.0
             for i in range(count):
-                row_lo = max(0, before + i + 1 - window)
+                row_lo = _first_row(seen, first + i, before + i + 1)
                 weighted_rows_into(scores[i, row_lo:before + i + 1], values_f[kv, row_lo:before + i + 1], outputs[i])
             for i in range(count):
                 out[first + i, h, :] = outputs[i]
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, scale: float, window: int = 0,
-              sinks: np.ndarray | None = None, first_key: int = 0, chosen: np.ndarray | None = None) -> np.ndarray:
+              sinks: np.ndarray | None = None, first_key: int = 0, chosen: np.ndarray | None = None,
+              chunk: int = 0) -> np.ndarray:
     """Causal softmax attention of the n queries at positions start..start+n-1.
 
     q float32 [n, heads, width]; keys [rows, kv_heads, width] and values [rows, kv_heads,
     v_width], row r the position first_key + r up to start + n - 1, as float32 or as float16
     bits (uint16, read in place from an f16 KV cache); query head h reads kv head h // (heads /
-    kv_heads). A `window` > 0 lets a query see only that many positions, its own the last;
+    kv_heads). A `window` > 0 lets a query see only that many positions, its own the last; a
+    `chunk` > 0 only those of its own chunk (positions p - p % chunk..p; Llama 4);
     `sinks` float32 [heads] are per-head logits added to the softmax's denominator (gpt-oss);
     `chosen` uint8 [n, rows] leaves out the rows a query's entry is 0 for (DeepSeek's sparse
     attention) -> float32 [n, heads, v_width]."""
@@ -251,7 +265,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     if chosen.shape[1:] != (rows,) or chosen.shape[0] not in (0, n):
         raise ValueError(f"chosen {chosen.shape} does not fit {n} queries over {rows} cached positions")
     out = np.empty((n, heads, values.shape[2]), np.float32)
-    attention_into(q, keys, values, Seen(start, first_key, window, chosen), Scoring(sinks, F32(scale)), out)
+    attention_into(q, keys, values, Seen(start, first_key, window, chosen, int(chunk)), Scoring(sinks, F32(scale)), out)
     return out
 
 
