@@ -32,8 +32,8 @@ from tqdm import tqdm
 
 from colibri.convert.arch import ADAPTERS
 from colibri.convert.gguf_arch import (
-    expert_tensor_name, gguf_arch_name, gguf_tensor_name, layer_of, permuted_heads, tensor_chunks,
-    write_arch_metadata,
+    ROPE_FREQS, expert_tensor_name, gguf_arch_name, gguf_tensor_name, layer_of, permuted_heads, rope_freq_factors,
+    tensor_chunks, write_arch_metadata,
 )
 from colibri.convert.gguf_source import ByteReader, read_ahead
 from colibri.convert.pipeline import ConvertError, check_free_space
@@ -114,6 +114,26 @@ class IntegerTable:
         yield reader.read(*self.source).view(np.float32).astype(np.int32).view(np.uint8)
 
 
+@dataclass(frozen=True)
+class ComputedVector:
+    """An F32 vector the config implies and no stored tensor holds (llama.cpp's `rope_freqs`)."""
+
+    name: str
+    values: tuple[float, ...]
+    encoding: str = "F32"
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (len(self.values),)
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * len(self.values)
+
+    def chunks(self, reader: ByteReader):
+        yield np.asarray(self.values, "<f4").view(np.uint8)
+
+
 def split_kv_b(layout: ModelLayout, name: str) -> list:
     """attn_kv_b as llama.cpp's glm-dsa loads it: attn_k_b (`TransposedKeys`) and attn_v_b
     [heads, v, rank], each head's value rows copied."""
@@ -152,6 +172,9 @@ def export_tensors(layout: ModelLayout) -> list[ExportTensor]:
             by_layer[table.layer].append(ExportTensor(expert_tensor_name(table.layer, m), (table.count, *matrix.shape),
                                                       matrix.encoding, table.count * matrix.nbytes, pieces))
     outside = by_layer.pop(None, [])
+    factors = rope_freq_factors(c)
+    if factors is not None:
+        outside.insert(0, ComputedVector(ROPE_FREQS, tuple(float(f) for f in factors)))
     embeddings = [t for t in outside if t.name == "token_embd.weight"]
     layers = [t for layer in sorted(by_layer) for t in by_layer[layer]]
     return embeddings + layers + [t for t in outside if t.name != "token_embd.weight"]

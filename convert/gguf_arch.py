@@ -18,7 +18,9 @@ model's `set_gguf_parameters` / `modify_tensors`) writes it and its loader
   llama.cpp's rope rotates pairs (2i, 2i+1), transformers' rotates the two halves;
 - DeepSeek's `attn_kv_b`, which recent converters store as `attn_k_b` (transposed per
   head) and `attn_v_b`;
-- GLM-4.5's multi-token-prediction layers, counted in `block_count` (`nextn_predict_layers`).
+- GLM-4.5's multi-token-prediction layers, counted in `block_count` (`nextn_predict_layers`);
+- a llama3 rope scaling, which llama.cpp reads as a `rope_freqs` tensor of divisors (imported
+  as a `factors` scaling).
 
 GGUF stores float metadata as float32; `f32_value` turns it back into the short decimal a
 config.json holds, so a round trip gives the same config.
@@ -26,6 +28,7 @@ config.json holds, so a round trip gives the same config.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Iterator
 
@@ -42,6 +45,8 @@ from colibri.formats.model_config import ModelConfig
 K, A, R, T = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope, gguf.Keys.Tokenizer
 
 CHUNK_BYTES = 32 << 20
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency divisors of a llama3 rope scaling
+FACTOR_SCALINGS = ("llama3", "factors")  # the rope scalings a rope_freqs tensor carries
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 _QK = re.compile(r"^blk\.\d+\.attn_(q|k)\.(weight|bias)$")
 
@@ -172,7 +177,7 @@ def config_from_gguf(meta: GGUFMetadata, shapes: dict[str, tuple]) -> ModelConfi
         "rope_theta": f32_value(meta.get(R.FREQ_BASE, 10000.0)),
         "rope_dim": meta.get(R.DIMENSION_COUNT, head_dim),
         "rope_interleaved": adapter.gguf_rope_interleaved,  # Q/K of llama are un-permuted: halves, as transformers rotates
-        "rope_scaling": rope_scaling(meta),
+        "rope_scaling": rope_scaling(meta, shapes),
         "dense_ffn": 0 if adapter.gguf_ffn_is_expert else ffn,
         "moe_layers": [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in shapes],
         "n_experts": n_experts,
@@ -200,8 +205,14 @@ def config_from_gguf(meta: GGUFMetadata, shapes: dict[str, tuple]) -> ModelConfi
     return config
 
 
-def rope_scaling(meta: GGUFMetadata) -> dict | None:
-    """The rope scaling dict (as a config.json has it) from the `rope.scaling.*` keys."""
+def rope_scaling(meta: GGUFMetadata, shapes: dict[str, tuple]) -> dict | None:
+    """The rope scaling dict (as a config.json has it) from the `rope.scaling.*` keys, or from
+    the `rope_freqs` tensor of an architecture whose llama.cpp loader reads one."""
+    if ROPE_FREQS in shapes and meta.adapter.gguf_rope_freqs:
+        head_dim = meta.get(A.KEY_LENGTH, meta.require(K.EMBEDDING_LENGTH) // meta.require(A.HEAD_COUNT))
+        with ByteReader() as reader:
+            return rope_scaling_of_factors(meta, meta.source.tensors[ROPE_FREQS], reader,
+                                           meta.get(R.DIMENSION_COUNT, head_dim))
     kind = meta.get(R.SCALING_TYPE)
     if kind in (None, "none"):
         return None
@@ -269,7 +280,7 @@ def check_expressible(c: ModelConfig, adapter: Adapter) -> None:
     if adapter.gguf_leading_dense:
         if c.moe_layers != list(range(c.moe_layers[0] if c.moe_layers else c.n_layers, c.n_layers)):
             problems.append(f"MoE layers {c.moe_layers} are not all layers after the dense ones")
-    elif c.moe_layers != list(range(c.n_layers)):
+    elif not adapter.gguf_interleaved_moe and c.moe_layers != list(range(c.n_layers)):
         problems.append(f"llama.cpp's {a} has routed experts in every layer, this model only in {c.moe_layers}")
     if c.rope_interleaved != adapter.gguf_rope_interleaved:
         problems.append(f"its rope {'rotates pairs' if c.rope_interleaved else 'rotates halves'}, llama.cpp's {a} does not")
@@ -286,8 +297,11 @@ def write_rope_scaling(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
     if not scaling:
         return
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in FACTOR_SCALINGS and ADAPTERS[c.architecture].gguf_rope_freqs:
+        return  # the rope_freqs tensor carries it (`rope_freq_factors`)
     if kind != "yarn":
-        raise GGUFError(f"{c.architecture}: rope scaling {kind!r} has no GGUF form here (supported: yarn)")
+        raise GGUFError(f"{c.architecture}: rope scaling {kind!r} has no GGUF form here (supported: yarn"
+                        f"{', llama3 as rope_freqs' if ADAPTERS[c.architecture].gguf_rope_freqs else ''})")
     original = scaling["original_max_position_embeddings"]
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     writer.add_rope_scaling_factor(scaling.get("factor") or c.max_position_embeddings / original)
@@ -301,6 +315,38 @@ def write_rope_scaling(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
 
 
 # --- tensors ------------------------------------------------------------------------
+
+
+def rope_freq_factors(c: ModelConfig) -> np.ndarray | None:
+    """llama.cpp's `rope_freqs` [rope_dim / 2] for a llama3 (or imported `factors`) rope
+    scaling: each frequency is divided by its factor. llama3's, as llama.cpp's converter
+    computes them: wavelengths above original / low_freq_factor slowed `factor` times, those
+    below original / high_freq_factor kept, the band between interpolated. None otherwise."""
+    scaling = c.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "factors":
+        return np.asarray(scaling["factors"], np.float32)
+    if kind != "llama3":
+        return None
+    factor, low, high = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    original = float(scaling["original_max_position_embeddings"])
+    inv_freq = 1.0 / np.float32(c.rope_theta) ** (np.arange(0, c.rope_dim, 2, dtype=np.float32) / np.float32(c.rope_dim))
+    wavelen = 2 * math.pi / inv_freq.astype(np.float64)
+    factors = np.where(wavelen > original / low, factor, 1.0)
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    if high > low:
+        smooth = (original / wavelen[medium] - low) / (high - low)
+        factors[medium] = 1 / ((1 - smooth) / factor + smooth)
+    return factors.astype(np.float32)
+
+
+def rope_scaling_of_factors(meta: GGUFMetadata, source_tensor, reader, rope_dim: int) -> dict:
+    """The `factors` rope scaling of a GGUF's F32 `rope_freqs` tensor [rope_dim / 2]."""
+    if source_tensor.type != "F32" or tuple(source_tensor.shape) != (rope_dim // 2,):
+        raise GGUFError(f"{meta.file}: rope_freqs.weight is {source_tensor.type} {list(source_tensor.shape)}, "
+                        f"not F32 [{rope_dim // 2}]")
+    values = reader.read(source_tensor.file, source_tensor.offset, 4 * (rope_dim // 2)).view("<f4")
+    return {"rope_type": "factors", "factors": [float(v) for v in values]}
 
 
 def resident_shapes(c: ModelConfig) -> dict[str, tuple]:

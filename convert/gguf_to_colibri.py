@@ -26,8 +26,8 @@ import numpy as np
 from colibri.convert.arch import ADAPTERS
 from colibri.convert.expert_layout import expert_file_bytes, write_expert_layer
 from colibri.convert.gguf_arch import (
-    GGUFMetadata, config_from_gguf, expert_shapes, expert_tensor_name, gguf_tensor_name, kv_b_from_split, layer_of,
-    permuted_heads, resident_shapes, tensor_chunks,
+    ROPE_FREQS, GGUFMetadata, config_from_gguf, expert_shapes, expert_tensor_name, gguf_tensor_name, kv_b_from_split,
+    layer_of, permuted_heads, resident_shapes, tensor_chunks,
 )
 from colibri.convert.gguf_source import ByteReader, GGUFError, GGUFSource, GGUFTensor, read_ahead
 from colibri.convert.pipeline import ConvertOptions, Job
@@ -199,6 +199,8 @@ class ImportPlan:
             present.pop(name)
         self.present, self.used, self.missing, self.misshapen = present, set(), [], []
         self.rebuilt: list[str] = []
+        if ROPE_FREQS in present and (config.rope_scaling or {}).get("rope_type") == "factors":
+            self.used.add(ROPE_FREQS)  # read into the config's rope scaling
         # colibri's tensors that are rows of one of llama.cpp's: name → [(GGUF name, first row, rows)]
         self.parts: dict[str, list[tuple[str, int, int]]] = {}
         self.joined_rows: dict[str, int] = {}  # each such GGUF tensor's rows

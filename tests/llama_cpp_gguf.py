@@ -14,6 +14,8 @@ llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm,minimax
   MTP layers dropped, ``head_count_kv`` 1 and the MLA key/value lengths;
 * GLM-4.5 and GLM-5: the MTP layer kept, ``block_count`` counting it, ``nextn_predict_layers``;
   GLM-5's indexer keys;
+* Llama 4: ``feed_forward_length`` the dense layers' width, the transposed ``gate_up_proj``
+  split into gate and up halves, ``down_proj`` transposed;
 * gpt-oss: ``sinks`` named ``.weight``, the transposed ``gate_up_proj`` (and its bias) split
   into gate and up by alternate columns, ``down_proj`` transposed;
 * Qwen3-Next and Qwen3.5-MoE: ``-exp(A_log)``, the zero-centred norms plus one, the
@@ -62,8 +64,9 @@ def add_metadata(w: gguf.GGUFWriter, hp: dict, block_count: int) -> None:
     w.add_block_count(block_count)
     w.add_context_length(hp["max_position_embeddings"])
     w.add_embedding_length(hp["hidden_size"])
-    if hp.get("intermediate_size") is not None:
-        w.add_feed_forward_length(hp["intermediate_size"])
+    ffn = hp.get("intermediate_size_mlp" if arch == gguf.MODEL_ARCH.LLAMA4 else "intermediate_size")  # Llama4Model swaps them
+    if ffn is not None:
+        w.add_feed_forward_length(ffn)
     w.add_head_count(hp["num_attention_heads"])
     w.add_head_count_kv(1 if "kv_lora_rank" in hp else hp["num_key_value_heads"])  # MLA: DeepseekV2Model sets 1
     if rope.get("type", rope.get("rope_type")) == "yarn":
@@ -232,6 +235,27 @@ def mimo2_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
     w.add_float32(f"{w.arch}.attention.value_scale", hp["attention_value_scale"])
 
 
+def llama4_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
+    """Llama4Model (LlamaModel's keys, then its own)."""
+    llama_keys(w, hp, rope)
+    w.add_interleave_moe_layer_step(hp["interleave_moe_layer_step"])
+    w.add_expert_feed_forward_length(hp["intermediate_size"])
+    if hp.get("layer_types") and all(kind == "full_attention" for kind in hp["layer_types"]):
+        w.add_sliding_window(0)
+
+
+def llama4_tensors(name: str, data: np.ndarray):
+    """Llama4Model.modify_tensors: the transposed gate_up_proj split into gate and up, down_proj transposed."""
+    if name.endswith("gate_up_proj"):
+        gate, up = np.split(data.swapaxes(-1, -2), 2, axis=-2)
+        yield name.replace("gate_up_proj", "gate_proj.weight"), gate
+        yield name.replace("gate_up_proj", "up_proj.weight"), up
+    elif name.endswith("down_proj"):
+        yield name + ".weight", data.swapaxes(-1, -2)
+    else:
+        yield name, data
+
+
 # llama.cpp's converter: one model class per architecture it writes
 MODEL_CLASS_KEYS = {
     gguf.MODEL_ARCH.LLAMA: llama_keys, gguf.MODEL_ARCH.QWEN2MOE: qwen_moe_keys, gguf.MODEL_ARCH.QWEN3MOE: qwen_moe_keys,
@@ -239,7 +263,7 @@ MODEL_CLASS_KEYS = {
     gguf.MODEL_ARCH.MINIMAXM2: minimaxm2_keys, gguf.MODEL_ARCH.GPT_OSS: gpt_oss_keys, gguf.MODEL_ARCH.GLM_DSA: glm_dsa_keys,
     gguf.MODEL_ARCH.QWEN3NEXT: qwen3next_keys, gguf.MODEL_ARCH.QWEN35MOE: qwen3next_keys, gguf.MODEL_ARCH.DOTS1: dots1_keys,
     gguf.MODEL_ARCH.ERNIE4_5_MOE: ernie_moe_keys, gguf.MODEL_ARCH.HUNYUAN_MOE: hunyuan_moe_keys,
-    gguf.MODEL_ARCH.MIMO2: mimo2_keys,
+    gguf.MODEL_ARCH.MIMO2: mimo2_keys, gguf.MODEL_ARCH.LLAMA4: llama4_keys,
 }
 
 
@@ -329,6 +353,8 @@ def gguf_tensors(tensors: dict[str, np.ndarray], hp: dict, block_count: int, fus
             name += ".weight"
         if adapter.gguf_arch == gguf.MODEL_ARCH.GPT_OSS:
             pairs = gpt_oss_tensors(name, data)
+        elif adapter.gguf_arch == gguf.MODEL_ARCH.LLAMA4:
+            pairs = llama4_tensors(name, data)
         elif adapter.gguf_arch in (gguf.MODEL_ARCH.QWEN3NEXT, gguf.MODEL_ARCH.QWEN35MOE):
             pairs = qwen3next_tensors(name, data, hp, adapter.gguf_arch == gguf.MODEL_ARCH.QWEN35MOE)
         else:

@@ -126,8 +126,8 @@ def test_not_a_gguf(tmp_path, capsys):
 
 def test_unsupported_architecture_lists_the_supported(reference, tmp_path, capsys):
     _, source = reference("olmoe")
-    other = rewrite_gguf(source, tmp_path / "llama4.gguf", arch="llama4")
-    refused(capsys, tmp_path, other, "unsupported architecture 'llama4'", "qwen3moe", "deepseek2", "glm4moe")
+    other = rewrite_gguf(source, tmp_path / "jamba.gguf", arch="jamba")
+    refused(capsys, tmp_path, other, "unsupported architecture 'jamba'", "qwen3moe", "deepseek2", "glm4moe")
 
 
 def test_llama_without_experts_is_refused(reference, tmp_path, capsys):

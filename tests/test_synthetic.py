@@ -276,7 +276,16 @@ _MUST_HAVE = {
         "model.layers.1.mlp.experts.down_proj_bias": [8, 256],
     },
 }
+_MUST_HAVE["llama4_text"] = {  # as transformers' Llama4TextExperts holds them: transposed, gate columns then up
+    "model.layers.0.feed_forward.gate_proj.weight": [512, 256],
+    "model.layers.1.feed_forward.router.weight": [8, 256],
+    "model.layers.1.feed_forward.experts.gate_up_proj": [8, 256, 512],
+    "model.layers.1.feed_forward.experts.down_proj": [8, 256, 256],
+    "model.layers.1.feed_forward.shared_expert.up_proj.weight": [256, 256],
+}
 _MUST_NOT_HAVE = {
+    "llama4_text": ["model.layers.0.self_attn.q_norm.weight", "model.layers.0.feed_forward.router.weight",
+                    "model.layers.1.feed_forward.experts.gate_up_proj_bias"],
     "mimo_v2_flash": ["model.layers.0.self_attn.attention_sink_bias", "model.layers.0.mlp.gate.weight"],
     "deepseek_v4": ["model.layers.0.ffn.gate.bias", "model.layers.0.attn.compressor.ape",
                     "model.layers.2.attn.indexer.wq_b.weight", "lm_head.weight"],
@@ -314,7 +323,7 @@ def test_config_and_arch_specific_tensors(ckpt, arch):
         "qwen3_next": ["Qwen3NextForCausalLM"], "qwen3_5_moe": ["Qwen3_5MoeForCausalLM"],
         "deepseek_v4": ["DeepseekV4ForCausalLM"], "dots1": ["Dots1ForCausalLM"],
         "ernie4_5_moe": ["Ernie4_5_MoeForCausalLM"], "hunyuan_v1_moe": ["HunYuanMoEV1ForCausalLM"],
-        "mimo_v2_flash": ["MiMoV2FlashForCausalLM"],
+        "mimo_v2_flash": ["MiMoV2FlashForCausalLM"], "llama4_text": ["Llama4ForCausalLM"],
     }[arch]
     if arch == "gpt_oss":
         assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["rope_scaling"]["truncate"] is False

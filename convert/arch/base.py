@@ -169,19 +169,25 @@ class ExpertNames:
     per_expert: tuple[str, str, str]  # gate, up, down leaf names, e.g. ("w1", "w3", "w2")
     # the fused tensors' layout: "halves" (gate_up_proj [E, 2I, D], gate rows then up rows;
     # down_proj [E, D, I]), "gpt_oss" (gate_up_proj [E, D, 2I], gate and up columns
-    # interleaved; down_proj [E, I, D]: both transposed) or "interleaved" (gate_up_proj [E, 2I,
-    # D], gate and up rows interleaved; down_proj [E, D, I]: gpt-oss's MXFP4 blocks)
+    # interleaved; down_proj [E, I, D]: both transposed), "transposed_halves" (the same, gate
+    # columns then up columns: Llama 4) or "interleaved" (gate_up_proj [E, 2I, D], gate and up
+    # rows interleaved; down_proj [E, D, I]: gpt-oss's MXFP4 blocks)
     fused_layout: str = "halves"
 
     def per_expert_names(self, expert: int) -> tuple[str, str, str]:
         return tuple(f"{self.prefix}.{expert}.{leaf}.weight" for leaf in self.per_expert)
 
     @property
+    def transposed(self) -> bool:
+        """The fused tensors hold columns, not rows, of each matrix."""
+        return self.fused_layout in ("gpt_oss", "transposed_halves")
+
+    @property
     def fused_names(self) -> tuple[str, str]:
         return f"{self.prefix}.gate_up_proj", f"{self.prefix}.down_proj"
 
     def fused_shapes(self, count: int, ffn: int, hidden: int) -> tuple[tuple, tuple]:
-        if self.fused_layout == "gpt_oss":
+        if self.transposed:
             return (count, hidden, 2 * ffn), (count, ffn, hidden)
         return (count, 2 * ffn, hidden), (count, hidden, ffn)
 
@@ -190,6 +196,10 @@ class ExpertNames:
         (values, or rows of encoded blocks for the layouts that are not transposed)."""
         if self.fused_layout == "gpt_oss":
             return (np.ascontiguousarray(gate_up[:, 0::2].T), np.ascontiguousarray(gate_up[:, 1::2].T),
+                    np.ascontiguousarray(down.T))
+        if self.fused_layout == "transposed_halves":
+            ffn = gate_up.shape[1] // 2
+            return (np.ascontiguousarray(gate_up[:, :ffn].T), np.ascontiguousarray(gate_up[:, ffn:].T),
                     np.ascontiguousarray(down.T))
         if self.fused_layout == "interleaved":
             return np.ascontiguousarray(gate_up[0::2]), np.ascontiguousarray(gate_up[1::2]), down
@@ -227,6 +237,7 @@ class Adapter:
     tiny_models: dict[str, TinyModel] = {}  # model type → its tiny synthetic model
     gguf_arch: gguf.MODEL_ARCH
     moe_block = "mlp"  # module holding router and experts
+    dense_block = "mlp"  # module holding a dense layer's FFN
     expert_leaves = ("gate_proj", "up_proj", "down_proj")
     shared_block = "shared_experts"
     fused_expert_layout = "halves"  # ExpertNames.fused_layout
@@ -239,9 +250,11 @@ class Adapter:
     gguf_names: dict[str, str] = {}  # colibri's tensor name part → llama.cpp's, where they differ
     gguf_ffn_is_expert = False  # feed_forward_length is the routed experts' width (no dense layers)
     gguf_leading_dense = False  # dense layers only before the MoE ones (leading_dense_block_count)
+    gguf_interleaved_moe = False  # MoE layers every n-th (interleave_moe_layer_step; the adapter checks them)
     gguf_norm_topk = False  # top-k renormalisation where llama.cpp's graph hard-codes it
     gguf_rope_interleaved = False  # llama.cpp's rope rotates pairs (2i, 2i+1), not halves
     gguf_permuted_qk = False  # Q/K rows permuted per head (LlamaModel.permute)
+    gguf_rope_freqs = False  # a llama3 rope scaling is llama.cpp's `rope_freqs` tensor
     gguf_keeps_mtp = False  # multi-token-prediction layers kept, counted in block_count
     gguf_split_kv_b = False  # MLA's attn_kv_b exported split into attn_k_b and attn_v_b (llama.cpp needs it)
     zero_centred_norms = False  # the checkpoint's RMSNorm weights are w where 1 + w is applied
@@ -280,7 +293,7 @@ class Adapter:
         if c.is_moe_layer(layer):
             tensors.update(self.router_tensors(c, p))
         else:
-            tensors.update(self.mlp_tensors(f"{p}.mlp", c.dense_ffn, c.hidden_size))
+            tensors.update(self.mlp_tensors(f"{p}.{self.dense_block}", c.dense_ffn, c.hidden_size))
         return tensors
 
     def attention_tensors(self, c: ModelConfig, p: str, layer: int) -> dict[str, tuple]:

@@ -140,7 +140,7 @@ class _Planner:
         self.linear(a + "o_proj", D, H * c.v_head_dim, bias=c.attn_bias and self.adapter.o_proj_bias)
         if c.has_sinks(i):
             self.plain(a + self.adapter.sinks_leaf, (H,), "sink", SINK_STD)
-        if c.qk_norm != "none":
+        if c.qk_norm in ("head", "full"):  # (Llama 4's weightless norms have no tensors)
             head = c.qk_norm == "head"
             q_norm, k_norm = self.adapter.qk_norm_leaves
             self.norm(a + q_norm, c.head_dim if head else q)
@@ -166,12 +166,13 @@ class _Planner:
 
     def experts(self, prefix, n_exp, inter):
         D = self.c.hidden_size
-        if self.adapter.fused_expert_layout == "gpt_oss":  # only ever fused, biases beside
-            names = self.adapter.experts(0)
+        names = self.adapter.experts(0)
+        if names.transposed:  # only ever fused (gpt-oss, Llama 4), gpt-oss's biases beside
             for name, shape in zip(("gate_up_proj", "down_proj"), names.fused_shapes(n_exp, inter, D)):
                 self.plain(f"{prefix}experts.{name}", shape, "experts", self.std)
-            self.plain(f"{prefix}experts.gate_up_proj_bias", (n_exp, 2 * inter), "bias", self.std)
-            self.plain(f"{prefix}experts.down_proj_bias", (n_exp, D), "bias", self.std)
+            if self.c.expert_bias:
+                self.plain(f"{prefix}experts.gate_up_proj_bias", (n_exp, 2 * inter), "bias", self.std)
+                self.plain(f"{prefix}experts.down_proj_bias", (n_exp, D), "bias", self.std)
             return
         g, u, d = self.adapter.expert_leaves
         if not self.fused:
@@ -196,7 +197,7 @@ class _Planner:
     def mlp(self, p, i):
         c, D = self.c, self.c.hidden_size
         if not (c.is_moe_layer(i) or i >= c.n_layers):  # multi-token-prediction layers are MoE layers
-            self.dense_mlp(p + "mlp.", c.dense_ffn)
+            self.dense_mlp(f"{p}{self.adapter.dense_block}.", c.dense_ffn)
             return
         m = f"{p}{self.adapter.moe_block}."
         if c.router_logit_bias:  # gpt-oss: the router is a linear layer of its own, with a bias
