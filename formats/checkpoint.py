@@ -58,6 +58,10 @@ RELEASE_NAMES = {"deepseek_v4": (
     (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"), (r"^layers\.(\d+)\.attn\.kv_norm\.", r"layers.\1.attn.norm."),
     (r"^layers\.", "model.layers."),
 )}
+# a checkpoint transformers saved, whose names differ from the release's (model_type → (pattern,
+# replacement)): read under the release's names. Kimi-Linear's dense first layer is `mlp` in the
+# release, `block_sparse_moe` as transformers saves it.
+SAVED_NAMES = {"kimi_linear": ((r"\.block_sparse_moe\.(gate|up|down)_proj\.", r".mlp.\1_proj."),)}
 HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # what a Hugging Face repo id looks like: owner/name
 
 
@@ -265,10 +269,13 @@ class Checkpoint:
 
     def _release_view(self) -> None:
         """A release named otherwise than transformers writes it (RELEASE_NAMES: recognized by
-        its unprefixed embedding) is read under transformers' names."""
+        its unprefixed embedding) is read under transformers' names; a checkpoint transformers
+        saved otherwise than the release (SAVED_NAMES), under the release's."""
         model_type = self.config.get("model_type")
         renames = RELEASE_NAMES.get(model_type) if isinstance(model_type, str) else None
         if renames is None or "embed.weight" not in self.tensors:
+            renames = SAVED_NAMES.get(model_type) if isinstance(model_type, str) else None
+        if renames is None:
             return
         renamed = {}
         for name, entry in self.tensors.items():

@@ -31,6 +31,7 @@ EXPERT_ID_TABLE = "ffn_gate_tid2eid.weight"  # a hash layer's token → experts 
 IMPLEMENTED = {  # what the runtime computes; anything else is refused naming the key
     "attention": ("gqa", "mla", "compressed"),
     "qk_norm": ("none", "head", "full", "weightless"),
+    "linear_kind": ("gated_deltanet", "kda"),
     "hidden_act": ("silu",),
     "router": ("softmax", "sigmoid", "sqrtsoftplus"),
     "router_group_score": ("top2_sum", "max"),
@@ -174,7 +175,8 @@ def _check_chunks(c: ModelConfig, dim, need) -> None:
     dim("attention_chunk", 0, MAX_POSITIONS)
     need(bool(c.chunked_layers) == bool(c.attention_chunk), "attention_chunk and chunked_layers come together")
     need(not set(c.chunked_layers) & set(c.sliding_layers), "a layer is both in chunked_layers and in sliding_layers")
-    need(not (c.chunked_layers or c.nope_layers) or c.attention == "gqa", "chunked_layers and nope_layers need GQA attention")
+    need(not c.chunked_layers or c.attention == "gqa", "chunked_layers need GQA attention")
+    need(not c.nope_layers or c.attention in ("gqa", "mla"), "nope_layers need GQA or MLA attention")
     dim("attn_temperature_floor", 0, MAX_POSITIONS)
     need(_is_finite(c.attn_temperature_scale) and c.attn_temperature_scale >= 0,
          f"attn_temperature_scale is {c.attn_temperature_scale!r}, not 0 or a positive number")
@@ -250,18 +252,29 @@ def _check_linear(c: ModelConfig, dim, need) -> None:
                 and all(0 <= i < c.n_layers for i in layers),
                 f"linear_layers {layers!r} are not distinct increasing layers of the {c.n_layers}") or not layers:
         return
-    need(c.attention == "gqa" and not c.sliding_layers, "linear_layers need GQA attention without sliding layers")
+    need(c.attention in ("gqa", "mla") and not c.sliding_layers and not c.index_topk,
+         "linear_layers need GQA or MLA attention without sliding layers or an indexer")
     dim("linear_conv_kernel", 1, MAX_CONV_KERNEL)
     for name in ("linear_k_heads", "linear_v_heads", "linear_k_head_dim", "linear_v_head_dim"):
         dim(name)
     if is_int(c.linear_k_heads) and is_int(c.linear_v_heads) and c.linear_k_heads > 0:
         need(c.linear_v_heads % c.linear_k_heads == 0,
              f"linear_v_heads {c.linear_v_heads} is not a multiple of linear_k_heads {c.linear_k_heads}")
+    if c.linear_kind == "kda":
+        need(c.linear_k_heads == c.linear_v_heads and c.linear_k_head_dim == c.linear_v_head_dim,
+             "Kimi delta attention has as many value heads as key heads, of one width")
 
 
 def _linear_tensors(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-    """A gated DeltaNet layer's token mixer, by canonical name (llama.cpp's Qwen3.5 names)."""
+    """A linear layer's token mixer, by canonical name (llama.cpp's Qwen3.5 and kimi-linear names)."""
     d, heads, values = c.hidden_size, c.linear_v_heads, c.linear_v_heads * c.linear_v_head_dim
+    if c.linear_kind == "kda":
+        width = c.linear_k_head_dim
+        return {**{p + f"attn_{x}.weight": (values, d) for x in "qkv"},
+                **{p + f"ssm_conv1d_{x}.weight": (values, c.linear_conv_kernel) for x in "qkv"},
+                p + "ssm_f_a.weight": (width, d), p + "ssm_f_b.weight": (values, width), p + "ssm_beta.weight": (heads, d),
+                p + "ssm_a": (heads,), p + "ssm_dt.bias": (values,), p + "ssm_g_a.weight": (width, d),
+                p + "ssm_g_b.weight": (values, width), p + "ssm_norm.weight": (width,), p + "attn_output.weight": (d, values)}
     return {p + "attn_qkv.weight": (c.linear_conv_channels, d), p + "attn_gate.weight": (values, d),
             p + "ssm_beta.weight": (heads, d), p + "ssm_alpha.weight": (heads, d),
             p + "ssm_conv1d.weight": (c.linear_conv_channels, c.linear_conv_kernel), p + "ssm_a": (heads,),

@@ -77,6 +77,9 @@ class ModelConfig:
     # gated DeltaNet (Qwen3-Next, Qwen3.5): layers whose token mixer is a linear recurrence, not
     # attention, with a fixed-size state per sequence instead of a KV cache
     linear_layers: list[int] = field(default_factory=list)
+    linear_kind: str = "gated_deltanet"  # or "kda": Kimi delta attention (Kimi-Linear), a decay per key
+    # channel from a low-rank forget gate, separate q/k/v projections and convolutions, a low-rank
+    # sigmoid output gate
     linear_conv_kernel: int = 0  # width of the causal depthwise convolution over the q/k/v channels
     linear_k_heads: int = 0
     linear_v_heads: int = 0  # a multiple of linear_k_heads (r times as many)

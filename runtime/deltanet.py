@@ -1,4 +1,5 @@
-"""A gated DeltaNet layer (Qwen3-Next, Qwen3.5): the token mixer of a hybrid model's linear layers.
+"""The linear layers of hybrid models: a gated DeltaNet (Qwen3-Next, Qwen3.5) and Kimi delta
+attention (Kimi-Linear), token mixers whose state has the same size at any position.
 
 Per token: q, k, v from one projection through a causal depthwise convolution (its last
 `kernel - 1` inputs are a state), SiLU; q and k L2-normalized per head; a decay
@@ -6,6 +7,11 @@ exp(A softplus(alpha + dt_bias)) and a write strength sigmoid(beta) per value he
 gated delta rule (`kernels.gated_delta_rule`) over a [key width, value width] state per value
 head; each head's output RMS-normalized, times SiLU of its gate z, then projected out. Both
 states live in the sequence's `KVCache` and are the same size at any position.
+
+Kimi delta attention is the same recurrence with a decay per key channel: q, k and v from
+three projections, each through its own causal convolution (one state: [q | k | v]); the
+decay exp(A softplus(f_b f_a h + dt_bias)) per head and channel; each head's output
+RMS-normalized, times sigmoid(g_b g_a h), then projected by attn_output.
 """
 
 from __future__ import annotations
@@ -60,7 +66,8 @@ class GatedDeltaNet:
         c, n = self.c, h.shape[0]
         mixed, z, b, a = kernels.products(h, (self.qkv, self.z, self.beta, self.alpha))
         beta = sigmoid(b)
-        decay = np.exp(self.a * softplus(a + self.dt_bias)).astype(np.float32)
+        per_head = np.exp(self.a * softplus(a + self.dt_bias)).astype(np.float32)
+        decay = np.repeat(per_head[:, :, None], c.linear_k_head_dim, axis=2)  # one value for each key channel
         out = np.empty((n, c.linear_v_heads, c.linear_v_head_dim), np.float32)
         keys = c.linear_k_heads * c.linear_k_head_dim
         for rows, start, cache in spans:
@@ -82,3 +89,46 @@ class GatedDeltaNet:
         y = sum(inputs[i:i + x.shape[0]] * self.conv[:, i] for i in range(taps))
         state[:] = inputs[inputs.shape[0] - state.shape[0]:]
         return (y * sigmoid(y)).astype(np.float32)
+
+
+def mixer_for(c: ModelConfig, w, layer: int):
+    """The token mixer of linear layer `layer`."""
+    return KimiDeltaAttention(c, w, layer) if c.linear_kind == "kda" else GatedDeltaNet(c, w, layer)
+
+
+class KimiDeltaAttention(GatedDeltaNet):
+    """Kimi delta attention: the gated DeltaNet's convolution, recurrence and states, with the
+    decay, projections and output gate of the module doc's second paragraph."""
+
+    def __init__(self, c: ModelConfig, w, layer: int):
+        p = f"blk.{layer}."
+        self.c, self.layer = c, layer
+        self.q, self.k, self.v = (w.linear(p + f"attn_{x}.weight") for x in "qkv")
+        self.f_a, self.f_b = w.linear(p + "ssm_f_a.weight"), w.linear(p + "ssm_f_b.weight")
+        self.g_a, self.g_b = w.linear(p + "ssm_g_a.weight"), w.linear(p + "ssm_g_b.weight")
+        self.beta = w.linear(p + "ssm_beta.weight")
+        self.conv = np.concatenate([w.array(p + f"ssm_conv1d_{x}.weight") for x in "qkv"])  # [channels, kernel]
+        self.a, self.dt_bias = w.vector(p + "ssm_a"), w.vector(p + "ssm_dt.bias")  # A = -exp(A_log) per head; per channel
+        self.norm = w.vector(p + "ssm_norm.weight")
+        self.o = w.linear(p + "attn_output.weight")
+        self.q_scale = np.float32(c.linear_k_head_dim**-0.5)
+        self.key_heads = np.arange(c.linear_v_heads, dtype=np.int64)
+
+    def mixed(self, h: np.ndarray, spans) -> np.ndarray:
+        c, n = self.c, h.shape[0]
+        heads, width = c.linear_v_heads, c.linear_v_head_dim
+        q, k, v, f, g, b = kernels.products(h, (self.q, self.k, self.v, self.f_a, self.g_a, self.beta))
+        mixed = np.concatenate([q, k, v], axis=1)
+        forget = softplus(self.f_b(f) + self.dt_bias).reshape(n, heads, width)
+        decay = np.exp(forget * self.a[None, :, None]).astype(np.float32)
+        beta = sigmoid(b)
+        out = np.empty((n, heads, width), np.float32)
+        for rows, start, cache in spans:
+            states = cache.states_from(self.layer, start)
+            x = self.convolved(mixed[rows], states["conv"])
+            count = x.shape[0]
+            q, k, v = (np.ascontiguousarray(part.reshape(count, heads, width)) for part in np.split(x, 3, axis=1))
+            q, k = l2_normalized(q) * self.q_scale, l2_normalized(k)
+            kernels.gated_delta_rule(q, k, v, decay[rows], beta[rows], self.key_heads, states["recurrent"], out[rows])
+        gated = kernels.rms_norm(out, self.norm, c.norm_eps) * sigmoid(self.g_b(g)).reshape(out.shape)
+        return gated.reshape(n, -1)

@@ -168,13 +168,14 @@ def describe_layer(c: ModelConfig, w, layer: int, rope: Rope, store) -> LayerRec
     matrices, mixer, lora, per_head = {}, None, None, None
     attn_norm = w.vector(p + "attn_norm.weight")
     heads, width, scale = c.n_heads, c.v_head_dim, F32(c.head_dim**-0.5)
-    if c.is_linear_layer(layer):
-        matrices["o"] = w.linear(p + "ssm_out.weight")
+    if c.is_linear_layer(layer):  # a gated DeltaNet's output projection, or Kimi delta attention's
+        matrices["o"] = w.linear(p + ("attn_output.weight" if c.linear_kind == "kda" else "ssm_out.weight"))
         heads, width = c.linear_v_heads, c.linear_v_head_dim
     elif c.attention == "compressed":  # DeepSeek-V4's: the prompt path's own (`runtime.compressed_attention`)
         matrices["o"] = w.linear(p + "attn_output_b.weight")
     elif c.attention == "mla":
-        mixer, lora, per_head, scale = _latent(c, w, p, rope, attn_norm, matrices)
+        table = rope.table if c.is_rotated(layer) else rope.table._replace(dim=0)  # Kimi-Linear's MLA: no rotation
+        mixer, lora, per_head, scale = _latent(c, w, p, table, attn_norm, matrices)
     else:
         mixer = _gqa(c, w, layer, rope, attn_norm, matrices)
     o_bias = w.vector(p + "attn_output.bias") if c.attn_output_bias and mixer is not None else NONE
@@ -220,7 +221,7 @@ def _gqa(c: ModelConfig, w, layer: int, rope: Rope, attn_norm: np.ndarray, matri
                     c.kv_heads_of(layer))
 
 
-def _latent(c: ModelConfig, w, p: str, rope: Rope, attn_norm: np.ndarray, matrices: dict):
+def _latent(c: ModelConfig, w, p: str, rope: RopeTable, attn_norm: np.ndarray, matrices: dict):
     """MLA's (LatentInput, QueryLoRA or None, PerHead, the scores' scale)."""
     lora = None
     if c.q_lora_rank:
@@ -233,7 +234,7 @@ def _latent(c: ModelConfig, w, p: str, rope: Rope, attn_norm: np.ndarray, matric
     matrices["k_absorb"] = absorbed_keys(matrices["kv_b"], c)
     nope = c.qk_nope_head_dim
     mixer = LatentInput(attn_norm, F32(c.norm_eps), F32(LATENT_NORM_EPS), matrices["q_a" if lora else "q"].product,
-                        matrices["kv_a"].product, w.vector(p + "attn_kv_a_norm.weight"), rope.table,
+                        matrices["kv_a"].product, w.vector(p + "attn_kv_a_norm.weight"), rope,
                         matrices["k_absorb"].product, c.n_heads, nope, c.kv_lora_rank)
     scale = c.head_dim**-0.5
     scaling = c.rope_scaling or {}

@@ -23,7 +23,7 @@ from colibri.formats.layout import FormatError, ModelLayout, align_up
 from colibri.formats.model_config import ModelConfig
 from colibri.runtime import fused, hyper_connections, kernels
 from colibri.runtime.compressed_attention import CompressedAttention
-from colibri.runtime.deltanet import GatedDeltaNet
+from colibri.runtime.deltanet import GatedDeltaNet, mixer_for
 from colibri.runtime.expert_store import ExpertStore
 from colibri.runtime.indexer import Indexer
 from colibri.runtime.kernels.attention import Scoring
@@ -465,7 +465,7 @@ class Decoder:
         for record in self.records:
             i, m = record.layer, record.matrices
             if c.is_linear_layer(i):
-                attention = GatedDeltaNet(c, w, i)
+                attention = mixer_for(c, w, i)
             elif c.attention == "compressed":
                 attention = CompressedAttention(c, w, i, rope, compress_rope)
             else:
