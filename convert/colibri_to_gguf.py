@@ -160,9 +160,10 @@ def export_tensors(layout: ModelLayout) -> list[ExportTensor]:
         elif t.name.endswith(EXPERT_ID_TABLE):
             by_layer[layer_of(t.name)].append(IntegerTable(t.name, t.shape, (path(t.file), t.offset, t.nbytes)))
         elif t.name not in parts:
+            name = gguf_tensor_name(c, t.name)
             by_layer[layer_of(t.name)].append(
-                ExportTensor(gguf_tensor_name(c, t.name), t.shape, t.encoding, t.nbytes, ((path(t.file), t.offset, t.nbytes),),
-                             permuted_heads(c, t.name)))
+                ExportTensor(name, adapter.gguf_shape(name, t.shape), t.encoding, t.nbytes,
+                             ((path(t.file), t.offset, t.nbytes),), permuted_heads(c, t.name)))
     for name, pieces in joined.items():
         by_layer[layer_of(name)].append(joined_tensor(layout, name, pieces))
     for table in layout.expert_layers.values():

@@ -240,7 +240,8 @@ def write_arch_metadata(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
     writer.add_feed_forward_length(c.expert_ffn if adapter.gguf_ffn_is_expert else c.dense_ffn)
     writer.add_head_count(c.n_heads)
     if c.attention == "mla" and adapter.gguf_split_kv_b:  # as llama.cpp's converter writes MLA now
-        writer.add_head_count_kv(1)
+        writer.add_head_count_kv([0 if c.is_linear_layer(i) else 1 for i in range(c.n_layers)]
+                                 if adapter.gguf_linear_kv_zero else 1)
         writer.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
         writer.add_value_length(c.kv_lora_rank)
         writer.add_key_length_mla(c.head_dim)

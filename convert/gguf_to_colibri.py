@@ -183,9 +183,9 @@ def unit_output_bytes(unit) -> int:
 
 
 def same_shape(a: tuple, b: tuple) -> bool:
-    """Equal up to leading 1s (a [1, n] gate may be stored as [n])."""
-    strip = lambda s: tuple(s[next((i for i, d in enumerate(s) if d != 1), len(s)) :])  # noqa: E731
-    return strip(a) == strip(b)
+    """Equal up to unit dimensions, which do not move a value (a [1, n] gate may be stored as
+    [n], Kimi-Linear's convolution [channels, kernel] as [1, channels, 1, kernel])."""
+    return tuple(d for d in a if d != 1) == tuple(d for d in b if d != 1)
 
 
 class ImportPlan:

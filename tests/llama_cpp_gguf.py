@@ -3,7 +3,7 @@
 ``write_reference_gguf(src, out)`` reads a tiny Hugging Face checkpoint (F32 safetensors)
 and writes, with gguf-py's own ``GGUFWriter`` -- never colibri's exporter -- what
 ``convert_hf_to_gguf.py --outtype f32`` writes (llama.cpp as vendored by
-llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm,minimax,gpt_oss,dots1,ernie,hunyuan,mimo}.py``):
+llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm,minimax,gpt_oss,dots1,ernie,hunyuan,mimo,kimi_linear}.py``):
 
 * the metadata of ``TextModel.set_gguf_parameters`` and of each model class;
 * tensor names from gguf's ``TensorNameMap`` (``map_tensor_name``), with
@@ -14,6 +14,8 @@ llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm,minimax
   MTP layers dropped, ``head_count_kv`` 1 and the MLA key/value lengths;
 * GLM-4.5 and GLM-5: the MTP layer kept, ``block_count`` counting it, ``nextn_predict_layers``;
   GLM-5's indexer keys;
+* Kimi-Linear: per-layer ``head_count_kv`` (0 on the KDA layers), the KDA convolutions
+  [1, channels, 1, kernel], ``-exp(A_log)``, ``dt_bias`` as ``dt_proj.bias``;
 * Llama 4: ``feed_forward_length`` the dense layers' width, the transposed ``gate_up_proj``
   split into gate and up halves, ``down_proj`` transposed;
 * gpt-oss: ``sinks`` named ``.weight``, the transposed ``gate_up_proj`` (and its bias) split
@@ -62,7 +64,7 @@ def add_metadata(w: gguf.GGUFWriter, hp: dict, block_count: int) -> None:
     arch = ADAPTERS[hp["model_type"]].gguf_arch
     rope = dict(hp.get("rope_scaling") or {})
     w.add_block_count(block_count)
-    w.add_context_length(hp["max_position_embeddings"])
+    w.add_context_length(hp.get("max_position_embeddings", hp.get("model_max_length")))
     w.add_embedding_length(hp["hidden_size"])
     ffn = hp.get("intermediate_size_mlp" if arch == gguf.MODEL_ARCH.LLAMA4 else "intermediate_size")  # Llama4Model swaps them
     if ffn is not None:
@@ -80,14 +82,14 @@ def add_metadata(w: gguf.GGUFWriter, hp: dict, block_count: int) -> None:
         w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
     if (experts := hp.get("num_local_experts") or hp.get("num_experts") or hp.get("n_routed_experts")) is not None:
         w.add_expert_count(experts)
-    if hp.get("num_experts_per_tok") is not None:
-        w.add_expert_used_count(hp["num_experts_per_tok"])
+    if (used := hp.get("num_experts_per_tok", hp.get("num_experts_per_token"))) is not None:
+        w.add_expert_used_count(used)
     if hp.get("n_group") is not None:
         w.add_expert_group_count(hp["n_group"])
     if hp.get("topk_group") is not None:
         w.add_expert_group_used_count(hp["topk_group"])
-    if hp.get("scoring_func"):
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType[hp["scoring_func"].upper()])
+    if score := hp.get("scoring_func", hp.get("moe_router_activation_func")):
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType[score.upper()])
     if hp.get("head_dim") is not None:
         w.add_key_length(hp["head_dim"])
         w.add_value_length(hp["head_dim"])
@@ -256,6 +258,35 @@ def llama4_tensors(name: str, data: np.ndarray):
         yield name, data
 
 
+def kimi_linear_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
+    """KimiLinearModel: head_count_kv 0 on the KDA layers, MLA's widths, the KDA head width."""
+    spec = hp["linear_attn_config"]
+    w.add_vocab_size(hp["vocab_size"])
+    w.add_head_count_kv([1 if i + 1 in spec["full_attn_layers"] else 0 for i in range(hp["num_hidden_layers"])])
+    w.add_ssm_conv_kernel(spec["short_conv_kernel_size"])
+    w.add_kda_head_dim(spec["head_dim"])
+    w.add_kv_lora_rank(hp["kv_lora_rank"])
+    w.add_rope_dimension_count(hp["qk_rope_head_dim"])
+    w.add_key_length(hp["kv_lora_rank"] + hp["qk_rope_head_dim"])
+    w.add_key_length_mla(hp["qk_nope_head_dim"] + hp["qk_rope_head_dim"])
+    w.add_value_length_mla(hp["v_head_dim"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_expert_shared_count(hp["num_shared_experts"])
+    w.add_leading_dense_block_count(hp["first_k_dense_replace"])
+    w.add_expert_weights_scale(hp["routed_scaling_factor"])
+
+
+def kimi_linear_tensors(name: str, data: np.ndarray):
+    """KimiLinearModel.modify_tensors: convolutions [1, channels, 1, kernel], A = -exp(A_log), dt_bias renamed."""
+    if name.endswith("_conv1d.weight"):
+        data = data.reshape(1, data.shape[0], 1, data.shape[-1])
+    elif name.endswith(".A_log"):
+        data = -np.exp(data)
+    elif name.endswith(".dt_bias"):
+        name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+    yield re.sub(r"\.block_sparse_moe\.(gate|up|down)_proj\.", r".mlp.\1_proj.", name), data  # as the release names it
+
+
 # llama.cpp's converter: one model class per architecture it writes
 MODEL_CLASS_KEYS = {
     gguf.MODEL_ARCH.LLAMA: llama_keys, gguf.MODEL_ARCH.QWEN2MOE: qwen_moe_keys, gguf.MODEL_ARCH.QWEN3MOE: qwen_moe_keys,
@@ -263,7 +294,7 @@ MODEL_CLASS_KEYS = {
     gguf.MODEL_ARCH.MINIMAXM2: minimaxm2_keys, gguf.MODEL_ARCH.GPT_OSS: gpt_oss_keys, gguf.MODEL_ARCH.GLM_DSA: glm_dsa_keys,
     gguf.MODEL_ARCH.QWEN3NEXT: qwen3next_keys, gguf.MODEL_ARCH.QWEN35MOE: qwen3next_keys, gguf.MODEL_ARCH.DOTS1: dots1_keys,
     gguf.MODEL_ARCH.ERNIE4_5_MOE: ernie_moe_keys, gguf.MODEL_ARCH.HUNYUAN_MOE: hunyuan_moe_keys,
-    gguf.MODEL_ARCH.MIMO2: mimo2_keys, gguf.MODEL_ARCH.LLAMA4: llama4_keys,
+    gguf.MODEL_ARCH.MIMO2: mimo2_keys, gguf.MODEL_ARCH.LLAMA4: llama4_keys, gguf.MODEL_ARCH.KIMI_LINEAR: kimi_linear_keys,
 }
 
 
@@ -355,6 +386,8 @@ def gguf_tensors(tensors: dict[str, np.ndarray], hp: dict, block_count: int, fus
             pairs = gpt_oss_tensors(name, data)
         elif adapter.gguf_arch == gguf.MODEL_ARCH.LLAMA4:
             pairs = llama4_tensors(name, data)
+        elif adapter.gguf_arch == gguf.MODEL_ARCH.KIMI_LINEAR:
+            pairs = kimi_linear_tensors(name, data)
         elif adapter.gguf_arch in (gguf.MODEL_ARCH.QWEN3NEXT, gguf.MODEL_ARCH.QWEN35MOE):
             pairs = qwen3next_tensors(name, data, hp, adapter.gguf_arch == gguf.MODEL_ARCH.QWEN35MOE)
         else:

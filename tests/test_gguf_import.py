@@ -78,10 +78,13 @@ def test_llama_cpp_gguf_equals_the_safetensors_conversion(reference, tmp_path, a
     assert np.abs(got - want).max() <= 1e-6 * want.std()
     assert (got.argmax(-1) == want.argmax(-1)).all()
     config = ModelLayout(tmp_path / "gguf").config
-    if arch.startswith(("deepseek", "kimi")):  # llama.cpp splits kv_b; rebuilt exactly, stored F32
+    if arch.startswith(("deepseek", "kimi_k2")):  # llama.cpp splits kv_b; rebuilt exactly, stored F32
         assert "attn_kv_b of 3 layers rebuilt in F32" in summary["action"]
         assert ModelLayout(tmp_path / "gguf").tensors["blk.0.attn_kv_b.weight"].encoding == "F32"
         assert config.architecture == {"deepseek_v2": "deepseek_v2", "deepseek_v32": "deepseek_v32"}.get(arch, "deepseek_v3")
+    if arch == "kimi_linear":  # its one MLA layer's kv_b too; the KDA layers are those of head_count_kv 0
+        assert "attn_kv_b of 1 layers rebuilt in F32" in summary["action"]
+        assert config.linear_layers == [0, 1] and config.nope_layers == [2] and config.linear_kind == "kda"
     if arch == "glm4_moe":  # llama.cpp keeps GLM's MTP layer; the import drops it
         assert config.mtp_layers_skipped == 1 and config.n_layers == 3
         assert summary["skipped_tensors"] > 0 and all(n.startswith("blk.3.") for n in ModelLayout(tmp_path / "gguf").manifest["provenance"]["skipped_tensors"])

@@ -673,19 +673,20 @@ def test_ggml_blocks_decode_as_ggml_does(encoding):
 @pytest.mark.parametrize("tiled", [False, True])
 def test_gated_delta_rule_matches_the_recurrence_written_out(tiled):
     """transformers' torch_recurrent_gated_delta_rule, token by token in float64, for two key
-    heads serving four value heads in either order."""
+    heads serving four value heads in either order, with a decay per key channel (Kimi delta
+    attention's; a gated DeltaNet's is one value repeated)."""
     rng = np.random.default_rng(4)
     n, k_heads, v_heads, dk, dv = 9, 2, 4, 8, 16
     unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     q, k = unit(rng.standard_normal((n, k_heads, dk))), unit(rng.standard_normal((n, k_heads, dk)))
     v = rng.standard_normal((n, v_heads, dv))
-    decay, beta = rng.uniform(0.3, 1.0, (n, v_heads)), rng.uniform(0.0, 1.0, (n, v_heads))
+    decay, beta = rng.uniform(0.3, 1.0, (n, v_heads, dk)), rng.uniform(0.0, 1.0, (n, v_heads))
     key_heads = np.array([h % k_heads if tiled else h // 2 for h in range(v_heads)], np.int64)
     start = rng.standard_normal((v_heads, dk, dv))
     state, want = start.copy(), np.empty((n, v_heads, dv))
     for t in range(n):
         for h, g in enumerate(key_heads):
-            state[h] *= decay[t, h]
+            state[h] *= decay[t, h][:, None]
             delta = (v[t, h] - state[h].T @ k[t, g]) * beta[t, h]
             state[h] += np.outer(k[t, g], delta)
             want[t, h] = state[h].T @ q[t, g]

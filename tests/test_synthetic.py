@@ -7,11 +7,13 @@ import hashlib
 import json
 import math
 import pathlib
+import re
 
 import numpy as np
 import pytest
 
 from colibri.convert import synthetic as S
+from colibri.formats.checkpoint import SAVED_NAMES
 
 import oracle_models as O
 
@@ -132,7 +134,8 @@ def test_layout_index_and_plan(ckpt, arch):
         if name != "__metadata__"
     }
     for s in plan:  # K-quant friendly: every matrix's input dimension is a multiple of 256
-        if len(s.shape) >= 2 and s.kind not in ("conv", "table", "score_bias"):  # taps, ids, ERNIE's [1, E] bias: no matrix
+        if sum(d > 1 for d in s.shape) >= 2 and s.kind not in ("conv", "table", "score_bias"):  # taps, ids, ERNIE's
+            # [1, E] bias, vectors stored with unit dimensions (Kimi-Linear's A_log): no matrix
             assert s.shape[-1] % 256 == 0, s
 
 
@@ -283,7 +286,17 @@ _MUST_HAVE["llama4_text"] = {  # as transformers' Llama4TextExperts holds them: 
     "model.layers.1.feed_forward.experts.down_proj": [8, 256, 256],
     "model.layers.1.feed_forward.shared_expert.up_proj.weight": [256, 256],
 }
+_MUST_HAVE["kimi_linear"] = {  # KDA layers under self_attn as the release names them, then an MLA layer
+    "model.layers.0.mlp.gate_proj.weight": [512, 256],
+    "model.layers.0.self_attn.q_conv1d.weight": [1024, 1, 4],
+    "model.layers.0.self_attn.A_log": [1, 1, 4, 1],
+    "model.layers.0.self_attn.f_b_proj.weight": [1024, 256],
+    "model.layers.1.block_sparse_moe.experts.0.w1.weight": [256, 256],
+    "model.layers.2.self_attn.kv_b_proj.weight": [4 * 128, 256],
+}
 _MUST_NOT_HAVE = {
+    "kimi_linear": ["model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "model.layers.2.self_attn.q_conv1d.weight",
+                    "model.layers.2.self_attn.q_a_proj.weight"],
     "llama4_text": ["model.layers.0.self_attn.q_norm.weight", "model.layers.0.feed_forward.router.weight",
                     "model.layers.1.feed_forward.experts.gate_up_proj_bias"],
     "mimo_v2_flash": ["model.layers.0.self_attn.attention_sink_bias", "model.layers.0.mlp.gate.weight"],
@@ -324,6 +337,7 @@ def test_config_and_arch_specific_tensors(ckpt, arch):
         "deepseek_v4": ["DeepseekV4ForCausalLM"], "dots1": ["Dots1ForCausalLM"],
         "ernie4_5_moe": ["Ernie4_5_MoeForCausalLM"], "hunyuan_v1_moe": ["HunYuanMoEV1ForCausalLM"],
         "mimo_v2_flash": ["MiMoV2FlashForCausalLM"], "llama4_text": ["Llama4ForCausalLM"],
+        "kimi_linear": ["KimiLinearForCausalLM"],
     }[arch]
     if arch == "gpt_oss":
         assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["rope_scaling"]["truncate"] is False
@@ -551,10 +565,17 @@ def oracle(tmp_path_factory):
     return get
 
 
+def as_release(name: str, arch: str) -> str:
+    """A tensor transformers saves under another name than the release (`SAVED_NAMES`), by the release's."""
+    for pattern, replacement in SAVED_NAMES.get(arch, ()):
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
 @pytest.mark.oracle
 @pytest.mark.parametrize("arch", ARCHS)
 def test_same_tensors_as_transformers(oracle, arch):
-    ref = _names_shapes(oracle(arch))
+    ref = {as_release(name, arch): shape for name, shape in _names_shapes(oracle(arch)).items()}
     cfg = S.tiny_config(arch)
     mtp = mtp_prefixes(cfg)
     plan = {s.name: tuple(s.shape) for s in S.checkpoint_plan(arch)}

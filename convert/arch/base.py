@@ -238,6 +238,7 @@ class Adapter:
     gguf_arch: gguf.MODEL_ARCH
     moe_block = "mlp"  # module holding router and experts
     dense_block = "mlp"  # module holding a dense layer's FFN
+    linear_block = "linear_attn"  # module holding a linear layer's token mixer
     expert_leaves = ("gate_proj", "up_proj", "down_proj")
     shared_block = "shared_experts"
     fused_expert_layout = "halves"  # ExpertNames.fused_layout
@@ -257,6 +258,7 @@ class Adapter:
     gguf_rope_freqs = False  # a llama3 rope scaling is llama.cpp's `rope_freqs` tensor
     gguf_keeps_mtp = False  # multi-token-prediction layers kept, counted in block_count
     gguf_split_kv_b = False  # MLA's attn_kv_b exported split into attn_k_b and attn_v_b (llama.cpp needs it)
+    gguf_linear_kv_zero = False  # head_count_kv per layer, 0 on the linear layers (llama.cpp's kimi-linear)
     zero_centred_norms = False  # the checkpoint's RMSNorm weights are w where 1 + w is applied
     skipped_prefixes: tuple[str, ...] = ()  # checkpoint tensors no conversion reads (a separate MTP head)
     integer_tensors: tuple[str, ...] = ()  # name endings of integer tables (stored as float32, whole numbers below 2**24)
@@ -393,6 +395,11 @@ class Adapter:
     def gguf_problems(self, c: ModelConfig) -> list[str]:
         """Why llama.cpp's `gguf_arch` cannot run `c` as colibri does, beyond the generic checks."""
         return []
+
+    def gguf_shape(self, name: str, shape: tuple) -> tuple:
+        """The shape llama.cpp's loader reads GGUF tensor `name` (colibri's `shape`) in: the same
+        values, with unit dimensions where it wants them."""
+        return shape
 
 
 def _renamed(name: str, parts: dict[str, str]) -> str:

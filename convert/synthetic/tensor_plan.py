@@ -111,6 +111,9 @@ class _Planner:
     # -- blocks ------------------------------------------------------------------------
     def attention(self, p, i):
         c, a, D, H = self.c, p + "self_attn.", self.c.hidden_size, self.c.n_heads
+        if c.is_linear_layer(i):
+            self.linear_attention(p + self.adapter.linear_block)
+            return
         if c.attention == "mla":
             bias = bool(self.cfg.get("attention_bias", False))  # on q_a, kv_a and o (false in every hub config)
             if c.q_lora_rank is None:
@@ -129,9 +132,6 @@ class _Planner:
                 self.norm(a + "indexer.k_norm", c.index_head_dim)
                 self.plain(a + "indexer.k_norm.bias", (c.index_head_dim,), "bias", self.std)
                 self.linear(a + "indexer.weights_proj", c.index_heads, D)
-            return
-        if c.is_linear_layer(i):
-            self.linear_attention(p + "linear_attn")
             return
         q, k, v = H * c.head_dim, c.kv_heads_of(i) * c.head_dim, c.kv_heads_of(i) * c.v_head_dim
         self.linear(a + "q_proj", 2 * q if c.attn_output_gate else q, D, bias=c.attn_bias)
