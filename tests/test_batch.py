@@ -80,7 +80,7 @@ def assert_same(alone, together):
             assert np.array_equal(logits.view(np.uint32), logits2.view(np.uint32)), i
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "qwen3_next", "llama4_text", "kimi_linear"])
 def test_a_sequence_gets_the_same_logits_alone_and_in_any_batch(models, arch):
     path = models(arch)
     alone = {i: run(path, 1, [i])[0][i] for i in range(len(LENGTHS))}

@@ -8,7 +8,9 @@ decode must give identical logits with and without them, for every layer they ta
 whole-projection q/k norms with clipping (OLMoE), partial rotary and a dense first layer
 (GLM-4.5), MLA with the query projected directly (DeepSeek-V2) or through its LoRA with dense
 layers and an ungated shared expert (DeepSeek-V3, Kimi-K2), gated DeltaNet layers and gated
-attention (Qwen3-Next, Qwen3.5-MoE), and every KV cache kind.
+attention (Qwen3-Next, Qwen3.5-MoE), chunked and position-free layers with experts whose input
+the router scales (Llama 4), Kimi delta attention and MLA without rotation (Kimi-Linear), and
+every KV cache kind.
 """
 
 import numpy as np
@@ -20,7 +22,8 @@ from colibri.convert.synthetic import tiny_config, write_checkpoint
 CASES = [("mixtral", "Q4_K_M", "f16"), ("qwen2_moe", "Q8_0", "q8_0"), ("qwen3_moe", "Q4_K_M", "f32"),
          ("olmoe", "F32", "f16"), ("glm4_moe", "Q4_K_M", "f16"), ("deepseek_v2", "Q4_K_M", "f16"),
          ("deepseek_v3", "Q4_K_M", "q8_0"), ("deepseek_v3", "F32", "f32"), ("kimi_k2", "Q8_0", "f16"),
-         ("qwen3_next", "Q4_K_M", "f16"), ("qwen3_5_moe", "Q8_0", "q8_0")]
+         ("qwen3_next", "Q4_K_M", "f16"), ("qwen3_5_moe", "Q8_0", "q8_0"), ("llama4_text", "Q4_K_M", "f16"),
+         ("kimi_linear", "Q8_0", "f16")]
 
 
 @pytest.mark.parametrize("arch, quant, kv_quant", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
