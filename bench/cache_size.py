@@ -6,7 +6,10 @@ here: what `plan` and the RAM budget count (`runtime.model.Decoder.cache_shape_f
 
 DeepSeek-V4-Flash's config.json values (a snapshot of the hub file; every field agrees with
 transformers' defaults): 43 layers, `compress_ratios` [0, 0] + [4, 128] × 20 + [4], window 128,
-one key-value head of 512, indexer keys of 128.
+one key-value head of 512, indexer keys of 128. Llama-4-Scout and -Maverick (their text_config):
+48 layers of 8 key-value heads of 128, three in four chunked to 8192 positions. Kimi-Linear-48B-A3B:
+27 layers, 7 of them MLA (a latent of 512 and a shared key of 64 a position), 20 KDA (32 heads of
+128: a fixed state).
 """
 
 from __future__ import annotations
@@ -32,6 +35,31 @@ CONFIGS = {
         "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "num_hash_layers": 3, "swiglu_limit": 10.0,
         "sliding_window": 128, "o_groups": 8, "o_lora_rank": 1024, "index_n_heads": 64, "index_head_dim": 128,
         "index_topk": 512, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-6,
+    },
+    "Llama-4-Scout": {
+        "model_type": "llama4_text", "vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
+        "head_dim": 128, "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
+        "attention_chunk_size": 8192, "max_position_embeddings": 10485760, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192}, "use_qk_norm": True, "rms_norm_eps": 1e-5,
+    },
+    "Llama-4-Maverick": {
+        "model_type": "llama4_text", "vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
+        "head_dim": 128, "num_local_experts": 128, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
+        "attention_chunk_size": 8192, "max_position_embeddings": 1048576, "rope_theta": 500000.0,
+        "use_qk_norm": False, "rms_norm_eps": 1e-5,
+    },
+    "Kimi-Linear-48B-A3B": {
+        "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 2304, "intermediate_size": 9216,
+        "moe_intermediate_size": 1024, "num_hidden_layers": 27, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1, "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.446, "model_max_length": 1048576, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+        "linear_attn_config": {"full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "head_dim": 128, "num_heads": 32,
+                               "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+                               "short_conv_kernel_size": 4},
     },
 }
 
