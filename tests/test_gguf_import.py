@@ -133,6 +133,15 @@ def test_unsupported_architecture_lists_the_supported(reference, tmp_path, capsy
     refused(capsys, tmp_path, other, "unsupported architecture 'jamba'", "qwen3moe", "deepseek2", "glm4moe")
 
 
+def test_a_llama4_gguf_that_rotates_every_layer_but_the_last_is_refused(checkpoint, tmp_path, capsys):
+    """llama.cpp's llama4 with sliding_window 0 (its converter writes it when no layer is chunked,
+    for MobileLLM) rotates every layer but the last, which no Llama 4 config says."""
+    from colibri.convert.synthetic import tiny_config
+
+    src = checkpoint("llama4_text", dtype="f32", config=tiny_config("llama4_text", layer_types=["full_attention"] * 4))
+    refused(capsys, tmp_path, write_reference_gguf(src, tmp_path / "mobile.gguf"), "sliding_window 0", "MobileLLM")
+
+
 def test_llama_without_experts_is_refused(reference, tmp_path, capsys):
     _, source = reference("mixtral")
     dense = rewrite_gguf(source, tmp_path / "dense.gguf", drop=("llama.expert_count",))

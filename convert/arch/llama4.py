@@ -17,6 +17,7 @@ fourth position-free) built into its loader.
 import gguf
 
 from colibri.convert.arch.base import Adapter, ConfigError, ExpertNames, TinyModel, common_fields, require
+from colibri.convert.gguf_source import GGUFError
 from colibri.formats.model_config import ModelConfig
 
 NOPE_INTERVAL = 4  # transformers' no_rope_layer_interval default, and llama.cpp's fixed layer pattern
@@ -129,14 +130,16 @@ class Llama4(Adapter):
     def from_gguf(self, meta, shapes: dict[str, tuple], fields: dict) -> dict:
         layers, experts = fields["n_layers"], fields["n_experts"]
         if meta.get(gguf.Keys.Attention.SLIDING_WINDOW) == 0:
-            raise ConfigError(f"{meta.file}: llama4 with sliding_window 0 (every layer rotated but the last, "
-                              "MobileLLM's) is not supported")
-        pattern = meta.source.get(gguf.Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=meta.arch), NOPE_INTERVAL)
-        chunked = [i for i in range(layers) if (pattern[i] if isinstance(pattern, list) else i % pattern < pattern - 1)] \
-            if isinstance(pattern, (int, list)) and (not isinstance(pattern, list) or len(pattern) == layers) else None
-        if chunked is None:
-            raise ConfigError(f"{meta.file}: {gguf.Keys.Attention.SLIDING_WINDOW_PATTERN} is neither a whole number "
-                              f"nor {layers} flags")
+            raise GGUFError(f"{meta.file}: llama4 with sliding_window 0 (every layer rotated but the last, "
+                            "MobileLLM's) is not supported")
+        key = gguf.Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=meta.arch)
+        pattern = meta.source.get(key, NOPE_INTERVAL)  # as llama.cpp's set_swa_pattern reads it
+        if isinstance(pattern, list) and len(pattern) == layers:
+            chunked = [i for i in range(layers) if pattern[i]]
+        elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
+            chunked = [i for i in range(layers) if i % pattern < pattern - 1]
+        else:
+            raise GGUFError(f"{meta.file}: {key} is {pattern!r:.40}, neither a positive whole number nor {layers} flags")
         nope = [i for i in range(layers) if (i + 1) % NOPE_INTERVAL == 0]
         scale, floor = LLAMA_CPP_TEMPERATURE
         return {"attention_chunk": LLAMA_CPP_CHUNK if chunked else 0, "chunked_layers": chunked, "nope_layers": nope,
