@@ -284,7 +284,7 @@ def kimi_linear_tensors(name: str, data: np.ndarray):
         data = -np.exp(data)
     elif name.endswith(".dt_bias"):
         name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
-    yield re.sub(r"\.block_sparse_moe\.(gate|up|down)_proj\.", r".mlp.\1_proj.", name), data  # as the release names it
+    yield name, data
 
 
 # llama.cpp's converter: one model class per architecture it writes

@@ -16,7 +16,7 @@ fourth position-free) built into its loader.
 
 import gguf
 
-from colibri.convert.arch.base import Adapter, ConfigError, ExpertNames, TinyModel, common_fields, require
+from colibri.convert.arch.base import Adapter, ConfigError, TinyModel, common_fields, require
 from colibri.convert.gguf_source import GGUFError
 from colibri.formats.model_config import ModelConfig
 
@@ -119,9 +119,6 @@ class Llama4(Adapter):
             n_shared_experts=1,
             shared_expert_ffn=ffn,
         )
-
-    def experts(self, layer: int, packed: bool = False) -> ExpertNames:
-        return ExpertNames(f"model.layers.{layer}.feed_forward.experts", self.expert_leaves, self.fused_expert_layout)
 
     def to_gguf(self, writer: gguf.GGUFWriter, c: ModelConfig) -> None:
         step = c.moe_layers[0] + 1
