@@ -62,6 +62,13 @@ RELEASE_NAMES = {"deepseek_v4": (
 # replacement)): read under the release's names. Kimi-Linear's dense first layer is `mlp` in the
 # release, `block_sparse_moe` as transformers saves it.
 SAVED_NAMES = {"kimi_linear": ((r"\.block_sparse_moe\.(gate|up|down)_proj\.", r".mlp.\1_proj."),)}
+
+
+def renamed_tensor(name: str, renames) -> str:
+    """`name` with each (pattern, replacement) of `renames` applied in order."""
+    for pattern, replacement in renames:
+        name = re.sub(pattern, replacement, name)
+    return name
 HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # what a Hugging Face repo id looks like: owner/name
 
 
@@ -279,9 +286,7 @@ class Checkpoint:
             return
         renamed = {}
         for name, entry in self.tensors.items():
-            new = name
-            for pattern, replacement in renames:
-                new = re.sub(pattern, replacement, new)
+            new = renamed_tensor(name, renames)
             renamed[new] = replace(entry, name=new)
         self.tensors = renamed
 

@@ -7,13 +7,12 @@ import hashlib
 import json
 import math
 import pathlib
-import re
 
 import numpy as np
 import pytest
 
 from colibri.convert import synthetic as S
-from colibri.formats.checkpoint import SAVED_NAMES
+from colibri.formats.checkpoint import SAVED_NAMES, renamed_tensor
 
 import oracle_models as O
 
@@ -565,17 +564,11 @@ def oracle(tmp_path_factory):
     return get
 
 
-def as_release(name: str, arch: str) -> str:
-    """A tensor transformers saves under another name than the release (`SAVED_NAMES`), by the release's."""
-    for pattern, replacement in SAVED_NAMES.get(arch, ()):
-        name = re.sub(pattern, replacement, name)
-    return name
-
-
 @pytest.mark.oracle
 @pytest.mark.parametrize("arch", ARCHS)
 def test_same_tensors_as_transformers(oracle, arch):
-    ref = {as_release(name, arch): shape for name, shape in _names_shapes(oracle(arch)).items()}
+    # a tensor transformers saves under another name than the release's (SAVED_NAMES), by the release's
+    ref = {renamed_tensor(name, SAVED_NAMES.get(arch, ())): shape for name, shape in _names_shapes(oracle(arch)).items()}
     cfg = S.tiny_config(arch)
     mtp = mtp_prefixes(cfg)
     plan = {s.name: tuple(s.shape) for s in S.checkpoint_plan(arch)}
