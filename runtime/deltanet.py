@@ -68,7 +68,16 @@ class GatedDeltaNet:
         beta = sigmoid(b)
         per_head = np.exp(self.a * softplus(a + self.dt_bias)).astype(np.float32)
         decay = np.repeat(per_head[:, :, None], c.linear_k_head_dim, axis=2)  # one value for each key channel
-        out = np.empty((n, c.linear_v_heads, c.linear_v_head_dim), np.float32)
+        out = self.recurrence(mixed, decay, beta, spans)
+        gated = kernels.rms_norm(out, self.norm, c.norm_eps) * (z * sigmoid(z)).reshape(out.shape)
+        return gated.reshape(n, -1)
+
+    def recurrence(self, mixed: np.ndarray, decay: np.ndarray, beta: np.ndarray, spans) -> np.ndarray:
+        """The heads' outputs [n, value heads, width] of the convolution's channels `mixed` [n,
+        q | k | v], with `decay` [n, value heads, key width] and `beta` [n, value heads]: each
+        span's rows through its own sequence's convolution and recurrent states."""
+        c = self.c
+        out = np.empty((mixed.shape[0], c.linear_v_heads, c.linear_v_head_dim), np.float32)
         keys = c.linear_k_heads * c.linear_k_head_dim
         for rows, start, cache in spans:
             states = cache.states_from(self.layer, start)
@@ -78,8 +87,7 @@ class GatedDeltaNet:
             k = l2_normalized(x[:, keys:2 * keys].reshape(count, c.linear_k_heads, -1))
             v = np.ascontiguousarray(x[:, 2 * keys:].reshape(count, c.linear_v_heads, -1))
             kernels.gated_delta_rule(q, k, v, decay[rows], beta[rows], self.key_heads, states["recurrent"], out[rows])
-        gated = kernels.rms_norm(out, self.norm, c.norm_eps) * (z * sigmoid(z)).reshape(out.shape)
-        return gated.reshape(n, -1)
+        return out
 
     def convolved(self, x: np.ndarray, state: np.ndarray) -> np.ndarray:
         """silu of the causal depthwise convolution of x [n, channels] after the inputs `state`
@@ -112,23 +120,13 @@ class KimiDeltaAttention(GatedDeltaNet):
         self.norm = w.vector(p + "ssm_norm.weight")
         self.o = w.linear(p + "attn_output.weight")
         self.q_scale = np.float32(c.linear_k_head_dim**-0.5)
-        self.key_heads = np.arange(c.linear_v_heads, dtype=np.int64)
+        self.key_heads = np.array(c.linear_key_heads_of(), np.int64)  # head h serves itself
 
     def mixed(self, h: np.ndarray, spans) -> np.ndarray:
         c, n = self.c, h.shape[0]
-        heads, width = c.linear_v_heads, c.linear_v_head_dim
         q, k, v, f, g, b = kernels.products(h, (self.q, self.k, self.v, self.f_a, self.g_a, self.beta))
-        mixed = np.concatenate([q, k, v], axis=1)
-        forget = softplus(self.f_b(f) + self.dt_bias).reshape(n, heads, width)
+        forget = softplus(self.f_b(f) + self.dt_bias).reshape(n, c.linear_v_heads, c.linear_v_head_dim)
         decay = np.exp(forget * self.a[None, :, None]).astype(np.float32)
-        beta = sigmoid(b)
-        out = np.empty((n, heads, width), np.float32)
-        for rows, start, cache in spans:
-            states = cache.states_from(self.layer, start)
-            x = self.convolved(mixed[rows], states["conv"])
-            count = x.shape[0]
-            q, k, v = (np.ascontiguousarray(part.reshape(count, heads, width)) for part in np.split(x, 3, axis=1))
-            q, k = l2_normalized(q) * self.q_scale, l2_normalized(k)
-            kernels.gated_delta_rule(q, k, v, decay[rows], beta[rows], self.key_heads, states["recurrent"], out[rows])
+        out = self.recurrence(np.concatenate([q, k, v], axis=1), decay, sigmoid(b), spans)
         gated = kernels.rms_norm(out, self.norm, c.norm_eps) * sigmoid(self.g_b(g)).reshape(out.shape)
         return gated.reshape(n, -1)

@@ -174,8 +174,7 @@ def describe_layer(c: ModelConfig, w, layer: int, rope: Rope, store) -> LayerRec
     elif c.attention == "compressed":  # DeepSeek-V4's: the prompt path's own (`runtime.compressed_attention`)
         matrices["o"] = w.linear(p + "attn_output_b.weight")
     elif c.attention == "mla":
-        table = rope.table if c.is_rotated(layer) else rope.table._replace(dim=0)  # Kimi-Linear's MLA: no rotation
-        mixer, lora, per_head, scale = _latent(c, w, p, table, attn_norm, matrices)
+        mixer, lora, per_head, scale = _latent(c, w, p, rotation_of(c, layer, rope), attn_norm, matrices)
     else:
         mixer = _gqa(c, w, layer, rope, attn_norm, matrices)
     o_bias = w.vector(p + "attn_output.bias") if c.attn_output_bias and mixer is not None else NONE
@@ -200,6 +199,12 @@ def describe_layer(c: ModelConfig, w, layer: int, rope: Rope, store) -> LayerRec
                        c.window_of(layer), c.chunk_of(layer), Scoring(np.ascontiguousarray(sinks, dtype=F32), scale))
 
 
+def rotation_of(c: ModelConfig, layer: int, rope: Rope) -> RopeTable:
+    """The rotation layer `layer`'s queries and keys take: `rope`'s, or one of width 0 in a
+    position-free layer (Llama 4's; Kimi-Linear's MLA)."""
+    return rope.table if c.is_rotated(layer) else rope.table._replace(dim=0)
+
+
 def _gqa(c: ModelConfig, w, layer: int, rope: Rope, attn_norm: np.ndarray, matrices: dict) -> GQAInput:
     p = f"blk.{layer}."
     q, k, v = (w.linear(p + f"attn_{x}.weight") for x in "qkv")
@@ -214,7 +219,7 @@ def _gqa(c: ModelConfig, w, layer: int, rope: Rope, attn_norm: np.ndarray, matri
         norms = [np.ones(c.head_dim, F32)] * 2 if rotated else [NONE] * 2
     else:
         norms = [w.vector(p + f"attn_{x}_norm.weight") for x in "qk"] if qk_norm != "none" else [NONE] * 2
-    table = rope.table if rotated else rope.table._replace(dim=0)
+    table = rotation_of(c, layer, rope)
     temperature = (F32(0), F32(1)) if rotated else (F32(c.attn_temperature_scale), F32(max(c.attn_temperature_floor, 1)))
     return GQAInput(attn_norm, F32(c.norm_eps), q.product, k.product, v.product, *biases, F32(c.value_scale), *norms,
                     QK_NORMS[qk_norm], c.qk_norm_after_rope, F32(c.clip_qkv or 0), table, *temperature, c.n_heads,
