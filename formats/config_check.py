@@ -74,6 +74,12 @@ def _field_problem(name: str, kind: str, value) -> str | None:
     raise TypeError(f"ModelConfig.{name}: no check for its type {kind!r}")
 
 
+def _are_layers(layers, n_layers: int) -> bool:
+    """Whether `layers` is a list of distinct layer indices below `n_layers`, in increasing order."""
+    return isinstance(layers, list) and all(is_int(i) for i in layers) and layers == sorted(set(layers)) \
+        and all(0 <= i < n_layers for i in layers)
+
+
 def _shown(value) -> str:
     """A value as an error names it: at most 40 characters of its repr."""
     text = repr(value) if not (is_int(value) and value.bit_length() > 128) else f"an integer of {value.bit_length()} bits"
@@ -135,8 +141,7 @@ def config_problems(c: ModelConfig) -> list[str]:
     _check_compressed(c, dim, need)
     dim("sliding_window", 0, MAX_POSITIONS)
     layers = c.sliding_layers
-    need(isinstance(layers, list) and all(is_int(i) for i in layers) and layers == sorted(set(layers))
-         and all(0 <= i < c.n_layers for i in layers) and (not layers or c.sliding_window),
+    need(_are_layers(layers, c.n_layers) and (not layers or c.sliding_window),
          f"sliding_layers {layers!r} are not distinct increasing layers of the {c.n_layers} (with a sliding_window)")
     _check_sliding(c, dim, need)
     _check_chunks(c, dim, need)
@@ -170,8 +175,7 @@ def _check_chunks(c: ModelConfig, dim, need) -> None:
     norms, through `config_problems`' `dim` and `need`."""
     for name in ("chunked_layers", "nope_layers"):
         layers = getattr(c, name)
-        need(layers == sorted(set(layers)) and all(i < c.n_layers for i in layers),
-             f"{name} {layers!r} are not distinct increasing layers of the {c.n_layers}")
+        need(_are_layers(layers, c.n_layers), f"{name} {layers!r} are not distinct increasing layers of the {c.n_layers}")
     dim("attention_chunk", 0, MAX_POSITIONS)
     need(bool(c.chunked_layers) == bool(c.attention_chunk), "attention_chunk and chunked_layers come together")
     need(not set(c.chunked_layers) & set(c.sliding_layers), "a layer is both in chunked_layers and in sliding_layers")
@@ -248,8 +252,7 @@ MAX_CONV_KERNEL = 64  # the DeltaNet convolution's width (4 in every release)
 def _check_linear(c: ModelConfig, dim, need) -> None:
     """The gated DeltaNet fields, through `config_problems`' `dim` and `need`."""
     layers = c.linear_layers
-    if not need(isinstance(layers, list) and all(is_int(i) for i in layers) and layers == sorted(set(layers))
-                and all(0 <= i < c.n_layers for i in layers),
+    if not need(_are_layers(layers, c.n_layers),
                 f"linear_layers {layers!r} are not distinct increasing layers of the {c.n_layers}") or not layers:
         return
     need(c.attention in ("gqa", "mla") and not c.sliding_layers and not c.index_topk,
@@ -316,9 +319,7 @@ def _rope_scaling_problems(scaling, pairs: int = 0) -> list[str]:
 def _check_moe(c: ModelConfig, dim, need) -> None:
     """The MoE fields, through `config_problems`' own `dim` and `need`, which record what fails."""
     layers = c.moe_layers
-    if not need(isinstance(layers, list) and all(is_int(i) for i in layers)
-                and layers == sorted(set(layers)) and all(0 <= i < c.n_layers for i in layers),
-                f"moe_layers {layers!r} are not distinct increasing layers of the {c.n_layers}"):
+    if not need(_are_layers(layers, c.n_layers), f"moe_layers {layers!r} are not distinct increasing layers of the {c.n_layers}"):
         return
     if len(layers) < c.n_layers:
         dim("dense_ffn")
