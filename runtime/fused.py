@@ -26,6 +26,11 @@ A kernel takes at most 8 parameters: the record's parts and their scratch are na
 Numba's parallel regions take only flat ones (arrays and scalars, no tuple inside), so each
 region is a function of its own (`_product`, `_products_of_two`, `_products_of_three`,
 `_products_per_head`) called with the record's `Product`s and the activations.
+A hyper-connected layer (DeepSeek-V4's) has streams, not one residual: `HyperDecodeLayer`
+mixes them for the attention in one call, runs the prompt path's attention, and then merges,
+mixes, routes (a hash layer: its table's experts, the router's weights) and runs the cached
+experts in one more (`_hyper_tail_kernel`), with `runtime.hyper_connections`' own kernels.
+
 The prompt path and these steps give the same bits (tests/test_fused.py).
 """
 
@@ -40,16 +45,18 @@ from numba import prange
 from colibri.runtime import kernels
 from colibri.runtime.kernels.activations import fill_activation
 from colibri.runtime.kernels.attention import Seen
-from colibri.runtime.kernels.experts import Choice, moe_steps, silu_times_rows
-from colibri.runtime.kernels.numerics import rms_norm_into
-from colibri.runtime.kernels.routing import route_into
-from colibri.runtime.kernels.rows import rows_per_head, rows_times
+from colibri.runtime.kernels.experts import Choice, glu_rows, moe_steps
+from colibri.runtime.kernels.numerics import GLU_CLAMPED_SILU, GLU_SILU, rms_norm_into
+from colibri.runtime.hyper_connections import Mixing, merge_into, mixing_into, normalized_into
+from colibri.runtime.kernels.routing import route_into, weigh_chosen_into
+from colibri.runtime.kernels.rows import Product, rows_per_head, rows_times
 from colibri.runtime.kernels.threads import part_range, thread_count
 from colibri.runtime.layer_record import FFNWeights, LayerRecord
 from colibri.runtime.layer_steps import finish_qkv
 from colibri.runtime.rope import rotate_into
 
 F32 = np.float32
+NO_EXPERTS = np.empty(0, np.int64)  # no slot table; no hash layer's choice
 SERIAL_BYTES = 128 << 10  # a decoded token's product of fewer weight bytes runs on the calling thread alone
 _njit = numba.njit(cache=True, nogil=True)
 _parallel = numba.njit(cache=True, nogil=True, parallel=True)
@@ -308,12 +315,13 @@ def _route_steps(h, router, rs, nthreads):
 
 @_njit
 def _ffn_steps(h, ffn, fs, nthreads):
-    """fs.out = down(silu(gate(h)) * up(h)) for h [1, hidden] (`ffn`: `FFNWeights`)."""
+    """fs.out = down(silu(gate(h)) * up(h)) for h [1, hidden] (`ffn`: `FFNWeights`, its limit
+    applied as `kernels.silu_times` applies it)."""
     fill_activation(fs.gate_act, h, 0, h.shape[1])
     if fs.up_distinct:
         fill_activation(fs.up_act, h, 0, h.shape[1])
     _products_of_two(ffn.gate, fs.gate_act, fs.gate_out, ffn.up, fs.up_act, fs.up_out, nthreads)
-    silu_times_rows(fs.gate_out, fs.up_out, 0, 1)
+    glu_rows(fs.gate_out, fs.up_out, 0, 1, GLU_CLAMPED_SILU if ffn.limit else GLU_SILU, F32(1.0), ffn.limit)
     fill_activation(fs.down_act, fs.gate_out, 0, fs.gate_out.shape[1])
     _product(ffn.down, fs.down_act, fs.out, nthreads)
 
@@ -381,15 +389,32 @@ class FFNStep:
     """down(silu(gate(h)) * up(h)) of one row in one call, for a dense FFN or an ungated shared
     expert; reads its input from `h` [1, hidden] when called."""
 
-    def __init__(self, gate: kernels.Matrix, up: kernels.Matrix, down: kernels.Matrix, h: np.ndarray):
+    def __init__(self, gate: kernels.Matrix, up: kernels.Matrix, down: kernels.Matrix, h: np.ndarray,
+                 limit: float = 0.0):
         self.h = h
-        self.weights = FFNWeights(gate.product, up.product, down.product)
+        self.weights = FFNWeights(gate.product, up.product, down.product, F32(limit))
         self.scratch = ffn_scratch(gate, up, down, h)
 
     def __call__(self) -> np.ndarray:
         """The FFN of the current `h` [1, hidden] (a buffer, overwritten by the next call)."""
         _ffn_steps(self.h, self.weights, self.scratch, thread_count())
         return self.scratch.out
+
+
+def _ffn_parts(c, record: LayerRecord, ffn, h: np.ndarray):
+    """(the dense FFN's or an ungated shared expert's `FFNStep`, or None; the routed experts'
+    `MoEDecode`, or None) of a layer, reading their input from h [1, hidden]."""
+    m, ffn_step, moe = record.matrices, None, None
+    if record.ffn is not None and "shared_gate" not in m:
+        ffn_step = FFNStep(m["ffn_gate"], m["ffn_up"], m["ffn_down"], h, record.ffn.limit)
+    if record.router is not None:
+        k = c.n_experts_used
+        route = RouteScratch(_activation_for(m["router"], h), np.empty((1, m["router"].rows), F32),
+                             np.empty((1, k), np.int64), np.empty((1, k), F32))
+        experts = record.experts
+        moe = MoEDecode(record.router, route, experts.rule, ffn.store.records(record.layer),
+                        experts.scratch(h, k), np.empty(k, np.int64), np.empty(c.hidden_size, F32))
+    return ffn_step, moe
 
 
 class _LayerStep:
@@ -407,17 +432,7 @@ class _LayerStep:
                                     np.empty((1, c.hidden_size), F32), self.h)
         self.attended = attended
         self.heads = None  # MLA's kv_b per head (`LatentDecodeLayer`)
-        self.ffn_step = None  # the dense FFN, or an ungated shared expert
-        if record.ffn is not None and "shared_gate" not in m:
-            self.ffn_step = FFNStep(m["ffn_gate"], m["ffn_up"], m["ffn_down"], self.h)
-        self.moe = None
-        if record.router is not None:
-            k = c.n_experts_used
-            route = RouteScratch(_activation_for(m["router"], self.h), np.empty((1, m["router"].rows), F32),
-                                 np.empty((1, k), np.int64), np.empty((1, k), F32))
-            experts = record.experts
-            self.moe = MoEDecode(record.router, route, experts.rule, ffn.store.records(record.layer),
-                                 experts.scratch(self.h, k), np.empty(k, np.int64), np.empty(c.hidden_size, F32))
+        self.ffn_step, self.moe = _ffn_parts(c, record, ffn, self.h)
         # the routed experts run in the output kernel's call when they are all cached (the
         # kernel looks them up in the store's slot table), with the shared expert unless it is
         # gated (Qwen2-MoE's: then the experts run after the output kernel)
@@ -542,3 +557,144 @@ class LatentDecodeLayer(_LayerStep):
         kernels.attention_into(s.queries, keys, keys[:, :, :record.mixer.rank], Seen(position, 0, 0, chosen),
                                record.scoring, self.contexts)
         return self.finish(x)
+
+
+class HyperSite(NamedTuple):
+    """A hyper-connection mixing site as numba takes it: fn's `Product`, base and scale."""
+
+    fn: Product
+    base: np.ndarray
+    scale: np.ndarray
+
+
+class MixScratch(NamedTuple):
+    """A mixing site's buffers for one token: the streams normalized and flattened [1, streams *
+    hidden], their activation for fn, fn's output, and what `mixing_into` writes."""
+
+    flat: np.ndarray
+    act: object
+    m: np.ndarray
+    collapsed: np.ndarray
+    post: np.ndarray
+    comb: np.ndarray
+
+
+class HyperDecode(NamedTuple):
+    """A hyper-connected layer's mixing for one token: its attention's and its FFN's sites and
+    scratch, the mixing's scalars, the attention and FFN norms and their epsilon, the block
+    input h [1, hidden], and the streams [1, streams, hidden] after the attention (`merged`)
+    and after the FFN (`out`)."""
+
+    attention_site: HyperSite
+    attention_mix: MixScratch
+    ffn_site: HyperSite
+    ffn_mix: MixScratch
+    mixing: Mixing
+    attn_norm: np.ndarray
+    ffn_norm: np.ndarray
+    eps: np.float32
+    h: np.ndarray
+    merged: np.ndarray
+    out: np.ndarray
+
+
+@_njit
+def _mix_steps(streams, site, s, mixing, nthreads):
+    """One site's mixing of the streams [1, streams, hidden] into s (`hyper_connections.mix`)."""
+    normalized_into(streams.reshape(1, -1), mixing.norm_eps, s.flat)
+    fill_activation(s.act, s.flat, 0, s.flat.shape[1])
+    _product(site.fn, s.act, s.m, nthreads)
+    mixing_into(s.m, site.base, site.scale, streams, mixing, s.collapsed, s.post, s.comb)
+
+
+@_njit
+def _hyper_input_kernel(streams, hd, nthreads):
+    """The attention's input hd.h of the streams [1, streams, hidden]: their mixing, then the
+    attention norm."""
+    _mix_steps(streams, hd.attention_site, hd.attention_mix, hd.mixing, nthreads)
+    rms_norm_into(hd.attention_mix.collapsed, hd.attn_norm, hd.eps, hd.h)
+
+
+@_njit
+def _hyper_tail_kernel(streams, y, hd, moe, shared, table, chosen, nthreads):
+    """The attention output y [1, hidden] merged into the streams (hd.merged), the FFN's mixing
+    and norm (hd.h), the router's weights of the experts `chosen` (a hash layer's row of its
+    table; empty: the router's own choice), and, when every chosen expert has a cache slot in
+    `table` (as `_routed_tail_kernel`), the experts, `shared` (an ungated shared expert's
+    weights and scratch, or None) and the FFN output merged into hd.out. False when one has
+    none: the choice in moe.route, the experts still to run."""
+    merge_into(streams, y, hd.attention_mix.post, hd.attention_mix.comb, hd.merged)
+    _mix_steps(hd.merged, hd.ffn_site, hd.ffn_mix, hd.mixing, nthreads)
+    rms_norm_into(hd.ffn_mix.collapsed, hd.ffn_norm, hd.eps, hd.h)
+    rs = moe.route
+    if chosen.size:
+        fill_activation(rs.act, hd.h, 0, hd.h.shape[1])
+        _product(moe.router.gate, rs.act, rs.logits, nthreads)
+        rs.ids[0, :] = chosen
+        weigh_chosen_into(rs.logits, moe.router.rule, rs.ids, rs.weights)
+    else:
+        _route_steps(hd.h, moe.router, rs, nthreads)
+    ids, biased_rows = rs.ids, moe.rule.gate_bias.shape[0]
+    for j in range(moe.slots.size):
+        expert = ids[0, j]
+        if expert < 0 or expert >= table.size or table[expert] < 0 or table[expert] >= moe.records.shape[0] or \
+                (biased_rows and expert >= biased_rows):
+            return False
+        moe.slots[j] = table[expert]
+    moe_steps(moe.rule, moe.records, Choice(moe.slots, ids[0], rs.weights[0]), moe.experts, hd.h, moe.routed,
+              nthreads)
+    if shared is not None:
+        weights, fs = shared
+        _ffn_steps(hd.h, weights, fs, nthreads)
+        for i in range(moe.routed.size):
+            moe.routed[i] += fs.out[0, i]
+    merge_into(hd.merged, moe.routed.reshape(1, -1), hd.ffn_mix.post, hd.ffn_mix.comb, hd.out)
+    return True
+
+
+def _site(w, streams: int, hidden: int) -> tuple[HyperSite, MixScratch]:
+    """A mixing site's `HyperSite` from its `hyper_connections.HyperWeights`, and its scratch."""
+    flat = np.empty((1, streams * hidden), F32)
+    scratch = MixScratch(flat, _activation_for(w.fn, flat), np.empty((1, w.fn.rows), F32),
+                         np.empty((1, hidden), F32), np.empty((1, streams), F32),
+                         np.empty((1, streams, streams), F32))
+    return HyperSite(w.fn.product, w.base, w.scale), scratch
+
+
+class HyperDecodeLayer:
+    """One token through a hyper-connected layer with routed experts (DeepSeek-V4's): streams
+    [1, streams, hidden] -> the streams after it (a buffer of this step's, overwritten by its
+    next call). Three calls: the attention's mixing and norm; the attention (`attention`: the
+    prompt path's `CompressedAttention`, its window, entries and indexer its own); the merge,
+    the FFN's mixing, norm and router, and, when every chosen expert is cached, the experts,
+    the shared expert and the last merge (else `ffn.routed` reads them, as `_LayerStep.finish`)."""
+
+    def __init__(self, c, record: LayerRecord, attention, ffn, sites, mixing: Mixing):
+        self.record, self.attention, self.ffn = record, attention, ffn
+        streams, hidden = c.hyper_streams, c.hidden_size
+        h = np.empty((1, hidden), F32)
+        attention_site, attention_mix = _site(sites[0], streams, hidden)
+        ffn_site, ffn_mix = _site(sites[1], streams, hidden)
+        self.hyper = HyperDecode(attention_site, attention_mix, ffn_site, ffn_mix, mixing, record.attn_norm,
+                                 record.output.ffn_norm, record.output.eps, h,
+                                 np.empty((1, streams, hidden), F32), np.empty((1, streams, hidden), F32))
+        self.ffn_step, self.moe = _ffn_parts(c, record, ffn, h)
+        self.hash_table = getattr(ffn.router, "table", None)  # a hash layer's token -> experts
+
+    def __call__(self, streams: np.ndarray, token: int, positions: np.ndarray, segments: list) -> np.ndarray:
+        hd, ffn, nthreads = self.hyper, self.ffn, thread_count()
+        _hyper_input_kernel(streams, hd, nthreads)
+        y = self.attention(hd.h, positions, segments)
+        table = ffn.store.slot_table(self.record.layer) if ffn.observe is None else None
+        chosen = NO_EXPERTS if self.hash_table is None else self.hash_table[token]
+        shared = None if self.ffn_step is None else (self.ffn_step.weights, self.ffn_step.scratch)
+        route = self.moe.route
+        if _hyper_tail_kernel(streams, y, hd, self.moe, shared, NO_EXPERTS if table is None else table, chosen,
+                              nthreads):
+            ffn.ran_cached(route.ids, route.weights)
+            return hd.out
+        out = ffn.routed(hd.h, route.ids, route.weights)
+        if ffn.shared is not None:
+            out = out + (self.ffn_step() if self.ffn_step is not None else ffn.shared(hd.h))
+        merge_into(hd.merged, out, hd.ffn_mix.post, hd.ffn_mix.comb, hd.out)
+        return hd.out

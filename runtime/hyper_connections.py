@@ -7,7 +7,8 @@ output over the streams, and `comb` [src, dst] mixes the streams themselves; `co
 doubly stochastic by Sinkhorn rounds (softmax over dst, one column normalization, then
 rows and columns in turn), each denominator plus `eps`, as transformers' and llama.cpp's
 DeepSeek-V4 compute it. The model's head collapses the streams with weights of its own.
-Everything here runs in float32.
+Everything here runs in float32, row by row in numba kernels that the prompt path and the
+fused decode step (`runtime.fused.HyperDecodeLayer`) share, so both get the same bits.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+from numba import njit
+
+from colibri.runtime.kernels.emitter import float_dot
 
 F32 = np.float32
+_njit = njit(cache=True, nogil=True)
 
 
 class HyperWeights(NamedTuple):
@@ -28,40 +33,124 @@ class HyperWeights(NamedTuple):
     scale: np.ndarray
 
 
-def _flat_normalized(x: np.ndarray, norm_eps: float) -> np.ndarray:
-    """x [n, streams, hidden] flattened per row and divided by its root mean square (no weight)."""
-    flat = x.reshape(x.shape[0], -1)
-    return flat / np.sqrt(np.mean(flat * flat, axis=1, keepdims=True, dtype=F32) + F32(norm_eps))
+class Mixing(NamedTuple):
+    """The mixing's scalars: Sinkhorn rounds, the denominators' epsilon, the norm's epsilon."""
+
+    iters: int
+    eps: np.float32
+    norm_eps: np.float32
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return F32(1) / (F32(1) + np.exp(-x))
+@njit(cache=True, nogil=True, fastmath=True)
+def normalized_into(x, eps, out):
+    """out[i] = x[i] / rms(x[i]) (no weight) for each row of x float32 [n, width]: a row is a
+    token's streams flattened."""
+    for i in range(x.shape[0]):
+        inverse = F32(1.0) / np.sqrt(float_dot(x[i], x[i]) / F32(x.shape[1]) + eps)
+        for j in range(x.shape[1]):
+            out[i, j] = x[i, j] * inverse
 
 
-def mix(x: np.ndarray, w: HyperWeights, iters: int, eps: float, norm_eps: float):
+@_njit
+def _sigmoid(v):
+    return F32(1.0) / (F32(1.0) + np.exp(-v))
+
+
+@_njit
+def _collapse_into(pre, x, out):
+    """out [hidden] = sum over s of pre[s] * x[s] (x [streams, hidden])."""
+    for d in range(x.shape[1]):
+        total = F32(0.0)
+        for s in range(x.shape[0]):
+            total += pre[s] * x[s, d]
+        out[d] = total
+
+
+@_njit
+def mixing_into(m, base, scale, x, mixing, collapsed, post, comb):
+    """Each row's weights from m [n, (2 + streams) * streams] (fn of the normalized streams):
+    post [n, streams], comb [n, streams, streams] (Sinkhorn), and collapsed [n, hidden], the
+    streams x [n, streams, hidden] summed with `pre`."""
+    streams, eps = x.shape[1], mixing.eps
+    pre = np.empty(streams, F32)
+    for i in range(x.shape[0]):
+        for s in range(streams):
+            pre[s] = _sigmoid(m[i, s] * scale[0] + base[s]) + eps
+            post[i, s] = F32(2.0) * _sigmoid(m[i, streams + s] * scale[1] + base[streams + s])
+        c = comb[i]
+        for src in range(streams):  # softmax over dst
+            row = 2 * streams + src * streams
+            top = -np.inf
+            for dst in range(streams):
+                c[src, dst] = m[i, row + dst] * scale[2] + base[row + dst]
+                top = max(top, c[src, dst])
+            total = F32(0.0)
+            for dst in range(streams):
+                c[src, dst] = np.exp(c[src, dst] - top)
+                total += c[src, dst]
+            for dst in range(streams):
+                c[src, dst] = c[src, dst] / total + eps
+        _normalize_columns(c, eps)
+        for _ in range(mixing.iters - 1):
+            for src in range(streams):
+                total = F32(0.0)
+                for dst in range(streams):
+                    total += c[src, dst]
+                for dst in range(streams):
+                    c[src, dst] = c[src, dst] / (total + eps)
+            _normalize_columns(c, eps)
+        _collapse_into(pre, x[i], collapsed[i])
+
+
+@_njit
+def _normalize_columns(c, eps):
+    for dst in range(c.shape[1]):
+        total = F32(0.0)
+        for src in range(c.shape[0]):
+            total += c[src, dst]
+        for src in range(c.shape[0]):
+            c[src, dst] = c[src, dst] / (total + eps)
+
+
+@_njit
+def merge_into(x, y, post, comb, out):
+    """The streams after a block, out [n, streams, hidden]: stream dst = post[dst] * y + the sum
+    over src of comb[src, dst] * x[src] (x the streams before it, y [n, hidden] its output)."""
+    for i in range(x.shape[0]):
+        for dst in range(x.shape[1]):
+            for d in range(x.shape[2]):
+                total = post[i, dst] * y[i, d]
+                for src in range(x.shape[1]):
+                    total += comb[i, src, dst] * x[i, src, d]
+                out[i, dst, d] = total
+
+
+def _normalized(x: np.ndarray, norm_eps: float) -> np.ndarray:
+    flat = np.ascontiguousarray(x, dtype=F32).reshape(x.shape[0], -1)
+    out = np.empty_like(flat)
+    normalized_into(flat, F32(norm_eps), out)
+    return out
+
+
+def mix(x: np.ndarray, w: HyperWeights, mixing: Mixing):
     """(collapsed [n, hidden], post [n, streams], comb [n, streams, streams]) of the streams x
     [n, streams, hidden] at one mixing site."""
-    streams, eps = x.shape[1], F32(eps)
-    m = w.fn(_flat_normalized(x, norm_eps))
-    pre = _sigmoid(m[:, :streams] * w.scale[0] + w.base[:streams]) + eps
-    post = F32(2) * _sigmoid(m[:, streams:2 * streams] * w.scale[1] + w.base[streams:2 * streams])
-    logits = (m[:, 2 * streams:] * w.scale[2] + w.base[2 * streams:]).reshape(-1, streams, streams)
-    comb = np.exp(logits - logits.max(axis=2, keepdims=True))
-    comb = comb / comb.sum(axis=2, keepdims=True) + eps
-    comb = comb / (comb.sum(axis=1, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(axis=2, keepdims=True) + eps)
-        comb = comb / (comb.sum(axis=1, keepdims=True) + eps)
-    collapsed = np.einsum("ns,nsd->nd", pre, x).astype(F32)
-    return collapsed, post.astype(F32), comb.astype(F32)
+    n, streams, hidden = x.shape
+    m = w.fn(_normalized(x, mixing.norm_eps))
+    collapsed, post, comb = np.empty((n, hidden), F32), np.empty((n, streams), F32), np.empty((n, streams, streams), F32)
+    mixing_into(m, w.base, w.scale, np.ascontiguousarray(x, dtype=F32), mixing, collapsed, post, comb)
+    return collapsed, post, comb
 
 
 def merge(x: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
-    """The streams after a block: stream dst = post[dst] * y + sum over src of comb[src, dst] * x[src]."""
-    return (post[:, :, None] * y[:, None, :] + np.einsum("nsd,nsh->ndh", comb, x)).astype(F32)
+    """`merge_into`'s streams, a new array."""
+    out = np.empty(x.shape, F32)
+    merge_into(np.ascontiguousarray(x, dtype=F32), np.ascontiguousarray(y, dtype=F32), post, comb, out)
+    return out
 
 
-def head(x: np.ndarray, w: HyperWeights, eps: float, norm_eps: float) -> np.ndarray:
+def head(x: np.ndarray, w: HyperWeights, mixing: Mixing) -> np.ndarray:
     """The streams x [n, streams, hidden] collapsed into one [n, hidden] for the final norm."""
-    pre = _sigmoid(w.fn(_flat_normalized(x, norm_eps)) * w.scale[0] + w.base) + F32(eps)
+    logits = w.fn(_normalized(x, mixing.norm_eps)) * w.scale[0] + w.base
+    pre = F32(1) / (F32(1) + np.exp(-logits)) + mixing.eps
     return np.einsum("ns,nsd->nd", pre, x).astype(F32)

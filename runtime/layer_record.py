@@ -122,11 +122,13 @@ class RouterInput(NamedTuple):
 
 
 class FFNWeights(NamedTuple):
-    """down(silu(gate(h)) * up(h)): a dense FFN, or a layer's shared expert."""
+    """down(silu(gate(h)) * up(h)): a dense FFN, or a layer's shared expert; with a `limit`
+    (0: none; DeepSeek-V4's shared expert), gate clipped above and up to [-limit, limit] first."""
 
     gate: Product
     up: Product
     down: Product
+    limit: np.float32
 
 
 @dataclass(frozen=True)
@@ -189,7 +191,7 @@ def describe_layer(c: ModelConfig, w, layer: int, rope: Rope, store) -> LayerRec
                              route_rule(c))
         experts = _experts(c, w, layer, store)
         if c.n_shared_experts:
-            ffn = _ffn(w, layer, "_shexp", matrices)
+            ffn = _ffn(w, layer, "_shexp", matrices, c.swiglu_limit if c.expert_glu == "clamped_silu" else 0.0)
             if c.shared_expert_gate:
                 matrices["shared_gate"] = w.linear(p + "ffn_gate_inp_shexp.weight")
     else:
@@ -249,10 +251,10 @@ def _latent(c: ModelConfig, w, p: str, rope: RopeTable, attn_norm: np.ndarray, m
     return mixer, lora, PerHead(matrices["kv_b"].product, nope + c.v_head_dim, nope), F32(scale)
 
 
-def _ffn(w, layer: int, suffix: str, matrices: dict) -> FFNWeights:
+def _ffn(w, layer: int, suffix: str, matrices: dict, limit: float = 0.0) -> FFNWeights:
     for m in ("gate", "up", "down"):
         matrices[f"ffn_{m}"] = w.linear(f"blk.{layer}.ffn_{m}{suffix}.weight")
-    return FFNWeights(*(matrices[f"ffn_{m}"].product for m in ("gate", "up", "down")))
+    return FFNWeights(*(matrices[f"ffn_{m}"].product for m in ("gate", "up", "down")), F32(limit))
 
 
 def _experts(c: ModelConfig, w, layer: int, store) -> kernels.ExpertKernel:

@@ -339,8 +339,7 @@ class MoE:
         self.experts = record.experts
         self.input_scaled = c.expert_input_scaled
         m = record.matrices
-        limit = c.swiglu_limit if c.expert_glu == "clamped_silu" else 0.0
-        self.shared = SharedExpert(m["ffn_gate"], m["ffn_up"], m["ffn_down"], m.get("shared_gate"), limit) \
+        self.shared = SharedExpert(m["ffn_gate"], m["ffn_up"], m["ffn_down"], m.get("shared_gate"), record.ffn.limit) \
             if record.ffn is not None else None
         self.last_route: tuple[np.ndarray, np.ndarray] | None = None
         self.last_distinct = 0  # distinct experts the last call used
@@ -433,11 +432,7 @@ class SharedExpert(DenseFFN):
         self.sigmoid_gate, self.limit = sigmoid_gate, np.float32(limit)
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
-        if self.limit:
-            gate, up = np.minimum(self.gate(h), self.limit), np.clip(self.up(h), -self.limit, self.limit)
-            y = self.down(kernels.silu_times(gate, up))
-        else:
-            y = super().__call__(h)
+        y = self.down(kernels.silu_times(self.gate(h), self.up(h), self.limit))
         if self.sigmoid_gate is not None:
             y = kernels.sigmoid_gated(y, self.sigmoid_gate(h))
         return y
@@ -480,6 +475,8 @@ class Decoder:
         self.hyper = [tuple(self.hyper_weights(f"blk.{i}.hc_{site}_") for site in ("attn", "ffn"))
                       for i in range(c.n_layers)] if c.hyper_streams else []
         self.hyper_head = self.hyper_weights("output_hc_") if c.hyper_streams else None
+        self.mixing = hyper_connections.Mixing(c.hyper_sinkhorn_iters, np.float32(c.hyper_eps), np.float32(c.norm_eps)) \
+            if c.hyper_streams else None
         self.decode_layers = self.fused_steps()
         moe = [(ffn, ffn_norm) for _, _, ffn_norm, ffn in self.layers if isinstance(ffn, MoE) and not c.hyper_streams]
         for (this, this_norm), (following, following_norm) in zip(moe, moe[1:]):
@@ -493,11 +490,13 @@ class Decoder:
 
     def fused_steps(self) -> list:
         """Each layer's decode step (a decoded token through it in a few numba calls), built on
-        its record; None where a decoded token takes the prompt path (DeepSeek-V4's layers)."""
+        its record; None where a decoded token takes the prompt path (a hyper-connected layer
+        without routed experts)."""
         c, steps = self.config, []
         for record, (_, mixer, _, ffn) in zip(self.records, self.layers):
             if c.hyper_streams:
-                steps.append(None)
+                steps.append(fused.HyperDecodeLayer(c, record, mixer, ffn, self.hyper[record.layer], self.mixing)
+                             if isinstance(ffn, MoE) else None)
             elif isinstance(mixer, Attention):
                 steps.append(fused.DecodeLayer(c, record, ffn))
             else:  # MLA's sparse attention choice and a DeltaNet's mixer are the prompt path's own
@@ -590,21 +589,25 @@ class Decoder:
                      batch_invariant: bool) -> np.ndarray:
         """The layers over `hyper_streams` residual streams (DeepSeek-V4's mHC,
         `runtime.hyper_connections`), then the head's collapse of them: [n, hidden]."""
-        c = self.config
+        c, mixing = self.config, self.mixing
         streams = np.repeat(x[:, None, :], c.hyper_streams, axis=1)
-        mixing = (c.hyper_sinkhorn_iters, c.hyper_eps, c.norm_eps)
+        fused = x.shape[0] == 1 and not batch_invariant
         for layer, (attn_norm, attention, ffn_norm, ffn) in enumerate(self.layers):
-            before_attention, before_ffn = self.hyper[layer]
-            h, post, comb = hyper_connections.mix(streams, before_attention, *mixing)
-            y = attention(rms_norm(h, attn_norm, c.norm_eps), positions, segments)
-            streams = hyper_connections.merge(streams, y, post, comb)
-            h, post, comb = hyper_connections.mix(streams, before_ffn, *mixing)
-            h = rms_norm(h, ffn_norm, c.norm_eps)
-            y = ffn(h, batch_invariant, tokens) if isinstance(ffn, MoE) else ffn(h)
-            streams = hyper_connections.merge(streams, y, post, comb)
+            step = self.decode_layers[layer] if fused else None
+            if step is not None:
+                streams = step(streams, tokens[0], positions, segments)
+            else:
+                before_attention, before_ffn = self.hyper[layer]
+                h, post, comb = hyper_connections.mix(streams, before_attention, mixing)
+                y = attention(rms_norm(h, attn_norm, c.norm_eps), positions, segments)
+                streams = hyper_connections.merge(streams, y, post, comb)
+                h, post, comb = hyper_connections.mix(streams, before_ffn, mixing)
+                h = rms_norm(h, ffn_norm, c.norm_eps)
+                y = ffn(h, batch_invariant, tokens) if isinstance(ffn, MoE) else ffn(h)
+                streams = hyper_connections.merge(streams, y, post, comb)
             if self.route_log is not None and isinstance(ffn, MoE):
                 self.route_log(layer, positions, *ffn.last_route)
-        return hyper_connections.head(streams, self.hyper_head, c.hyper_eps, c.norm_eps)
+        return hyper_connections.head(streams, self.hyper_head, mixing)
 
     def distinct_experts(self) -> int:
         """Distinct experts the last forward pass used, summed over the MoE layers."""

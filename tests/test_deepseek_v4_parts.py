@@ -172,8 +172,8 @@ def test_hyper_connections_match_transformers(reference):
     hc = layer.attn_hc
     weights = hyper_connections.HyperWeights(TensorWeights({"fn": hc.fn.detach().numpy()}).linear("fn"),
                                              hc.base.detach().numpy(), hc.scale.detach().numpy())
-    got_collapsed, got_post, got_comb = hyper_connections.mix(streams, weights, c.hyper_sinkhorn_iters, c.hyper_eps,
-                                                              c.norm_eps)
+    mixing = hyper_connections.Mixing(c.hyper_sinkhorn_iters, np.float32(c.hyper_eps), np.float32(c.norm_eps))
+    got_collapsed, got_post, got_comb = hyper_connections.mix(streams, weights, mixing)
     for got, want in ((got_collapsed, collapsed), (got_post, post), (got_comb, comb)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got_comb.sum(axis=1), 1, atol=1e-4)  # columns normalized last; rows nearly
@@ -182,7 +182,7 @@ def test_hyper_connections_match_transformers(reference):
     hh = model.model.hc_head
     head_weights = hyper_connections.HyperWeights(TensorWeights({"fn": hh.hc_fn.detach().numpy()}).linear("fn"),
                                                   hh.hc_base.detach().numpy(), hh.hc_scale.detach().numpy())
-    np.testing.assert_allclose(hyper_connections.head(streams, head_weights, c.hyper_eps, c.norm_eps), head,
+    np.testing.assert_allclose(hyper_connections.head(streams, head_weights, mixing), head,
                                rtol=1e-5, atol=1e-6)
 
 

@@ -23,7 +23,7 @@ CASES = [("mixtral", "Q4_K_M", "f16"), ("qwen2_moe", "Q8_0", "q8_0"), ("qwen3_mo
          ("olmoe", "F32", "f16"), ("glm4_moe", "Q4_K_M", "f16"), ("deepseek_v2", "Q4_K_M", "f16"),
          ("deepseek_v3", "Q4_K_M", "q8_0"), ("deepseek_v3", "F32", "f32"), ("kimi_k2", "Q8_0", "f16"),
          ("qwen3_next", "Q4_K_M", "f16"), ("qwen3_5_moe", "Q8_0", "q8_0"), ("llama4_text", "Q4_K_M", "f16"),
-         ("kimi_linear", "Q8_0", "f16")]
+         ("kimi_linear", "Q8_0", "f16"), ("deepseek_v4", "Q4_K_M", "f16")]
 
 
 @pytest.mark.parametrize("arch, quant, kv_quant", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])

@@ -22,7 +22,7 @@ from colibri.runtime.kernels.activations import (
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS
 from colibri.runtime.kernels.matrices import matrix_times
-from colibri.runtime.kernels.numerics import GLU_KINDS, GLU_SILU, glu
+from colibri.runtime.kernels.numerics import GLU_CLAMPED_SILU, GLU_KINDS, GLU_SILU, glu
 from colibri.runtime.kernels.rows import GROUP, row_dot, rows_times
 from colibri.runtime.kernels.threads import part_range, thread_count
 
@@ -156,12 +156,6 @@ def glu_rows(gate, up, first, stop, kind, alpha, limit):
             g[j] = glu(g[j], u[j], kind, alpha, limit)
 
 
-@njit(cache=True, nogil=True, fastmath=True)
-def silu_times_rows(gate, up, first, stop):
-    """gate[i] <- silu(gate[i]) * up[i] for rows first..stop-1 ([n, ffn] each)."""
-    glu_rows(gate, up, first, stop, GLU_SILU, F32(1.0), F32(0.0))
-
-
 @_parallel
 def _glu(gate, up, kind, alpha, limit, nthreads):
     """gate <- glu(gate, up), elementwise ([n, ffn] each)."""
@@ -171,10 +165,11 @@ def _glu(gate, up, kind, alpha, limit, nthreads):
     return gate
 
 
-def silu_times(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+def silu_times(gate: np.ndarray, up: np.ndarray, limit: float = 0.0) -> np.ndarray:
     """gate <- silu(gate) * up (float32 [n, ffn] each, C-contiguous), the SwiGLU of the dense
-    FFNs and shared experts with the arithmetic of the expert kernels; returns gate."""
-    return _glu(gate, up, GLU_SILU, F32(1.0), F32(0.0), thread_count())
+    FFNs and shared experts with the arithmetic of the expert kernels; with a `limit`, gate
+    clipped above and up to [-limit, limit] first (GLU_CLAMPED_SILU); returns gate."""
+    return _glu(gate, up, GLU_CLAMPED_SILU if limit else GLU_SILU, F32(1.0), F32(limit), thread_count())
 
 
 @_njit
