@@ -193,9 +193,15 @@ def _check_chunks(c: ModelConfig, dim, need) -> None:
 
 def _check_indexer(c: ModelConfig, dim, need) -> None:
     """DeepSeek sparse attention's fields, through `config_problems`' `dim` and `need`."""
+    blocks = dim("index_block", 0, MAX_POSITIONS) and c.index_block
     if not dim("index_topk", 0, MAX_POSITIONS) or not c.index_topk:
-        need(c.index_layers == [], f"index_layers {c.index_layers!r} without an index_topk")
+        need(c.index_layers == [] and not blocks and not c.index_local_blocks,
+             f"index_layers {c.index_layers!r}, index_block or index_local_blocks without an index_topk")
         return
+    if blocks:
+        _check_block_indexer(c, dim, need)
+        return
+    need(not c.index_local_blocks, "index_local_blocks without an index_block")
     need(c.attention in ("mla", "compressed") and bool(c.q_lora_rank),
          "an indexer (index_topk) needs MLA or compressed attention with a query LoRA")
     dim("index_heads")
@@ -211,6 +217,17 @@ def _check_indexer(c: ModelConfig, dim, need) -> None:
     need(isinstance(layers, list) and all(is_int(i) for i in layers) and layers == sorted(set(layers))
          and all(0 <= i < c.n_layers for i in layers) and layers[:1] == [0],
          f"index_layers {layers!r} are not distinct increasing layers of the {c.n_layers}, from layer 0")
+
+
+def _check_block_indexer(c: ModelConfig, dim, need) -> None:
+    """MiniMax-M3's indexer of blocks, through `config_problems`' `dim` and `need`."""
+    need(c.attention == "gqa", "an indexer of blocks (index_block) needs GQA attention")
+    need(c.index_heads == c.n_kv_heads, f"index_heads {c.index_heads!r} is not one a key-value head ({c.n_kv_heads})")
+    dim("index_local_blocks", 0, c.index_topk)
+    if dim("index_head_dim"):
+        need(c.rope_dim <= c.index_head_dim, f"index_head_dim {c.index_head_dim} is narrower than the rotated {c.rope_dim}")
+    need(_are_layers(c.index_layers, c.n_layers),
+         f"index_layers {c.index_layers!r} are not distinct increasing layers of the {c.n_layers}")
 
 
 OVERLAPPING_RATIO = 4  # DeepSeek-V4's compress ratio whose windows overlap and whose layers have an indexer
@@ -449,6 +466,10 @@ def _attention_tensors(c: ModelConfig, p: str, layer: int) -> dict[str, tuple[in
         norms = {"head": (c.head_dim, c.head_dim), "full": (q, k)}.get(c.qk_norm)
         if norms:
             tensors.update({p + "attn_q_norm.weight": (norms[0],), p + "attn_k_norm.weight": (norms[1],)})
+        if layer in c.index_layers:  # an indexer of blocks
+            i, w = c.index_heads, c.index_head_dim
+            tensors.update({p + "indexer.q_proj.weight": (i * w, d), p + "indexer.k_proj.weight": (w, d),
+                            p + "indexer.q_norm.weight": (w,), p + "indexer.k_norm.weight": (w,)})
     return tensors
 
 

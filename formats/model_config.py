@@ -58,6 +58,12 @@ class ModelConfig:
     index_head_dim: int = 0
     index_rope_interleaved: bool = False  # the indexer rotates pairs (GLM-5), not halves (DeepSeek-V3.2)
     index_layers: list[int] = field(default_factory=list)  # layers with an indexer; the others reuse the one before
+    # MiniMax-M3's block-sparse attention (GQA): with index_block > 0, the indexer chooses blocks of
+    # that many positions, not positions: each of its heads (one per key-value head) scores a block
+    # by its best position, and the queries of that head's group attend to the index_topk best blocks,
+    # the `index_local_blocks` up to their own always among them; the layers not in index_layers are dense
+    index_block: int = 0
+    index_local_blocks: int = 0
     attn_output_gate: bool = False  # q's projection gives [query | gate] per head; the output is times sigmoid(gate)
     # DeepSeek-V4's compressed attention: one shared key-value head (K = V) over a window of
     # `sliding_window` positions in every layer, plus, where `compress_ratios[layer]` is m > 0,
@@ -100,7 +106,8 @@ class ModelConfig:
     n_experts_used: int = 0  # top-k
     expert_ffn: int = 0  # intermediate size of one routed expert
     expert_glu: str = "silu"  # "silu": silu(gate) * up; "clamped_swiglu": gpt-oss's, with alpha and limit;
-    # "clamped_silu": silu(min(gate, limit)) * clip(up, -limit, limit) (DeepSeek-V4, shared experts too)
+    # "clamped_silu": silu(min(gate, limit)) * clip(up, -limit, limit) (DeepSeek-V4); the dense FFNs and
+    # shared experts apply the same
     swiglu_alpha: float = 1.0
     swiglu_limit: float = 0.0
     expert_input_scaled: bool = False  # the router's weight multiplies the routed expert's input, not

@@ -46,7 +46,7 @@ from colibri.runtime import kernels
 from colibri.runtime.kernels.activations import fill_activation
 from colibri.runtime.kernels.attention import Seen
 from colibri.runtime.kernels.experts import Choice, glu_rows, moe_steps
-from colibri.runtime.kernels.numerics import GLU_CLAMPED_SILU, GLU_SILU, rms_norm_into
+from colibri.runtime.kernels.numerics import rms_norm_into
 from colibri.runtime.hyper_connections import Mixing, merge_into, mixing_into, normalized_into
 from colibri.runtime.kernels.routing import route_into, weigh_chosen_into
 from colibri.runtime.kernels.rows import Product, rows_per_head, rows_times
@@ -315,13 +315,13 @@ def _route_steps(h, router, rs, nthreads):
 
 @_njit
 def _ffn_steps(h, ffn, fs, nthreads):
-    """fs.out = down(silu(gate(h)) * up(h)) for h [1, hidden] (`ffn`: `FFNWeights`, its limit
-    applied as `kernels.silu_times` applies it)."""
+    """fs.out = down(glu(gate(h), up(h))) for h [1, hidden] (`ffn`: `FFNWeights`), as
+    `kernels.glu_times` computes it."""
     fill_activation(fs.gate_act, h, 0, h.shape[1])
     if fs.up_distinct:
         fill_activation(fs.up_act, h, 0, h.shape[1])
     _products_of_two(ffn.gate, fs.gate_act, fs.gate_out, ffn.up, fs.up_act, fs.up_out, nthreads)
-    glu_rows(fs.gate_out, fs.up_out, 0, 1, GLU_CLAMPED_SILU if ffn.limit else GLU_SILU, F32(1.0), ffn.limit)
+    glu_rows(fs.gate_out, fs.up_out, 0, 1, ffn.glu.kind, ffn.glu.alpha, ffn.glu.limit)
     fill_activation(fs.down_act, fs.gate_out, 0, fs.gate_out.shape[1])
     _product(ffn.down, fs.down_act, fs.out, nthreads)
 
@@ -386,13 +386,13 @@ def ffn_scratch(gate: kernels.Matrix, up: kernels.Matrix, down: kernels.Matrix, 
 
 
 class FFNStep:
-    """down(silu(gate(h)) * up(h)) of one row in one call, for a dense FFN or an ungated shared
-    expert; reads its input from `h` [1, hidden] when called."""
+    """down(glu(gate(h), up(h))) of one row in one call, for a dense FFN or an ungated shared
+    expert (`glu`: a `kernels.GLU`); reads its input from `h` [1, hidden] when called."""
 
     def __init__(self, gate: kernels.Matrix, up: kernels.Matrix, down: kernels.Matrix, h: np.ndarray,
-                 limit: float = 0.0):
+                 glu: kernels.GLU = kernels.SILU):
         self.h = h
-        self.weights = FFNWeights(gate.product, up.product, down.product, F32(limit))
+        self.weights = FFNWeights(gate.product, up.product, down.product, glu)
         self.scratch = ffn_scratch(gate, up, down, h)
 
     def __call__(self) -> np.ndarray:
@@ -406,7 +406,7 @@ def _ffn_parts(c, record: LayerRecord, ffn, h: np.ndarray):
     `MoEDecode`, or None) of a layer, reading their input from h [1, hidden]."""
     m, ffn_step, moe = record.matrices, None, None
     if record.ffn is not None and "shared_gate" not in m:
-        ffn_step = FFNStep(m["ffn_gate"], m["ffn_up"], m["ffn_down"], h, record.ffn.limit)
+        ffn_step = FFNStep(m["ffn_gate"], m["ffn_up"], m["ffn_down"], h, record.ffn.glu)
     if record.router is not None:
         k = c.n_experts_used
         route = RouteScratch(_activation_for(m["router"], h), np.empty((1, m["router"].rows), F32),

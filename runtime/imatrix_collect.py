@@ -62,12 +62,14 @@ class ActivationSums:
         gate, up and down sums."""
         store, table = moe.store, moe.store.tables[moe.layer]
         names = {m: f"blk.{moe.layer}.ffn_{m}_exps.weight" for m in EXPERT_MATRICES}
+        rule = moe.experts.rule
+        glu = kernels.GLU(rule.glu, rule.alpha, rule.limit)  # what the experts' down multiplies
         for expert in np.unique(ids):
             rows = np.flatnonzero((ids == expert).any(axis=1))
             x = h[rows]
             record = store.records(moe.layer)[store.fetch(moe.layer, np.array([expert]))[0]]
             gate, up = (expert_matrix(record, table.matrices[m]) for m in ("gate", "up"))
-            for m, seen in (("gate", x), ("up", x), ("down", kernels.silu_times(gate(x), up(x)))):
+            for m, seen in (("gate", x), ("up", x), ("down", kernels.glu_times(gate(x), up(x), glu))):
                 self.add(names[m], seen, int(expert), table.count)
 
     def write(self, path: Path, datasets: list[str], chunk_count: int, chunk_size: int) -> None:

@@ -122,13 +122,13 @@ class RouterInput(NamedTuple):
 
 
 class FFNWeights(NamedTuple):
-    """down(silu(gate(h)) * up(h)): a dense FFN, or a layer's shared expert; with a `limit`
-    (0: none; DeepSeek-V4's shared expert), gate clipped above and up to [-limit, limit] first."""
+    """down(glu(gate(h), up(h))): a dense FFN, or a layer's shared expert, with the experts'
+    gated activation (`kernels.GLU`: silu(gate) * up, or one clamped)."""
 
     gate: Product
     up: Product
     down: Product
-    limit: np.float32
+    glu: kernels.GLU
 
 
 @dataclass(frozen=True)
@@ -191,11 +191,11 @@ def describe_layer(c: ModelConfig, w, layer: int, rope: Rope, store) -> LayerRec
                              route_rule(c))
         experts = _experts(c, w, layer, store)
         if c.n_shared_experts:
-            ffn = _ffn(w, layer, "_shexp", matrices, c.swiglu_limit if c.expert_glu == "clamped_silu" else 0.0)
+            ffn = _ffn(c, w, layer, "_shexp", matrices)
             if c.shared_expert_gate:
                 matrices["shared_gate"] = w.linear(p + "ffn_gate_inp_shexp.weight")
     else:
-        ffn = _ffn(w, layer, "", matrices)
+        ffn = _ffn(c, w, layer, "", matrices)
     sinks = w.vector(p + "attn_sinks.weight") if c.has_sinks(layer) else np.full(heads, kernels.NO_SINK, F32)
     return LayerRecord(layer, attn_norm, matrices, mixer, lora, per_head, output, router, ffn, experts, heads, width,
                        c.window_of(layer), c.chunk_of(layer), Scoring(np.ascontiguousarray(sinks, dtype=F32), scale))
@@ -251,10 +251,10 @@ def _latent(c: ModelConfig, w, p: str, rope: RopeTable, attn_norm: np.ndarray, m
     return mixer, lora, PerHead(matrices["kv_b"].product, nope + c.v_head_dim, nope), F32(scale)
 
 
-def _ffn(w, layer: int, suffix: str, matrices: dict, limit: float = 0.0) -> FFNWeights:
+def _ffn(c: ModelConfig, w, layer: int, suffix: str, matrices: dict) -> FFNWeights:
     for m in ("gate", "up", "down"):
         matrices[f"ffn_{m}"] = w.linear(f"blk.{layer}.ffn_{m}{suffix}.weight")
-    return FFNWeights(*(matrices[f"ffn_{m}"].product for m in ("gate", "up", "down")), F32(limit))
+    return FFNWeights(*(matrices[f"ffn_{m}"].product for m in ("gate", "up", "down")), kernels.glu_of(c))
 
 
 def _experts(c: ModelConfig, w, layer: int, store) -> kernels.ExpertKernel:

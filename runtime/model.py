@@ -291,13 +291,13 @@ class LatentAttention:
 
 
 class DenseFFN:
-    """down(silu(gate(h)) * up(h))."""
+    """down(glu(gate(h), up(h))), `glu` a `kernels.GLU` (silu(gate) * up unless given)."""
 
-    def __init__(self, gate: kernels.Matrix, up: kernels.Matrix, down: kernels.Matrix):
-        self.gate, self.up, self.down = gate, up, down
+    def __init__(self, gate: kernels.Matrix, up: kernels.Matrix, down: kernels.Matrix, glu: kernels.GLU = kernels.SILU):
+        self.gate, self.up, self.down, self.glu = gate, up, down, glu
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
-        return self.down(kernels.silu_times(self.gate(h), self.up(h)))
+        return self.down(kernels.glu_times(self.gate(h), self.up(h), self.glu))
 
 
 class Router:
@@ -339,7 +339,7 @@ class MoE:
         self.experts = record.experts
         self.input_scaled = c.expert_input_scaled
         m = record.matrices
-        self.shared = SharedExpert(m["ffn_gate"], m["ffn_up"], m["ffn_down"], m.get("shared_gate"), record.ffn.limit) \
+        self.shared = SharedExpert(m["ffn_gate"], m["ffn_up"], m["ffn_down"], m.get("shared_gate"), record.ffn.glu) \
             if record.ffn is not None else None
         self.last_route: tuple[np.ndarray, np.ndarray] | None = None
         self.last_distinct = 0  # distinct experts the last call used
@@ -423,16 +423,15 @@ class MoE:
 
 
 class SharedExpert(DenseFFN):
-    """The shared experts' FFN, scaled by a sigmoid of its own gate when it has one; with a
-    `limit` (DeepSeek-V4's), gate clipped above and up to [-limit, limit] before the GLU."""
+    """The shared experts' FFN, scaled by a sigmoid of its own gate when it has one."""
 
     def __init__(self, gate: kernels.Matrix, up: kernels.Matrix, down: kernels.Matrix,
-                 sigmoid_gate: kernels.Matrix | None, limit: float = 0.0):
-        super().__init__(gate, up, down)
-        self.sigmoid_gate, self.limit = sigmoid_gate, np.float32(limit)
+                 sigmoid_gate: kernels.Matrix | None, glu: kernels.GLU = kernels.SILU):
+        super().__init__(gate, up, down, glu)
+        self.sigmoid_gate = sigmoid_gate
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
-        y = self.down(kernels.silu_times(self.gate(h), self.up(h), self.limit))
+        y = super().__call__(h)
         if self.sigmoid_gate is not None:
             y = kernels.sigmoid_gated(y, self.sigmoid_gate(h))
         return y
@@ -469,7 +468,7 @@ class Decoder:
                 attention.shares = next(a for _, a, _, _ in reversed(self.layers) if a.indexer is not None)
             router = HashRouter(c, record, w) if i in c.hash_layers else None
             ffn = MoE(c, record, store, router) if record.router is not None else \
-                DenseFFN(m["ffn_gate"], m["ffn_up"], m["ffn_down"])
+                DenseFFN(m["ffn_gate"], m["ffn_up"], m["ffn_down"], record.ffn.glu)
             self.layers.append((record.attn_norm, attention, record.output.ffn_norm, ffn))
         # each layer's (attention's, FFN's) hyper-connection weights, then the head's
         self.hyper = [tuple(self.hyper_weights(f"blk.{i}.hc_{site}_") for site in ("attn", "ffn"))

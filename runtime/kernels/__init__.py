@@ -8,7 +8,7 @@ The package re-exports the public names of its modules, one job each:
 - `matrices`: `Matrix`, `matmul`, `matvec`, `products`, `dequantize_rows`, and the three paths of a
   product (fast int8, AMX tiles, exact);
 - `experts`: `ExpertKernel` (its `ExpertsRule`), `moe_experts`, `moe_experts_batch`, `add_weighted_rows`,
-  `silu_times`;
+  `glu_times`;
 - `attention`: causal softmax attention over the KV cache (which rows a query sees: `Seen`; how its
   scores become weights: `Scoring`);
 - `routing`: `route`, the router's top-k choice (`RouteRule`);
@@ -47,9 +47,9 @@ from colibri.runtime.kernels.attention import (
     Scoring, Seen, attention, attention_into, attention_of_slots,
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS, CACHE_LINE, PREFETCH_BYTES
-from colibri.runtime.kernels.experts import ExpertKernel, add_weighted_rows, moe_experts, moe_experts_batch, silu_times
+from colibri.runtime.kernels.experts import ExpertKernel, add_weighted_rows, glu_times, moe_experts, moe_experts_batch
 from colibri.runtime.kernels.matrices import Matrix, dequantize_rows, kernel_paths, matmul, matvec, products
-from colibri.runtime.kernels.numerics import rms_norm, sigmoid_gated
+from colibri.runtime.kernels.numerics import GLU, SILU, glu_of, rms_norm, sigmoid_gated
 from colibri.runtime.kernels.recurrence import gated_delta_rule
 from colibri.runtime.kernels.routing import route
 from colibri.runtime.kernels.rows import CHUNK, GROUP, ROW_TILE
@@ -61,9 +61,9 @@ __all__ = [
     "NO_CHOICE", "NO_SINK", "PARALLEL_ATTENTION_WORK", "PROMPT_ATTENTION_BYTES", "PROMPT_ATTENTION_QUERIES",
     "QUERY_BLOCK", "Scoring", "Seen", "attention", "attention_into", "attention_of_slots",
     "BLOCK_TAGS", "CACHE_LINE", "PREFETCH_BYTES",
-    "ExpertKernel", "add_weighted_rows", "moe_experts", "moe_experts_batch", "silu_times",
+    "ExpertKernel", "add_weighted_rows", "glu_times", "moe_experts", "moe_experts_batch",
     "Matrix", "dequantize_rows", "kernel_paths", "matmul", "matvec", "products",
-    "rms_norm", "sigmoid_gated",
+    "GLU", "SILU", "glu_of", "rms_norm", "sigmoid_gated",
     "gated_delta_rule",
     "route",
     "CHUNK", "GROUP", "ROW_TILE",

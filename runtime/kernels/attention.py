@@ -66,6 +66,13 @@ def _first_row(seen, i, end):
 
 
 @njit(cache=True, nogil=True)
+def _choice_of(chosen, i, kv, kv_heads, n):
+    """Query i's row of `chosen` for kv head `kv`: its own, or, when chosen has a row per query
+    and kv head (MiniMax-M3's blocks, chosen per key-value group), that one."""
+    return chosen[i * kv_heads + kv] if chosen.shape[0] > n else chosen[i]
+
+
+@njit(cache=True, nogil=True)
 def _leave_out(scores, chosen, lo, end):
     """Scores of the rows `chosen` leaves out (0) below every other, before the softmax."""
     for g in range(scores.shape[0]):
@@ -119,11 +126,11 @@ def _attend(q, keys, values, seen, scoring, out, items, share):
                     for g in range(few.shape[0]):
                         scores[g0 + g, tile_lo + r] = dots[g] * scale
         if chosen.shape[0]:
-            _leave_out(scores, chosen[i], lo, end)
+            _leave_out(scores, _choice_of(chosen, i, kv, kv_heads, n), lo, end)
         for g in range(mine):
             softmax_in_place(scores, g, lo, end, sinks[h0 + g])
         if chosen.shape[0]:
-            _weigh_none(scores, chosen[i], lo, end)
+            _weigh_none(scores, _choice_of(chosen, i, kv, kv_heads, n), lo, end)
         sums[:] = 0.0
         for tile_lo in range(lo, end, VALUE_TILE):  # a tile of values converted, then weighed for each head
             rows = min(VALUE_TILE, end - tile_lo)
@@ -224,10 +231,10 @@ def _prompt_attention(q, keys, values, seen, scoring, out, nthreads):
             for i in range(count):
                 row_lo = _first_row(seen, first + i, before + i + 1)
                 if chosen.shape[0]:
-                    _leave_out(scores[i:i + 1], chosen[first + i], row_lo, before + i + 1)
+                    _leave_out(scores[i:i + 1], _choice_of(chosen, first + i, kv, kv_heads, n), row_lo, before + i + 1)
                 softmax_in_place(scores, i, row_lo, before + i + 1, sinks[h])
                 if chosen.shape[0]:
-                    _weigh_none(scores[i:i + 1], chosen[first + i], row_lo, before + i + 1)
+                    _weigh_none(scores[i:i + 1], _choice_of(chosen, first + i, kv, kv_heads, n), row_lo, before + i + 1)
             outputs[:count] = 0.0
             for i in range(count):
                 row_lo = _first_row(seen, first + i, before + i + 1)
@@ -248,7 +255,8 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     `chunk` > 0 only those of its own chunk (positions p - p % chunk..p; Llama 4);
     `sinks` float32 [heads] are per-head logits added to the softmax's denominator (gpt-oss);
     `chosen` uint8 [n, rows] leaves out the rows a query's entry is 0 for (DeepSeek's sparse
-    attention) -> float32 [n, heads, v_width]."""
+    attention), or [n * kv_heads, rows] those of query i's row i * kv_heads + kv for the heads of
+    kv head kv (MiniMax-M3's) -> float32 [n, heads, v_width]."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     n, heads, width = q.shape
     rows = start + n - first_key
@@ -262,7 +270,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     if sinks.shape != (heads,):
         raise ValueError(f"sinks {sinks.shape} do not fit {heads} heads")
     chosen = np.zeros((0, rows), np.uint8) if chosen is None else np.ascontiguousarray(chosen, dtype=np.uint8)
-    if chosen.shape[1:] != (rows,) or chosen.shape[0] not in (0, n):
+    if chosen.shape[1:] != (rows,) or chosen.shape[0] not in (0, n, n * keys.shape[1]):
         raise ValueError(f"chosen {chosen.shape} does not fit {n} queries over {rows} cached positions")
     out = np.empty((n, heads, values.shape[2]), np.float32)
     attention_into(q, keys, values, Seen(start, first_key, window, chosen, int(chunk)), Scoring(sinks, F32(scale)), out)
@@ -271,7 +279,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
 
 def attention_into(q, keys, values, seen: Seen, scoring: Scoring, out) -> None:
     """`attention` into out [n, heads, v_width] without its checks: for callers whose arrays
-    are of their own making (a decode step's); `seen.chosen` [0 or n, rows], a window of 0
+    are of their own making (a decode step's); `seen.chosen` [0, n or n * kv_heads, rows], a window of 0
     for all positions."""
     n, heads, width = q.shape
     rows = seen.start + n - seen.first_key

@@ -22,7 +22,7 @@ from colibri.runtime.kernels.activations import (
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS
 from colibri.runtime.kernels.matrices import matrix_times
-from colibri.runtime.kernels.numerics import GLU_CLAMPED_SILU, GLU_KINDS, GLU_SILU, glu
+from colibri.runtime.kernels.numerics import GLU, GLU_KINDS, SILU, glu
 from colibri.runtime.kernels.rows import GROUP, row_dot, rows_times
 from colibri.runtime.kernels.threads import part_range, thread_count
 
@@ -165,11 +165,11 @@ def _glu(gate, up, kind, alpha, limit, nthreads):
     return gate
 
 
-def silu_times(gate: np.ndarray, up: np.ndarray, limit: float = 0.0) -> np.ndarray:
-    """gate <- silu(gate) * up (float32 [n, ffn] each, C-contiguous), the SwiGLU of the dense
-    FFNs and shared experts with the arithmetic of the expert kernels; with a `limit`, gate
-    clipped above and up to [-limit, limit] first (GLU_CLAMPED_SILU); returns gate."""
-    return _glu(gate, up, GLU_CLAMPED_SILU if limit else GLU_SILU, F32(1.0), F32(limit), thread_count())
+def glu_times(gate: np.ndarray, up: np.ndarray, rule: GLU = SILU) -> np.ndarray:
+    """gate <- glu(gate, up) (float32 [n, ffn] each, C-contiguous; `rule` a `GLU`, silu(gate) * up
+    unless given), the gated activation of the dense FFNs and shared experts with the arithmetic
+    of the expert kernels; returns gate."""
+    return _glu(gate, up, rule.kind, rule.alpha, rule.limit, thread_count())
 
 
 @_njit

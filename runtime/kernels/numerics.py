@@ -5,6 +5,8 @@ that a kernel gives the same bits in whatever function it is compiled into.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit
 
@@ -58,6 +60,22 @@ def silu(v):
 GLU_SILU, GLU_CLAMPED, GLU_CLAMPED_SILU = 0, 1, 2  # the gated activations of `glu`
 GLU_KINDS = {"silu": GLU_SILU, "clamped_swiglu": GLU_CLAMPED,
              "clamped_silu": GLU_CLAMPED_SILU}  # ModelConfig.expert_glu -> its kind
+
+
+class GLU(NamedTuple):
+    """A gated activation as `glu` takes it: its kind (GLU_KINDS' values), alpha and limit."""
+
+    kind: int
+    alpha: np.float32
+    limit: np.float32
+
+
+SILU = GLU(GLU_SILU, F32(1.0), F32(0.0))
+
+
+def glu_of(config) -> GLU:
+    """The GLU of a model's experts (`ModelConfig.expert_glu`), which its dense FFNs and shared experts share."""
+    return GLU(GLU_KINDS[config.expert_glu], F32(config.swiglu_alpha), F32(config.swiglu_limit))
 
 
 @njit(cache=True, nogil=True, fastmath=True, inline="always")
