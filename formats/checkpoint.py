@@ -60,8 +60,18 @@ RELEASE_NAMES = {"deepseek_v4": (
 )}
 # a checkpoint transformers saved, whose names differ from the release's (model_type → (pattern,
 # replacement)): read under the release's names. Kimi-Linear's dense first layer is `mlp` in the
-# release, `block_sparse_moe` as transformers saves it.
-SAVED_NAMES = {"kimi_linear": ((r"\.block_sparse_moe\.(gate|up|down)_proj\.", r".mlp.\1_proj."),)}
+# release, `block_sparse_moe` as transformers saves it; MiniMax-M3's text model saves its MoE
+# under `mlp` and its indexer as a module of its own.
+SAVED_NAMES = {
+    "kimi_linear": ((r"\.block_sparse_moe\.(gate|up|down)_proj\.", r".mlp.\1_proj."),),
+    "minimax_m3_vl_text": ((r"\.mlp\.gate\.e_score_correction_bias$", ".block_sparse_moe.e_score_correction_bias"),
+                           (r"\.mlp\.(gate\.weight|experts\.|shared_experts\.)", r".block_sparse_moe.\1"),
+                           (r"\.self_attn\.indexer\.", ".self_attn.index_")),
+}
+# a checkpoint transformers saved with two projections in one tensor, the first's rows then the
+# second's (model_type → (fused leaf, first leaf, second leaf)): read as the two, each half of its
+# bytes (float tensors only). MiniMax-M3's text model fuses its dense FFNs' and shared expert's.
+SAVED_HALVES = {"minimax_m3_vl_text": ((".gate_up_proj.weight", ".gate_proj.weight", ".up_proj.weight"),)}
 
 
 def renamed_tensor(name: str, renames) -> str:
@@ -70,6 +80,11 @@ def renamed_tensor(name: str, renames) -> str:
         name = re.sub(pattern, replacement, name)
     return name
 HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # what a Hugging Face repo id looks like: owner/name
+
+
+def _halves_apart(entry: TensorEntry) -> bool:
+    """Whether a tensor's first and second halves of rows are each a float tensor of their own bytes."""
+    return entry.dtype in ("F32", "F16", "BF16") and len(entry.shape) == 2 and entry.shape[0] % 2 == 0
 
 
 class CheckpointError(Exception):
@@ -288,6 +303,12 @@ class Checkpoint:
         for name, entry in self.tensors.items():
             new = renamed_tensor(name, renames)
             renamed[new] = replace(entry, name=new)
+        for fused, first, second in SAVED_HALVES.get(model_type, ()):
+            for name in [n for n, e in renamed.items() if n.endswith(fused) and _halves_apart(e)]:
+                entry, base = renamed.pop(name), name[:-len(fused)]
+                half = replace(entry, shape=(entry.shape[0] // 2, *entry.shape[1:]), nbytes=entry.nbytes // 2)
+                renamed[base + first] = replace(half, name=base + first)
+                renamed[base + second] = replace(half, name=base + second, offset=entry.offset + half.nbytes)
         self.tensors = renamed
 
     def _check_index(self) -> None:

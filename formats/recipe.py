@@ -148,9 +148,11 @@ def is_quantizable(name: str, shape) -> bool:
     """2-D weights are quantized; 1-D tensors, biases, the router gate, DeepSeek-V4's token →
     experts table and the DeltaNet convolution (llama.cpp's rule: rows of a few taps) stay F32;
     so do DeepSeek-V4's compressor position biases, which llama-quantize would quantize (they are
-    added to logits, not multiplied: no importance matrix has them, so no low-bit mix could)."""
+    added to logits, not multiplied: no importance matrix has them, so no low-bit mix could);
+    and MiniMax-M3's indexer projections (llama.cpp's rule)."""
     return name.endswith(".weight") and len(shape) >= 2 and not any(
-        part in name for part in ("ffn_gate_inp.weight", EXPERT_ID_TABLE, "ssm_conv1d", "compressor_ape.weight"))
+        part in name for part in ("ffn_gate_inp.weight", EXPERT_ID_TABLE, "ssm_conv1d", "compressor_ape.weight",
+                                  "indexer.q_proj.weight", "indexer.k_proj.weight"))
 
 
 @dataclass

@@ -463,11 +463,13 @@ class _LayerStep:
 
 
 class DecodeLayer(_LayerStep):
-    """One token through a GQA layer and the FFN after it: x [1, hidden] -> the layer's output
-    (x itself gets the attention output added)."""
+    """One token through a GQA layer (`attention`: the prompt path's `model.Attention`, for an
+    indexer's choice) and the FFN after it: x [1, hidden] -> the layer's output (x itself gets
+    the attention output added)."""
 
-    def __init__(self, c, record: LayerRecord, ffn):
+    def __init__(self, c, record: LayerRecord, attention, ffn):
         super().__init__(c, record, ffn)
+        self.attention = attention
         m = record.matrices
         qkv = (m["q"], m["k"], m["v"])
         out = QKV(*(np.empty((1, x.rows), F32) for x in qkv))
@@ -489,9 +491,13 @@ class DecodeLayer(_LayerStep):
         heads = record.mixer.kv_heads
         keys = cache.stored(layer, "k", position + 1).reshape(position + 1 - first, heads, c.head_dim)
         values = cache.stored(layer, "v", position + 1).reshape(position + 1 - first, heads, c.v_head_dim)
+        chosen = None
+        if self.attention.indexer is not None:
+            index_keys = self.attention.indexer.keys(self.h, self.positions)
+            chosen = self.attention.choose(cache, self.h, self.positions, position, index_keys)
         # attention through the general path's own kernels: compiled inside another kernel, its
         # loops could be vectorized differently, and the two paths would part by a few ulps
-        seen = Seen(position, first, record.window, kernels.NO_CHOICE, record.chunk)
+        seen = Seen(position, first, record.window, kernels.NO_CHOICE if chosen is None else chosen, record.chunk)
         kernels.attention_into(self.q, keys, values, seen, record.scoring, self.attended)
         if "gate" in record.matrices:  # Qwen3-Next's output gate, as model.Attention applies it
             gate = record.matrices["gate"](self.h).reshape(self.attended.shape)

@@ -1,13 +1,20 @@
-"""DeepSeek's sparse attention (DSA) indexer: which cached positions each query of an MLA layer
-attends to (DeepSeek-V3.2, GLM-5).
+"""Sparse attention's indexers: which cached positions each query of a layer attends to.
 
-Each indexed layer keeps its own small key cache (`index_k`: a LayerNorm of one projection of
-the layer's input, its first rotary dimensions rotated). A query scores a position as the sum
-over the indexer's heads of weight_h × relu(q_h · k × width^-0.5), the weights a projection of
-the input scaled by heads^-0.5, and attends to the `index_topk` positions that score best. With
-no more positions than that, it attends to all of them: the indexer is skipped, and the
-attention is exactly dense MLA. A layer that shares its indexer reuses the choice of the last
-layer before it that has one.
+`Indexer` is DeepSeek's (DSA: DeepSeek-V3.2, GLM-5), over an MLA layer. Each indexed layer
+keeps its own small key cache (`index_k`: a LayerNorm of one projection of the layer's input,
+its first rotary dimensions rotated). A query scores a position as the sum over the indexer's
+heads of weight_h × relu(q_h · k × width^-0.5), the weights a projection of the input scaled by
+heads^-0.5, and attends to the `index_topk` positions that score best. With no more positions
+than that, it attends to all of them: the indexer is skipped, and the attention is exactly
+dense MLA. A layer that shares its indexer reuses the choice of the last layer before it that
+has one.
+
+`BlockIndexer` is MiniMax-M3's, over a GQA layer: its cached key (one head, RMS-normalized,
+rotated as the layer's keys) and its queries (one head per key-value group) score positions by
+their plain dot product; a block of `index_block` positions scores its best visible one, the
+`index_local_blocks` up to the query's own are always kept, and the group's query heads attend
+to the positions of their `index_topk` best blocks. While a query sees no more blocks than
+that, it sees all of them, and the indexer is skipped.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 from colibri.formats.model_config import ModelConfig
+from colibri.runtime.kernels import rms_norm
 from colibri.runtime.kernels.threads import part_range, thread_count
 
 F32 = np.float32
@@ -88,4 +96,64 @@ class Indexer:
                 chosen[i, :seen] = 1
             else:  # the best index_topk; of equal scores, the earliest positions
                 chosen[i, np.argsort(-row[:seen], kind="stable")[:c.index_topk]] = 1
+        return chosen
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _choose_blocks(q, keys, start, block, topk, local, chosen, nthreads):
+    """chosen[i * heads + g, r] = 1 for the positions r of the `topk` blocks query i's head g
+    scores best (a block: its best position up to the query's; the `local` blocks up to the
+    query's own first; of equal scores, the earliest block), over keys [rows, width]."""
+    n, heads, width = q.shape
+    for t in prange(nthreads):
+        lo, hi = part_range(n * heads, nthreads, t, 1)
+        best = np.empty(keys.shape[0] // block + 1, F32)
+        for item in range(lo, hi):
+            i, g = item // heads, item % heads
+            end = start + i + 1  # the positions the query sees
+            blocks = (end - 1) // block + 1
+            if blocks <= topk:
+                chosen[item, :end] = 1
+                continue
+            best[:blocks] = -np.inf
+            for r in range(end):
+                dot = F32(0.0)
+                for d in range(width):
+                    dot += q[i, g, d] * keys[r, d]
+                best[r // block] = max(best[r // block], dot)
+            for back in range(min(local, blocks)):
+                best[blocks - 1 - back] = np.inf
+            for _ in range(topk):  # the best first; of equal ones, the earliest
+                b = np.argmax(best[:blocks])
+                best[b] = -np.inf
+                chosen[item, b * block:min((b + 1) * block, end)] = 1
+
+
+class BlockIndexer:
+    """One GQA layer's indexer of blocks (blk.L.indexer.*); `rope` rotates as the layer's keys."""
+
+    def __init__(self, c: ModelConfig, w, layer: int, rope):
+        p = f"blk.{layer}.indexer."
+        self.c, self.rope = c, rope
+        self.q, self.k = w.linear(p + "q_proj.weight"), w.linear(p + "k_proj.weight")
+        self.q_norm, self.k_norm = w.vector(p + "q_norm.weight"), w.vector(p + "k_norm.weight")
+
+    def keys(self, h: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The index keys [n, index_head_dim] of the layer's normalized input h [n, hidden] at `positions`."""
+        k = rms_norm(self.k(h), self.k_norm, self.c.norm_eps)
+        return self.rope.apply(k[:, None, :], positions)[:, 0]
+
+    def choose(self, h: np.ndarray, positions: np.ndarray, keys: np.ndarray, start: int) -> np.ndarray | None:
+        """uint8 [n * index_heads, rows] (row i * index_heads + g: what the heads of key-value
+        group g of query i attend to) for the queries of h [n, hidden] at positions start..,
+        over the cached index keys [start + n, width]; None while no query sees more than
+        index_topk blocks (all are attended)."""
+        c, n = self.c, h.shape[0]
+        if (start + n - 1) // c.index_block < c.index_topk:
+            return None
+        q = rms_norm(self.q(h).reshape(n, c.index_heads, c.index_head_dim), self.q_norm, c.norm_eps)
+        q = self.rope.apply(q, positions)
+        chosen = np.zeros((n * c.index_heads, keys.shape[0]), np.uint8)
+        _choose_blocks(np.ascontiguousarray(q), np.ascontiguousarray(keys, dtype=F32), start, c.index_block,
+                       c.index_topk, c.index_local_blocks, chosen, thread_count())
         return chosen

@@ -25,7 +25,7 @@ from colibri.runtime import fused, hyper_connections, kernels
 from colibri.runtime.compressed_attention import CompressedAttention
 from colibri.runtime.deltanet import GatedDeltaNet, mixer_for
 from colibri.runtime.expert_store import ExpertStore
-from colibri.runtime.indexer import Indexer
+from colibri.runtime.indexer import BlockIndexer, Indexer
 from colibri.runtime.kernels.attention import Scoring
 from colibri.runtime.kernels.routing import route_by, weigh_chosen
 from colibri.runtime.kv_cache import CacheShape, KVCache
@@ -129,11 +129,13 @@ def attention_of_slots(q, keys, values, slots, positions, scoring: Scoring) -> n
 
 
 class Attention:
-    """GQA / MHA with the variants of the supported architectures, as its `LayerRecord` says."""
+    """GQA / MHA with the variants of the supported architectures, as its `LayerRecord` says;
+    with an `indexer` (MiniMax-M3's sparse layers: `runtime.indexer.BlockIndexer`), each query
+    attends to the blocks of positions it chooses for the query's key-value group."""
 
-    def __init__(self, c: ModelConfig, record: LayerRecord):
+    def __init__(self, c: ModelConfig, record: LayerRecord, indexer: BlockIndexer | None = None):
         m = record.matrices
-        self.c, self.layer, self.record = c, record.layer, record
+        self.c, self.layer, self.record, self.indexer = c, record.layer, record, indexer
         self.q, self.k, self.v, self.o = m["q"], m["k"], m["v"], m["o"]
         self.gate = m.get("gate")  # Qwen3-Next's output gate: its rows of attn_q, held apart from the query's
         self.o_bias = record.output.o_bias if record.output.o_bias.size else None
@@ -145,7 +147,8 @@ class Attention:
         q, k, v, gate = self.rotated_qkv(h, positions)
         k = k.reshape(n, -1)
         out = np.empty((n, c.n_heads, c.v_head_dim), np.float32)
-        pooled, segments = pooled_tokens(segments, self.layer)
+        pooled, segments = pooled_tokens(segments, self.layer) if self.indexer is None else (None, segments)
+        index_keys = None if self.indexer is None else self.indexer.keys(h, positions)
         if pooled is not None:
             pool, rows, slots, at = pooled
             pool.write(self.layer, "k", slots, at, k[rows])
@@ -160,13 +163,23 @@ class Attention:
             first = s.cache.first(self.layer, "k")
             keys = s.cache.stored(self.layer, "k", s.end).reshape(s.end - first, self.kv_heads, c.head_dim)
             values = s.cache.stored(self.layer, "v", s.end).reshape(s.end - first, self.kv_heads, c.v_head_dim)
+            chosen = None if self.indexer is None else self.choose(s.cache, h[s.rows], positions[s.rows], s.start,
+                                                                   index_keys[s.rows])
             out[s.rows] = kernels.attention(q[s.rows], keys, values, s.start, self.scoring.scale, self.window,
-                                            self.scoring.sinks, first, chunk=self.record.chunk)
+                                            self.scoring.sinks, first, chosen, self.record.chunk)
         out = out.reshape(n, c.n_heads * c.v_head_dim)
         if gate is not None:  # Qwen3-Next's output gate
             out = kernels.sigmoid_gated(out, gate)
         out = self.o(out)
         return out if self.o_bias is None else out + self.o_bias
+
+    def choose(self, cache: KVCache, h: np.ndarray, positions: np.ndarray, start: int,
+               index_keys: np.ndarray) -> np.ndarray | None:
+        """What the queries of h [n, hidden] at positions start.. attend to (the indexer's
+        choice: uint8 [n * kv heads, start + n], None for all), after caching their index keys."""
+        end = start + h.shape[0]
+        cache.write(self.layer, "index_k", start, index_keys)
+        return self.indexer.choose(h, positions, cache.read(self.layer, "index_k", end), start)
 
     def rotated_qkv(self, h: np.ndarray, positions: np.ndarray):
         """q [n, heads, width], k [n, kv heads, width] and v [n, kv heads * v width] of h with
@@ -462,8 +475,11 @@ class Decoder:
                 attention = mixer_for(c, w, i)
             elif c.attention == "compressed":
                 attention = CompressedAttention(c, w, i, rope, compress_rope)
+            elif c.attention == "mla":
+                attention = LatentAttention(c, w, record, index_rope)
             else:
-                attention = LatentAttention(c, w, record, index_rope) if c.attention == "mla" else Attention(c, record)
+                indexer = BlockIndexer(c, w, i, ropes[c.rope_theta_of(i)]) if i in c.index_layers else None
+                attention = Attention(c, record, indexer)
             if c.index_topk and c.attention == "mla" and attention.indexer is None:  # it reuses the last indexer's choice
                 attention.shares = next(a for _, a, _, _ in reversed(self.layers) if a.indexer is not None)
             router = HashRouter(c, record, w) if i in c.hash_layers else None
@@ -497,7 +513,7 @@ class Decoder:
                 steps.append(fused.HyperDecodeLayer(c, record, mixer, ffn, self.hyper[record.layer], self.mixing)
                              if isinstance(ffn, MoE) else None)
             elif isinstance(mixer, Attention):
-                steps.append(fused.DecodeLayer(c, record, ffn))
+                steps.append(fused.DecodeLayer(c, record, mixer, ffn))
             else:  # MLA's sparse attention choice and a DeltaNet's mixer are the prompt path's own
                 layer = fused.LatentDecodeLayer if isinstance(mixer, LatentAttention) else fused.DeltaNetDecodeLayer
                 steps.append(layer(c, record, mixer, ffn))
@@ -523,8 +539,10 @@ class Decoder:
             widths = {"kv": c.kv_lora_rank + c.qk_rope_head_dim, **({"index_k": c.index_head_dim} if c.index_topk else {})}
         else:
             widths = {"k": c.n_kv_heads * c.head_dim, "v": c.n_kv_heads * c.v_head_dim}
-        own = tuple({"k": c.kv_heads_of(i) * c.head_dim, "v": c.kv_heads_of(i) * c.v_head_dim}
-                    for i in range(c.n_layers)) if c.sliding_kv_heads else ()  # sliding layers' own KV heads
+        own = tuple({"k": c.kv_heads_of(i) * c.head_dim, "v": c.kv_heads_of(i) * c.v_head_dim,
+                     **({"index_k": c.index_head_dim} if i in c.index_layers else {})}
+                    for i in range(c.n_layers)) if c.sliding_kv_heads or c.index_block else ()  # sliding layers'
+        # own KV heads; the index keys of the layers with an indexer of blocks
         return CacheShape(c.n_layers, widths, tuple(c.window_of(layer) for layer in range(c.n_layers)),
                           tuple(GatedDeltaNet.state_shapes(c) if c.is_linear_layer(layer) else {}
                                 for layer in range(c.n_layers)), layer_widths=own)

@@ -18,6 +18,8 @@ llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm,minimax
   [1, channels, 1, kernel], ``-exp(A_log)``, ``dt_bias`` as ``dt_proj.bias``;
 * Llama 4: ``feed_forward_length`` the dense layers' width, the transposed ``gate_up_proj``
   split into gate and up halves, ``down_proj`` transposed;
+* MiniMax-M3: every norm's 1 added, the indexer, shared expert and dense FFN by llama.cpp's names,
+  the indexer's keys and the leading dense layers from the release's config keys;
 * gpt-oss: ``sinks`` named ``.weight``, the transposed ``gate_up_proj`` (and its bias) split
   into gate and up by alternate columns, ``down_proj`` transposed;
 * Qwen3-Next and Qwen3.5-MoE: ``-exp(A_log)``, the zero-centred norms plus one, the
@@ -61,12 +63,15 @@ def read_checkpoint(src: Path) -> dict[str, np.ndarray]:
 
 def add_metadata(w: gguf.GGUFWriter, hp: dict, block_count: int) -> None:
     """TextModel.set_gguf_parameters, then the model class's own keys."""
-    arch = ADAPTERS[hp["model_type"]].gguf_arch
+    adapter = ADAPTERS[hp["model_type"]]
+    arch = adapter.gguf_arch
     rope = dict(hp.get("rope_scaling") or {})
     w.add_block_count(block_count)
     w.add_context_length(hp.get("max_position_embeddings", hp.get("model_max_length")))
     w.add_embedding_length(hp["hidden_size"])
-    ffn = hp.get("intermediate_size_mlp" if arch == gguf.MODEL_ARCH.LLAMA4 else "intermediate_size")  # Llama4Model swaps them
+    # TextModel's find_hparam order (Llama4Model swaps the two)
+    ffn = hp.get("intermediate_size_mlp") if arch == gguf.MODEL_ARCH.LLAMA4 else \
+        hp.get("dense_intermediate_size", hp.get("intermediate_size"))
     if ffn is not None:
         w.add_feed_forward_length(ffn)
     w.add_head_count(hp["num_attention_heads"])
@@ -94,7 +99,7 @@ def add_metadata(w: gguf.GGUFWriter, hp: dict, block_count: int) -> None:
         w.add_key_length(hp["head_dim"])
         w.add_value_length(hp["head_dim"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    MODEL_CLASS_KEYS[arch](w, hp, rope)
+    MODEL_CLASS_KEYS[adapter.gguf_arch_name](w, hp, rope)
 
 
 def llama_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
@@ -183,6 +188,41 @@ def glm4moe_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
 def minimaxm2_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
     w.add_expert_feed_forward_length(hp["intermediate_size"])
     w.add_rope_dimension_count(hp["rotary_dim"])
+
+
+def minimaxm3_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
+    """MiniMaxM3Model: MiniMaxM2Model's keys, the shared expert, the routed scale, the indexer's
+    (gguf-py's add_indexer_* helpers are newer than the gguf package here: the same keys by name),
+    the leading dense layers counted from the release's moe_layer_freq."""
+    minimaxm2_keys(w, hp, rope)
+    w.add_expert_shared_count(hp["n_shared_experts"])
+    w.add_expert_weights_scale(hp["routed_scaling_factor"])
+    w.add_expert_weights_norm(True)
+    sparse, keys = hp["sparse_attention_config"], f"{w.arch}.attention.indexer."
+    for key, value in (("head_count", "sparse_num_index_heads"), ("key_length", "sparse_index_dim"),
+                       ("top_k", "sparse_topk_blocks"), ("block_size", "sparse_block_size"),
+                       ("local_blocks", "sparse_local_block")):
+        w.add_uint32(keys + key, sparse[value])
+    w.add_leading_dense_block_count(next(i for i, moe in enumerate(hp["moe_layer_freq"] + [1]) if moe))
+
+
+# llama.cpp's minimax-m3 tensors the gguf package here does not map (its tensor_mapping.py's "MSA" and
+# "kimi" lines, and the dense FFN minimax-m2 lacks)
+MINIMAX_M3_NAMES = {
+    **{f"self_attn.index_{part}": f"indexer.{part}" for part in ("q_proj", "k_proj", "q_norm", "k_norm")},
+    **{f"block_sparse_moe.shared_experts.{m}_proj": f"ffn_{m}_shexp" for m in ("gate", "up", "down")},
+    **{f"mlp.{m}_proj": f"ffn_{m}" for m in ("gate", "up", "down")},
+}
+
+
+def minimaxm3_tensors(name: str, data: np.ndarray):
+    """MiniMaxM3Model.modify_tensors: every norm's 1 added; the names gguf lacks, by MINIMAX_M3_NAMES."""
+    if name.endswith("norm.weight"):
+        data = data + 1.0
+    layer = re.match(r"model\.layers\.(\d+)\.(.+)\.weight$", name)
+    if layer and layer.group(2) in MINIMAX_M3_NAMES:
+        name = f"blk.{layer.group(1)}.{MINIMAX_M3_NAMES[layer.group(2)]}.weight"
+    yield name, data
 
 
 def glm_dsa_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
@@ -287,15 +327,15 @@ def kimi_linear_tensors(name: str, data: np.ndarray):
     yield name, data
 
 
-# llama.cpp's converter: one model class per architecture it writes
-MODEL_CLASS_KEYS = {
+# llama.cpp's converter: one model class per architecture it writes, by llama.cpp's name
+MODEL_CLASS_KEYS = {gguf.MODEL_ARCH_NAMES[arch]: keys for arch, keys in {
     gguf.MODEL_ARCH.LLAMA: llama_keys, gguf.MODEL_ARCH.QWEN2MOE: qwen_moe_keys, gguf.MODEL_ARCH.QWEN3MOE: qwen_moe_keys,
     gguf.MODEL_ARCH.OLMOE: olmoe_keys, gguf.MODEL_ARCH.DEEPSEEK2: deepseek2_keys, gguf.MODEL_ARCH.GLM4_MOE: glm4moe_keys,
     gguf.MODEL_ARCH.MINIMAXM2: minimaxm2_keys, gguf.MODEL_ARCH.GPT_OSS: gpt_oss_keys, gguf.MODEL_ARCH.GLM_DSA: glm_dsa_keys,
     gguf.MODEL_ARCH.QWEN3NEXT: qwen3next_keys, gguf.MODEL_ARCH.QWEN35MOE: qwen3next_keys, gguf.MODEL_ARCH.DOTS1: dots1_keys,
     gguf.MODEL_ARCH.ERNIE4_5_MOE: ernie_moe_keys, gguf.MODEL_ARCH.HUNYUAN_MOE: hunyuan_moe_keys,
     gguf.MODEL_ARCH.MIMO2: mimo2_keys, gguf.MODEL_ARCH.LLAMA4: llama4_keys, gguf.MODEL_ARCH.KIMI_LINEAR: kimi_linear_keys,
-}
+}.items()} | {"minimax-m3": minimaxm3_keys}
 
 
 def v_heads_tiled(data: np.ndarray, axis: int, hp: dict, width: int) -> np.ndarray:
@@ -388,12 +428,14 @@ def gguf_tensors(tensors: dict[str, np.ndarray], hp: dict, block_count: int, fus
             pairs = llama4_tensors(name, data)
         elif adapter.gguf_arch == gguf.MODEL_ARCH.KIMI_LINEAR:
             pairs = kimi_linear_tensors(name, data)
+        elif adapter.gguf_arch_name == "minimax-m3":
+            pairs = minimaxm3_tensors(name, data)
         elif adapter.gguf_arch in (gguf.MODEL_ARCH.QWEN3NEXT, gguf.MODEL_ARCH.QWEN35MOE):
             pairs = qwen3next_tensors(name, data, hp, adapter.gguf_arch == gguf.MODEL_ARCH.QWEN35MOE)
         else:
             pairs = [(name, data)]
         for name, data in pairs:
-            yield name_map.get_name(name, try_suffixes=(".weight", ".bias")), data
+            yield name if name.startswith("blk.") else name_map.get_name(name, try_suffixes=(".weight", ".bias")), data
     stacked = {}
     for (layer, leaf), by_expert in experts.items():
         stacked[name_map.get_name(f"{adapter.experts(layer).prefix}.{leaf}") + ".weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])

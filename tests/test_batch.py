@@ -80,7 +80,8 @@ def assert_same(alone, together):
             assert np.array_equal(logits.view(np.uint32), logits2.view(np.uint32)), i
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "qwen3_next", "llama4_text", "kimi_linear"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "qwen3_next", "llama4_text", "kimi_linear",
+                                  "minimax_m3_vl_text"])
 def test_a_sequence_gets_the_same_logits_alone_and_in_any_batch(models, arch):
     path = models(arch)
     alone = {i: run(path, 1, [i])[0][i] for i in range(len(LENGTHS))}

@@ -23,7 +23,8 @@ CASES = [("mixtral", "Q4_K_M", "f16"), ("qwen2_moe", "Q8_0", "q8_0"), ("qwen3_mo
          ("olmoe", "F32", "f16"), ("glm4_moe", "Q4_K_M", "f16"), ("deepseek_v2", "Q4_K_M", "f16"),
          ("deepseek_v3", "Q4_K_M", "q8_0"), ("deepseek_v3", "F32", "f32"), ("kimi_k2", "Q8_0", "f16"),
          ("qwen3_next", "Q4_K_M", "f16"), ("qwen3_5_moe", "Q8_0", "q8_0"), ("llama4_text", "Q4_K_M", "f16"),
-         ("kimi_linear", "Q8_0", "f16"), ("deepseek_v4", "Q4_K_M", "f16")]
+         ("kimi_linear", "Q8_0", "f16"), ("deepseek_v4", "Q4_K_M", "f16"),
+         ("minimax_m3_vl_text", "Q4_K_M", "f16")]
 
 
 @pytest.mark.parametrize("arch, quant, kv_quant", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
@@ -41,7 +42,7 @@ def test_decoding_with_fused_layers_gives_the_general_paths_logits(tmp_path, arc
     def decode(steps):
         model.decoder.decode_layers = steps
         model.reset()
-        logits = [model.prefill([5, 9, 2, 7])[-1]]
+        logits = [model.prefill([5, 9, 2, 7, 11, 3, 8, 1, 4, 6])[-1]]  # then past 12 positions: MiniMax-M3's sparse
         for _ in range(6):
             logits.append(model.decode(int(np.argmax(logits[-1]))))
         return np.array(logits)
@@ -89,7 +90,7 @@ def test_the_layer_tail_runs_cached_experts_as_a_fetch_would(tmp_path, monkeypat
         model = open_model(tmp_path / "model", ctx=64, cache_policy=policy, expert_cache=half)
         if not with_fused_steps:
             model.decoder.decode_layers = [None] * len(model.decoder.layers)
-        logits = [model.prefill([5, 9, 2, 7])[-1]]
+        logits = [model.prefill([5, 9, 2, 7, 11, 3, 8, 1, 4, 6])[-1]]  # then past 12 positions: MiniMax-M3's sparse
         for _ in range(8):
             logits.append(model.decode(int(np.argmax(logits[-1]))))
         index = model.store.index

@@ -118,8 +118,8 @@ QUANT_BOUNDS = {
     "Q8_0": {"median_cos": 0.999, "mean_kl": 0.002, "top1": 0.85},
     "Q4_K_M": {"median_cos": 0.96, "mean_kl": 0.01, "top1": 0.6},
 }
-# DeepSeek's sparse attention: past index_topk positions (DeepSeek-V4: compressed entries of 4)
-# quantization also changes which ones a query attends to (DeepSeek-V3.2's median cosine there:
+# DeepSeek's sparse attention: past index_topk positions (DeepSeek-V4: compressed entries of 4;
+# MiniMax-M3: blocks) quantization also changes which ones a query attends to (DeepSeek-V3.2's median cosine there:
 # Q8_0 0.997, Q4_K_M 0.936), so the bounds above hold for the rows before, these for the rows after
 SPARSE_MEDIAN_COS = {"Q8_0": 0.99, "Q4_K_M": 0.9}
 # DeepSeek-V4's tiny model has more products a row than the others (query LoRA, grouped output,
@@ -133,9 +133,12 @@ CLEAR_MARGIN = 0.5  # top-1 minus top-2 logit, in units of the logits' standard 
 
 
 def dense_rows(c, n: int) -> int:
-    """The first rows whose queries attend to every position (DeepSeek-V4: every entry)."""
+    """The first rows whose queries attend to every position (DeepSeek-V4: every entry; MiniMax-M3:
+    every block)."""
     if not c.index_topk:
         return n
+    if c.index_block:
+        return c.index_topk * c.index_block
     return (c.index_topk + 1) * OVERLAPPING_RATIO - 1 if c.attention == "compressed" else c.index_topk
 
 
@@ -155,8 +158,8 @@ def test_quantized_runs_stay_close_to_f32(built, arch, quant):
     got = model.prefill(ids)
     cos = (got * want).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))
     log_p, log_q = log_softmax(want), log_softmax(got)
-    kl = (np.exp(log_p) * (log_p - log_q)).sum(-1).mean()
     dense = dense_rows(model.config, len(ids))
+    kl = (np.exp(log_p) * (log_p - log_q)).sum(-1)[:dense].mean()
     top2 = np.sort(want, axis=-1)[:, -2:]
     clear = ((top2[:, 1] - top2[:, 0]) > CLEAR_MARGIN * want.std())[:dense]
     agreement = (got.argmax(-1) == want.argmax(-1))[:dense][clear].mean() if clear.any() else 1.0

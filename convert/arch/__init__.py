@@ -33,8 +33,6 @@ TINY_MODELS: dict[str, TinyModel] = {t: m for adapter in dict.fromkeys(ADAPTERS.
 NOT_YET = {
     **dict.fromkeys(("glm5_next", "glm5_next_text"), "GLM-5-Next's MLA with a DSA indexer over pooled keys and its "
                                                      "hyper-connections are not built yet (its KDA layers are)"),
-    **dict.fromkeys(("minimax_m3_vl", "minimax_m3_vl_text"), "MiniMax-M3's block-sparse attention (an indexer per key-"
-                                                             "value group choosing blocks) is not built yet"),
 }
 
 

@@ -145,6 +145,11 @@ class _Planner:
             q_norm, k_norm = self.adapter.qk_norm_leaves
             self.norm(a + q_norm, c.head_dim if head else q)
             self.norm(a + k_norm, c.head_dim if head else k)
+        if c.index_block and i in c.index_layers:  # MiniMax-M3's indexer of blocks
+            self.linear(a + "index_q_proj", c.index_heads * c.index_head_dim, D)
+            self.linear(a + "index_k_proj", c.index_head_dim, D)
+            self.norm(a + "index_q_norm", c.index_head_dim)
+            self.norm(a + "index_k_norm", c.index_head_dim)
 
     def linear_attention(self, a):
         """A gated DeltaNet's tensors, as the adapter names them."""
