@@ -9,7 +9,9 @@ transformers' defaults): 43 layers, `compress_ratios` [0, 0] + [4, 128] × 20 + 
 one key-value head of 512, indexer keys of 128. Llama-4-Scout and -Maverick (their text_config):
 48 layers of 8 key-value heads of 128, three in four chunked to 8192 positions. Kimi-Linear-48B-A3B:
 27 layers, 7 of them MLA (a latent of 512 and a shared key of 64 a position), 20 KDA (32 heads of
-128: a fixed state).
+128: a fixed state). MiniMax-M3 (its text_config: transformers' MiniMaxM3VLTextConfig defaults, a
+context of 1048576): 60 layers of 4 key-value heads of 128, the 57 after the 3 dense ones with
+block-sparse attention and index keys of 128 a position.
 """
 
 from __future__ import annotations
@@ -60,6 +62,16 @@ CONFIGS = {
         "linear_attn_config": {"full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "head_dim": 128, "num_heads": 32,
                                "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
                                "short_conv_kernel_size": 4},
+    },
+    "MiniMax-M3": {
+        "model_type": "minimax_m3_vl_text", "vocab_size": 200064, "hidden_size": 6144, "intermediate_size": 3072,
+        "dense_intermediate_size": 12288, "shared_intermediate_size": 3072, "num_hidden_layers": 60,
+        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "num_local_experts": 128,
+        "num_experts_per_tok": 4, "routed_scaling_factor": 2.0, "max_position_embeddings": 1048576,
+        "rope_theta": 5000000, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-6, "moe_layer_freq": [0] * 3 + [1] * 57,
+        "sparse_attention_config": {"sparse_attention_freq": [0] * 3 + [1] * 57, "sparse_num_index_heads": 4,
+                                    "sparse_index_dim": 128, "sparse_block_size": 128, "sparse_topk_blocks": 16,
+                                    "sparse_local_block": 1},
     },
 }
 

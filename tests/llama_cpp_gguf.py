@@ -335,7 +335,7 @@ MODEL_CLASS_KEYS = {gguf.MODEL_ARCH_NAMES[arch]: keys for arch, keys in {
     gguf.MODEL_ARCH.QWEN3NEXT: qwen3next_keys, gguf.MODEL_ARCH.QWEN35MOE: qwen3next_keys, gguf.MODEL_ARCH.DOTS1: dots1_keys,
     gguf.MODEL_ARCH.ERNIE4_5_MOE: ernie_moe_keys, gguf.MODEL_ARCH.HUNYUAN_MOE: hunyuan_moe_keys,
     gguf.MODEL_ARCH.MIMO2: mimo2_keys, gguf.MODEL_ARCH.LLAMA4: llama4_keys, gguf.MODEL_ARCH.KIMI_LINEAR: kimi_linear_keys,
-}.items()} | {"minimax-m3": minimaxm3_keys}
+}.items()} | {"deepseek32": glm_dsa_keys, "minimax-m3": minimaxm3_keys}
 
 
 def v_heads_tiled(data: np.ndarray, axis: int, hp: dict, width: int) -> np.ndarray:
