@@ -232,8 +232,10 @@ def replicate_layers(source: pathlib.Path, out: pathlib.Path, layers: int) -> No
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             os.link(source / name, out / name)
     config = dict(manifest["config"], n_layers=layers)
-    for field in ("moe_layers", "sliding_layers", "index_layers", "linear_layers"):  # the lists of layers, repeated too
-        config[field] = [i for i in range(layers) if i % n in manifest["config"].get(field, [])]
+    for field in ("moe_layers", "sliding_layers", "index_layers", "linear_layers", "hash_layers"):  # the lists of
+        config[field] = [i for i in range(layers) if i % n in manifest["config"].get(field, [])]  # layers, repeated too
+    if config.get("compress_ratios"):  # and the values per layer (DeepSeek-V4's)
+        config["compress_ratios"] = [manifest["config"]["compress_ratios"][i % n] for i in range(layers)]
     manifest.update(tensors=tensors, files=files, expert_layers=expert_layers, config=config)
     manifest.pop("self_sha256", None)
     write_manifest(out, manifest)
