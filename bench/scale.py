@@ -43,7 +43,8 @@ from colibri.convert.arch import ADAPTERS, tiny_model
 from colibri.convert.arch.base import normalized_config
 from colibri.formats.config_check import expected_expert_shapes, expected_tensors
 from colibri.formats.encodings import tensor_bytes
-from colibri.formats.layout import EXPERT_ALIGN, EXPERT_MATRICES, FORMAT_VERSION, ModelLayout, write_manifest
+from colibri.formats.layout import (EXPERT_ALIGN, EXPERT_MATRICES, FORMAT_VERSION, TENSOR_ALIGN, AlignedFileWriter, ModelLayout,
+                                    write_manifest)
 from colibri.formats.recipe import Recipe
 from colibri.runtime import kernels
 from colibri.runtime.kernels.emitter import TARGET_CPUS, restart_for
@@ -204,20 +205,27 @@ def model_speed(model: pathlib.Path, threads: int, tokens: int, prompts: tuple[i
 
 
 def replicate_layers(source: pathlib.Path, out: pathlib.Path, layers: int) -> None:
-    """A model of `layers` layers made of a converted model's own (layer i reads layer
-    i mod n's tensors and expert file, hard-linked, no copy): a real shape's per-token bytes
-    and calls without converting a checkpoint of that size. Speed only: its output means
-    nothing."""
+    """A model of `layers` layers made of a converted model's own (layer i is layer i mod n's
+    tensors, copied into a resident file of its own, and expert file, hard-linked): a real
+    shape's per-token bytes and calls without converting a checkpoint of that size. Speed only:
+    its output means nothing."""
     manifest = json.loads((source / "colibri.json").read_text())
     n = manifest["config"]["n_layers"]
-    tensors, files, expert_layers = {}, {}, []
+    copies = []  # (new name, the source's entry)
     for name, info in manifest["tensors"].items():
         if not name.startswith("blk."):
-            tensors[name] = info
+            copies.append((name, info))
             continue
         layer, rest = name[4:].split(".", 1)
-        for target in range(int(layer), layers, n):
-            tensors[f"blk.{target}.{rest}"] = info
+        copies += [(f"blk.{target}.{rest}", info) for target in range(int(layer), layers, n)]
+    tensors, files, expert_layers = {}, {}, []
+    resident = AlignedFileWriter(out / "resident.bin")
+    with open(source / "resident.bin", "rb") as f:
+        for name, info in copies:
+            f.seek(info["offset"])
+            tensors[name] = dict(info, offset=resident.start(TENSOR_ALIGN))
+            resident.write(f.read(info["nbytes"]))
+    files["resident.bin"] = {"size": resident.commit()}
     by_layer = {entry["layer"]: entry for entry in manifest["expert_layers"]}
     for target in range(layers):
         if target % n in by_layer:
@@ -227,7 +235,7 @@ def replicate_layers(source: pathlib.Path, out: pathlib.Path, layers: int) -> No
             (out / "experts").mkdir(parents=True, exist_ok=True)
             os.link(source / by_layer[target % n]["file"], out / entry["file"])
     for name, info in manifest["files"].items():
-        if not name.startswith("experts/"):
+        if not name.startswith("experts/") and name != "resident.bin":
             files[name] = info
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             os.link(source / name, out / name)
