@@ -43,11 +43,11 @@ import numpy as np
 from numba import prange
 
 from colibri.runtime import kernels
+from colibri.runtime.hyper_connections import Mixing, merge_into, mixing_into, normalized_into
 from colibri.runtime.kernels.activations import fill_activation
 from colibri.runtime.kernels.attention import Seen
 from colibri.runtime.kernels.experts import Choice, glu_rows, moe_steps
 from colibri.runtime.kernels.numerics import rms_norm_into
-from colibri.runtime.hyper_connections import Mixing, merge_into, mixing_into, normalized_into
 from colibri.runtime.kernels.routing import route_into, weigh_chosen_into
 from colibri.runtime.kernels.rows import Product, rows_per_head, rows_times
 from colibri.runtime.kernels.threads import part_range, thread_count
