@@ -226,8 +226,8 @@ def _check_block_indexer(c: ModelConfig, dim, need) -> None:
     dim("index_local_blocks", 0, c.index_topk)
     if dim("index_head_dim"):
         need(c.rope_dim <= c.index_head_dim, f"index_head_dim {c.index_head_dim} is narrower than the rotated {c.rope_dim}")
-    need(_are_layers(c.index_layers, c.n_layers),
-         f"index_layers {c.index_layers!r} are not distinct increasing layers of the {c.n_layers}")
+    need(_are_layers(c.index_layers, c.n_layers) and not set(c.index_layers) & {*c.sliding_layers, *c.chunked_layers},
+         f"index_layers {c.index_layers!r} are not distinct increasing layers of the {c.n_layers}, none windowed")
 
 
 OVERLAPPING_RATIO = 4  # DeepSeek-V4's compress ratio whose windows overlap and whose layers have an indexer

@@ -497,7 +497,8 @@ class DecodeLayer(_LayerStep):
             chosen = self.attention.choose(cache, self.h, self.positions, position, index_keys)
         # attention through the general path's own kernels: compiled inside another kernel, its
         # loops could be vectorized differently, and the two paths would part by a few ulps
-        seen = Seen(position, first, record.window, kernels.NO_CHOICE if chosen is None else chosen, record.chunk)
+        seen = Seen(position, first, record.window, kernels.NO_CHOICE if chosen is None else chosen, record.chunk,
+                    c.index_block or 1)
         kernels.attention_into(self.q, keys, values, seen, record.scoring, self.attended)
         if "gate" in record.matrices:  # Qwen3-Next's output gate, as model.Attention applies it
             gate = record.matrices["gate"](self.h).reshape(self.attended.shape)

@@ -101,9 +101,9 @@ class Indexer:
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _choose_blocks(q, keys, start, block, topk, local, chosen, nthreads):
-    """chosen[i * heads + g, r] = 1 for the positions r of the `topk` blocks query i's head g
-    scores best (a block: its best position up to the query's; the `local` blocks up to the
-    query's own first; of equal scores, the earliest block), over keys [rows, width]."""
+    """chosen[i * heads + g, b] = 1 for the `topk` blocks b query i's head g scores best (a
+    block: its best position up to the query's; the `local` blocks up to the query's own first;
+    of equal scores, the earliest block), over keys [rows, width]."""
     n, heads, width = q.shape
     for t in prange(nthreads):
         lo, hi = part_range(n * heads, nthreads, t, 1)
@@ -113,7 +113,7 @@ def _choose_blocks(q, keys, start, block, topk, local, chosen, nthreads):
             end = start + i + 1  # the positions the query sees
             blocks = (end - 1) // block + 1
             if blocks <= topk:
-                chosen[item, :end] = 1
+                chosen[item, :blocks] = 1
                 continue
             best[:blocks] = -np.inf
             for r in range(end):
@@ -126,7 +126,7 @@ def _choose_blocks(q, keys, start, block, topk, local, chosen, nthreads):
             for _ in range(topk):  # the best first; of equal ones, the earliest
                 b = np.argmax(best[:blocks])
                 best[b] = -np.inf
-                chosen[item, b * block:min((b + 1) * block, end)] = 1
+                chosen[item, b] = 1
 
 
 class BlockIndexer:
@@ -144,16 +144,16 @@ class BlockIndexer:
         return self.rope.apply(k[:, None, :], positions)[:, 0]
 
     def choose(self, h: np.ndarray, positions: np.ndarray, keys: np.ndarray, start: int) -> np.ndarray | None:
-        """uint8 [n * index_heads, rows] (row i * index_heads + g: what the heads of key-value
-        group g of query i attend to) for the queries of h [n, hidden] at positions start..,
-        over the cached index keys [start + n, width]; None while no query sees more than
-        index_topk blocks (all are attended)."""
+        """uint8 [n * index_heads, blocks of the rows] (row i * index_heads + g: the blocks the
+        heads of key-value group g of query i attend to) for the queries of h [n, hidden] at
+        positions start.., over the cached index keys [start + n, width]; None while no query
+        sees more than index_topk blocks (all are attended)."""
         c, n = self.c, h.shape[0]
         if (start + n - 1) // c.index_block < c.index_topk:
             return None
         q = rms_norm(self.q(h).reshape(n, c.index_heads, c.index_head_dim), self.q_norm, c.norm_eps)
         q = self.rope.apply(q, positions)
-        chosen = np.zeros((n * c.index_heads, keys.shape[0]), np.uint8)
+        chosen = np.zeros((n * c.index_heads, -(-keys.shape[0] // c.index_block)), np.uint8)
         _choose_blocks(np.ascontiguousarray(q), np.ascontiguousarray(keys, dtype=F32), start, c.index_block,
                        c.index_topk, c.index_local_blocks, chosen, thread_count())
         return chosen

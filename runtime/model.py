@@ -166,7 +166,7 @@ class Attention:
             chosen = None if self.indexer is None else self.choose(s.cache, h[s.rows], positions[s.rows], s.start,
                                                                    index_keys[s.rows])
             out[s.rows] = kernels.attention(q[s.rows], keys, values, s.start, self.scoring.scale, self.window,
-                                            self.scoring.sinks, first, chosen, self.record.chunk)
+                                            self.scoring.sinks, first, chosen, self.record.chunk, c.index_block or 1)
         out = out.reshape(n, c.n_heads * c.v_head_dim)
         if gate is not None:  # Qwen3-Next's output gate
             out = kernels.sigmoid_gated(out, gate)
@@ -176,7 +176,7 @@ class Attention:
     def choose(self, cache: KVCache, h: np.ndarray, positions: np.ndarray, start: int,
                index_keys: np.ndarray) -> np.ndarray | None:
         """What the queries of h [n, hidden] at positions start.. attend to (the indexer's
-        choice: uint8 [n * kv heads, start + n], None for all), after caching their index keys."""
+        choice of blocks: uint8 [n * kv heads, blocks], None for all), after caching their index keys."""
         end = start + h.shape[0]
         cache.write(self.layer, "index_k", start, index_keys)
         return self.indexer.choose(h, positions, cache.read(self.layer, "index_k", end), start)

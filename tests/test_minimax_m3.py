@@ -107,23 +107,23 @@ def test_what_the_runtime_cannot_run_is_one_line(change, words):
 
 
 def test_each_kv_group_attends_to_its_own_blocks():
-    """A choice per query and kv head equals attending with each group's heads alone over its
-    kv head and that group's row of the choice."""
+    """A choice of blocks per query and kv head equals attending with each group's heads alone
+    over its kv head and that group's choice, each block's flag repeated for its positions."""
     rng = np.random.default_rng(5)
-    n, heads, kv_heads, width, rows = 3, 4, 2, 16, 20
+    n, heads, kv_heads, width, rows, block = 3, 4, 2, 16, 22, 4
     q = rng.standard_normal((n, heads, width)).astype(np.float32)
     keys, values = (rng.standard_normal((rows, kv_heads, width)).astype(np.float32) for _ in range(2))
-    chosen = (rng.random((n * kv_heads, rows)) < 0.5).astype(np.uint8)
-    chosen[:, -n:] = 1  # each query's own position
+    chosen = (rng.random((n * kv_heads, -(-rows // block))) < 0.5).astype(np.uint8)
+    chosen[:, -1] = 1  # each query's own block
     start = rows - n
-    got = kernels.attention(q, keys, values, start, 0.25, chosen=chosen)
-    group = heads // kv_heads
+    got = kernels.attention(q, keys, values, start, 0.25, chosen=chosen, block=block)
+    group, positions = heads // kv_heads, np.repeat(chosen, block, axis=1)[:, :rows]
     for kv in range(kv_heads):
         alone = kernels.attention(q[:, kv * group:(kv + 1) * group], keys[:, kv:kv + 1], values[:, kv:kv + 1], start,
-                                  0.25, chosen=chosen[kv::kv_heads])
+                                  0.25, chosen=positions[kv::kv_heads])
         np.testing.assert_array_equal(got[:, kv * group:(kv + 1) * group], alone)
-    first_groups_choice = kernels.attention(q, keys, values, start, 0.25, chosen=chosen[::kv_heads])
-    assert not np.array_equal(got[:, group:], first_groups_choice[:, group:])  # the second group's own rows count
+    first_groups_choice = kernels.attention(q, keys, values, start, 0.25, chosen=chosen[::kv_heads], block=block)
+    assert not np.array_equal(got[:, group:], first_groups_choice[:, group:])  # the second group's own blocks count
 
 
 def test_a_model_llama_cpp_would_run_otherwise_is_not_exported(checkpoint, tmp_path):

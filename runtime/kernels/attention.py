@@ -23,14 +23,15 @@ NO_SINK = np.finfo(np.float32).min  # below softmax_in_place's threshold: no sin
 class Seen(NamedTuple):
     """Which cached rows each query sees: cache row r holds position first_key + r; query i
     (position p = start + i) sees the `window` positions up to its own, with a `chunk` > 0 only
-    those of its own chunk (p - p % chunk..p), and of them only rows r with chosen[i, r] when
-    `chosen` has rows."""
+    those of its own chunk (p - p % chunk..p), and of them only rows r with chosen[i, r // block]
+    when `chosen` has rows (an entry a `block` of rows: MiniMax-M3's choice of blocks)."""
 
     start: int
     first_key: int
     window: int
     chosen: np.ndarray
     chunk: int = 0
+    block: int = 1
 
 
 class Scoring(NamedTuple):
@@ -73,20 +74,21 @@ def _choice_of(chosen, i, kv, kv_heads, n):
 
 
 @njit(cache=True, nogil=True)
-def _leave_out(scores, chosen, lo, end):
-    """Scores of the rows `chosen` leaves out (0) below every other, before the softmax."""
+def _leave_out(scores, chosen, lo, end, block):
+    """Scores of the rows `chosen` leaves out (0; an entry a `block` of rows) below every
+    other, before the softmax."""
     for g in range(scores.shape[0]):
         for pos in range(lo, end):
-            if not chosen[pos]:
+            if not chosen[pos // block]:
                 scores[g, pos] = NO_SINK
 
 
 @njit(cache=True, nogil=True)
-def _weigh_none(scores, chosen, lo, end):
+def _weigh_none(scores, chosen, lo, end, block):
     """The left-out rows' weights exactly 0, after the softmax."""
     for g in range(scores.shape[0]):
         for pos in range(lo, end):
-            if not chosen[pos]:
+            if not chosen[pos // block]:
                 scores[g, pos] = 0.0
 
 
@@ -126,11 +128,11 @@ def _attend(q, keys, values, seen, scoring, out, items, share):
                     for g in range(few.shape[0]):
                         scores[g0 + g, tile_lo + r] = dots[g] * scale
         if chosen.shape[0]:
-            _leave_out(scores, _choice_of(chosen, i, kv, kv_heads, n), lo, end)
+            _leave_out(scores, _choice_of(chosen, i, kv, kv_heads, n), lo, end, seen.block)
         for g in range(mine):
             softmax_in_place(scores, g, lo, end, sinks[h0 + g])
         if chosen.shape[0]:
-            _weigh_none(scores, _choice_of(chosen, i, kv, kv_heads, n), lo, end)
+            _weigh_none(scores, _choice_of(chosen, i, kv, kv_heads, n), lo, end, seen.block)
         sums[:] = 0.0
         for tile_lo in range(lo, end, VALUE_TILE):  # a tile of values converted, then weighed for each head
             rows = min(VALUE_TILE, end - tile_lo)
@@ -172,8 +174,9 @@ def _one_position_each(q, keys, values, slots, positions, scoring, out, nthreads
         lo, hi = part_range(q.shape[0], nthreads, t, 1)
         for i in range(lo, hi):
             end = positions[i] + 1
-            _attend(q[i:i + 1], keys[slots[i], :end], values[slots[i], :end], Seen(positions[i], 0, end + 1, NO_CHOICE, 0),
-                    scoring, out[i:i + 1], (0, kv_heads), (0, 1))
+            seen = Seen(positions[i], 0, end + 1, NO_CHOICE, 0, 1)  # (numba's named tuples take no defaults)
+            _attend(q[i:i + 1], keys[slots[i], :end], values[slots[i], :end], seen, scoring, out[i:i + 1], (0, kv_heads),
+                    (0, 1))
 
 
 def attention_of_slots(q, keys, values, slots, positions, scoring, out) -> None:
@@ -231,10 +234,12 @@ def _prompt_attention(q, keys, values, seen, scoring, out, nthreads):
             for i in range(count):
                 row_lo = _first_row(seen, first + i, before + i + 1)
                 if chosen.shape[0]:
-                    _leave_out(scores[i:i + 1], _choice_of(chosen, first + i, kv, kv_heads, n), row_lo, before + i + 1)
+                    _leave_out(scores[i:i + 1], _choice_of(chosen, first + i, kv, kv_heads, n), row_lo, before + i + 1,
+                               seen.block)
                 softmax_in_place(scores, i, row_lo, before + i + 1, sinks[h])
                 if chosen.shape[0]:
-                    _weigh_none(scores[i:i + 1], _choice_of(chosen, first + i, kv, kv_heads, n), row_lo, before + i + 1)
+                    _weigh_none(scores[i:i + 1], _choice_of(chosen, first + i, kv, kv_heads, n), row_lo, before + i + 1,
+                                seen.block)
             outputs[:count] = 0.0
             for i in range(count):
                 row_lo = _first_row(seen, first + i, before + i + 1)
@@ -245,7 +250,7 @@ def _prompt_attention(q, keys, values, seen, scoring, out, nthreads):
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, scale: float, window: int = 0,
               sinks: np.ndarray | None = None, first_key: int = 0, chosen: np.ndarray | None = None,
-              chunk: int = 0) -> np.ndarray:
+              chunk: int = 0, block: int = 1) -> np.ndarray:
     """Causal softmax attention of the n queries at positions start..start+n-1.
 
     q float32 [n, heads, width]; keys [rows, kv_heads, width] and values [rows, kv_heads,
@@ -256,7 +261,8 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     `sinks` float32 [heads] are per-head logits added to the softmax's denominator (gpt-oss);
     `chosen` uint8 [n, rows] leaves out the rows a query's entry is 0 for (DeepSeek's sparse
     attention), or [n * kv_heads, rows] those of query i's row i * kv_heads + kv for the heads of
-    kv head kv (MiniMax-M3's) -> float32 [n, heads, v_width]."""
+    kv head kv; with a `block` > 1 an entry stands for that many rows, [.., ceil(rows / block)]
+    (MiniMax-M3's blocks, chosen per key-value group) -> float32 [n, heads, v_width]."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     n, heads, width = q.shape
     rows = start + n - first_key
@@ -269,17 +275,18 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     sinks = np.full(heads, NO_SINK, np.float32) if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
     if sinks.shape != (heads,):
         raise ValueError(f"sinks {sinks.shape} do not fit {heads} heads")
-    chosen = np.zeros((0, rows), np.uint8) if chosen is None else np.ascontiguousarray(chosen, dtype=np.uint8)
-    if chosen.shape[1:] != (rows,) or chosen.shape[0] not in (0, n, n * keys.shape[1]):
-        raise ValueError(f"chosen {chosen.shape} does not fit {n} queries over {rows} cached positions")
+    chosen = np.zeros((0, -(-rows // block)), np.uint8) if chosen is None else np.ascontiguousarray(chosen, dtype=np.uint8)
+    if block < 1 or chosen.shape[1:] != (-(-rows // block),) or chosen.shape[0] not in (0, n, n * keys.shape[1]):
+        raise ValueError(f"chosen {chosen.shape} does not fit {n} queries over {rows} cached positions in blocks of {block}")
     out = np.empty((n, heads, values.shape[2]), np.float32)
-    attention_into(q, keys, values, Seen(start, first_key, window, chosen, int(chunk)), Scoring(sinks, F32(scale)), out)
+    attention_into(q, keys, values, Seen(start, first_key, window, chosen, int(chunk), int(block)),
+                   Scoring(sinks, F32(scale)), out)
     return out
 
 
 def attention_into(q, keys, values, seen: Seen, scoring: Scoring, out) -> None:
     """`attention` into out [n, heads, v_width] without its checks: for callers whose arrays
-    are of their own making (a decode step's); `seen.chosen` [0, n or n * kv_heads, rows], a window of 0
+    are of their own making (a decode step's); `seen.chosen` [0, n or n * kv_heads, rows / block], a window of 0
     for all positions."""
     n, heads, width = q.shape
     rows = seen.start + n - seen.first_key
