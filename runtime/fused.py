@@ -334,13 +334,11 @@ def _output_kernel(x, rec, s, heads, router, rs, nthreads):
 
 
 @_njit
-def _routed_tail_kernel(x, rec, s, heads, moe, shared, table, nthreads):
-    """`_output_kernel`, then, when every chosen expert has a cache slot in `table` (each
-    expert's row of `moe.records`, -1 for none), the experts read there in place
-    (`moe_steps`), with `shared` (an ungated shared expert's weights and scratch, or None),
-    and the residual: x += routed (+ shared). False when one has none: x holds the attention
-    output and s.h, moe.route the router's choice, the experts still to run."""
-    _output_kernel(x, rec, s, heads, moe.router, moe.route, nthreads)
+def _cached_experts_steps(h, moe, shared, table, nthreads):
+    """moe.routed = the experts moe.route chose for h [1, hidden], read in place from their
+    cache slots in `table` (each expert's row of `moe.records`, -1 for none) (`moe_steps`), plus
+    `shared` (an ungated shared expert's weights and scratch, or None). False, and nothing
+    computed, when one has no slot."""
     ids, biased_rows = moe.route.ids, moe.rule.gate_bias.shape[0]
     for j in range(moe.slots.size):
         expert = ids[0, j]
@@ -348,16 +346,27 @@ def _routed_tail_kernel(x, rec, s, heads, moe, shared, table, nthreads):
                 (biased_rows and expert >= biased_rows):
             return False
         moe.slots[j] = table[expert]
-    moe_steps(moe.rule, moe.records, Choice(moe.slots, ids[0], moe.route.weights[0]), moe.experts, s.h, moe.routed,
+    moe_steps(moe.rule, moe.records, Choice(moe.slots, ids[0], moe.route.weights[0]), moe.experts, h, moe.routed,
               nthreads)
     if shared is not None:
         weights, fs = shared
-        _ffn_steps(s.h, weights, fs, nthreads)
+        _ffn_steps(h, weights, fs, nthreads)
         for i in range(moe.routed.size):
-            x[0, i] += moe.routed[i] + fs.out[0, i]
-    else:
-        for i in range(moe.routed.size):
-            x[0, i] += moe.routed[i]
+            moe.routed[i] += fs.out[0, i]
+    return True
+
+
+@_njit
+def _routed_tail_kernel(x, rec, s, heads, moe, shared, table, nthreads):
+    """`_output_kernel`, then, when every chosen expert has a cache slot in `table`, the
+    experts and `shared` (`_cached_experts_steps`) and the residual: x += routed (+ shared).
+    False when one has none: x holds the attention output and s.h, moe.route the router's
+    choice, the experts still to run."""
+    _output_kernel(x, rec, s, heads, moe.router, moe.route, nthreads)
+    if not _cached_experts_steps(s.h, moe, shared, table, nthreads):
+        return False
+    for i in range(moe.routed.size):
+        x[0, i] += moe.routed[i]
     return True
 
 
@@ -627,9 +636,8 @@ def _hyper_tail_kernel(streams, y, hd, moe, shared, table, chosen, nthreads):
     """The attention output y [1, hidden] merged into the streams (hd.merged), the FFN's mixing
     and norm (hd.h), the router's weights of the experts `chosen` (a hash layer's row of its
     table; empty: the router's own choice), and, when every chosen expert has a cache slot in
-    `table` (as `_routed_tail_kernel`), the experts, `shared` (an ungated shared expert's
-    weights and scratch, or None) and the FFN output merged into hd.out. False when one has
-    none: the choice in moe.route, the experts still to run."""
+    `table`, the experts and `shared` (`_cached_experts_steps`) merged into hd.out. False when
+    one has none: the choice in moe.route, the experts still to run."""
     merge_into(streams, y, hd.attention_mix.post, hd.attention_mix.comb, hd.merged)
     _mix_steps(hd.merged, hd.ffn_site, hd.ffn_mix, hd.mixing, nthreads)
     rms_norm_into(hd.ffn_mix.collapsed, hd.ffn_norm, hd.eps, hd.h)
@@ -641,20 +649,8 @@ def _hyper_tail_kernel(streams, y, hd, moe, shared, table, chosen, nthreads):
         weigh_chosen_into(rs.logits, moe.router.rule, rs.ids, rs.weights)
     else:
         _route_steps(hd.h, moe.router, rs, nthreads)
-    ids, biased_rows = rs.ids, moe.rule.gate_bias.shape[0]
-    for j in range(moe.slots.size):
-        expert = ids[0, j]
-        if expert < 0 or expert >= table.size or table[expert] < 0 or table[expert] >= moe.records.shape[0] or \
-                (biased_rows and expert >= biased_rows):
-            return False
-        moe.slots[j] = table[expert]
-    moe_steps(moe.rule, moe.records, Choice(moe.slots, ids[0], rs.weights[0]), moe.experts, hd.h, moe.routed,
-              nthreads)
-    if shared is not None:
-        weights, fs = shared
-        _ffn_steps(hd.h, weights, fs, nthreads)
-        for i in range(moe.routed.size):
-            moe.routed[i] += fs.out[0, i]
+    if not _cached_experts_steps(hd.h, moe, shared, table, nthreads):
+        return False
     merge_into(hd.merged, moe.routed.reshape(1, -1), hd.ffn_mix.post, hd.ffn_mix.comb, hd.out)
     return True
 
