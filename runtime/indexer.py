@@ -143,14 +143,16 @@ class BlockIndexer:
         k = rms_norm(self.k(h), self.k_norm, self.c.norm_eps)
         return self.rope.apply(k[:, None, :], positions)[:, 0]
 
-    def choose(self, h: np.ndarray, positions: np.ndarray, keys: np.ndarray, start: int) -> np.ndarray | None:
+    def sees_every_block(self, end: int) -> bool:
+        """Whether the queries of positions before `end` see no more than index_topk blocks (all
+        are attended, and `choose` has nothing to choose)."""
+        return (end - 1) // self.c.index_block < self.c.index_topk
+
+    def choose(self, h: np.ndarray, positions: np.ndarray, keys: np.ndarray, start: int) -> np.ndarray:
         """uint8 [n * index_heads, blocks of the rows] (row i * index_heads + g: the blocks the
         heads of key-value group g of query i attend to) for the queries of h [n, hidden] at
-        positions start.., over the cached index keys [start + n, width]; None while no query
-        sees more than index_topk blocks (all are attended)."""
+        positions start.., over the cached index keys [start + n, width]."""
         c, n = self.c, h.shape[0]
-        if (start + n - 1) // c.index_block < c.index_topk:
-            return None
         q = rms_norm(self.q(h).reshape(n, c.index_heads, c.index_head_dim), self.q_norm, c.norm_eps)
         q = self.rope.apply(q, positions)
         chosen = np.zeros((n * c.index_heads, -(-keys.shape[0] // c.index_block)), np.uint8)

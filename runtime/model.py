@@ -179,6 +179,8 @@ class Attention:
         choice of blocks: uint8 [n * kv heads, blocks], None for all), after caching their index keys."""
         end = start + h.shape[0]
         cache.write(self.layer, "index_k", start, index_keys)
+        if self.indexer.sees_every_block(end):  # (without reading the cached keys)
+            return None
         return self.indexer.choose(h, positions, cache.read(self.layer, "index_k", end), start)
 
     def rotated_qkv(self, h: np.ndarray, positions: np.ndarray):
