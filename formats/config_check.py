@@ -117,7 +117,9 @@ def config_problems(c: ModelConfig) -> list[str]:
             value = getattr(c, name)
             need(isinstance(value, str) and value in kinds,
                  f"{name} {value!r} is not implemented (the runtime has {', '.join(kinds)})")
-    need(_is_finite(c.norm_eps) and 0 < c.norm_eps < 1, f"norm_eps is {c.norm_eps!r}, not a number in (0, 1)")
+    for name in ("norm_eps", "latent_norm_eps"):
+        value = getattr(c, name)
+        need(_is_finite(value) and 0 < value < 1, f"{name} is {value!r}, not a number in (0, 1)")
     need(_is_finite(c.rope_theta) and c.rope_theta > 0, f"rope_theta is {c.rope_theta!r}, not a positive number")
     need(c.clip_qkv is None or (_is_finite(c.clip_qkv) and c.clip_qkv > 0), f"clip_qkv is {c.clip_qkv!r}, not a positive number")
     if problems:  # the checks below combine the fields above
@@ -126,11 +128,13 @@ def config_problems(c: ModelConfig) -> list[str]:
     width = c.qk_rope_head_dim if c.attention == "mla" else c.head_dim
     if c.attention == "compressed" and c.index_topk:
         width = min(width, c.index_head_dim) if is_int(c.index_head_dim) else 0
-    need(is_int(c.rope_dim) and 2 <= c.rope_dim <= (width if is_int(width) else 0) and c.rope_dim % 2 == 0,
+    unrotated = c.attention == "mla" and c.qk_rope_head_dim == 0 and c.rope_dim == 0  # GLM-5-Next's MLA rotates nothing
+    need(unrotated or (is_int(c.rope_dim) and 2 <= c.rope_dim <= (width if is_int(width) else 0) and c.rope_dim % 2 == 0),
          f"rope_dim is {c.rope_dim!r}, not an even number of rotated features within the head's {width}")
     if c.attention == "mla":
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"):
+        for name in ("kv_lora_rank", "qk_nope_head_dim"):
             dim(name)
+        dim("qk_rope_head_dim", 0)
         if c.q_lora_rank is not None:
             dim("q_lora_rank")
         if not problems:
@@ -204,6 +208,9 @@ def _check_indexer(c: ModelConfig, dim, need) -> None:
     need(not c.index_local_blocks, "index_local_blocks without an index_block")
     need(c.attention in ("mla", "compressed") and bool(c.q_lora_rank),
          "an indexer (index_topk) needs MLA or compressed attention with a query LoRA")
+    if dim("index_kpool", 0, MAX_POSITIONS) and c.index_kpool:
+        need(c.attention == "mla" and c.index_kpool >= 2 and c.index_topk % c.index_kpool == 0,
+             f"index_kpool {c.index_kpool} needs MLA and an index_topk {c.index_topk} of whole pools of 2 or more")
     dim("index_heads")
     if dim("index_head_dim") and is_int(c.qk_rope_head_dim):
         need(c.qk_rope_head_dim <= c.index_head_dim and c.qk_rope_head_dim % 2 == 0,
@@ -214,9 +221,10 @@ def _check_indexer(c: ModelConfig, dim, need) -> None:
         need(layers == [i for i, ratio in enumerate(ratios) if ratio == OVERLAPPING_RATIO],
              f"index_layers {layers!r} are not the layers of compress ratio {OVERLAPPING_RATIO}")
         return
+    attended = [i for i in range(c.n_layers) if i not in c.linear_layers] if isinstance(c.linear_layers, list) else []
     need(isinstance(layers, list) and all(is_int(i) for i in layers) and layers == sorted(set(layers))
-         and all(0 <= i < c.n_layers for i in layers) and layers[:1] == [0],
-         f"index_layers {layers!r} are not distinct increasing layers of the {c.n_layers}, from layer 0")
+         and set(layers) <= set(attended) and layers[:1] == attended[:1],
+         f"index_layers {layers!r} are not distinct increasing attention layers of the {c.n_layers}, from the first")
 
 
 def _check_block_indexer(c: ModelConfig, dim, need) -> None:
@@ -237,9 +245,14 @@ MAX_SINKHORN_ITERS = 1000
 def _check_compressed(c: ModelConfig, dim, need) -> None:
     """DeepSeek-V4's compressed attention, hyper-connections and hash routing, through
     `config_problems`' `dim` and `need`."""
+    need(not c.hyper_streams or c.attention in ("mla", "compressed"), "hyper_streams need MLA or compressed attention")
+    if c.hyper_streams:
+        dim("hyper_streams")
+        dim("hyper_sinkhorn_iters", 1, MAX_SINKHORN_ITERS)
+        need(_is_finite(c.hyper_eps) and 0 <= c.hyper_eps < 1, f"hyper_eps is {c.hyper_eps!r}, not a number in [0, 1)")
+    need(not c.hyper_head_mean or bool(c.hyper_streams), "hyper_head_mean without hyper_streams")
     if c.attention != "compressed":
-        need(not c.compress_ratios and not c.hyper_streams and not c.hash_layers,
-             "compress_ratios, hyper_streams and hash_layers need compressed attention")
+        need(not c.compress_ratios and not c.hash_layers, "compress_ratios and hash_layers need compressed attention")
         return
     ratios = c.compress_ratios
     if not need(len(ratios) == c.n_layers and all(r <= MAX_DIM for r in ratios),
@@ -255,9 +268,7 @@ def _check_compressed(c: ModelConfig, dim, need) -> None:
     need(_is_finite(c.compress_rope_theta) and c.compress_rope_theta > 0,
          f"compress_rope_theta is {c.compress_rope_theta!r}, not a positive number")
     need(not _rope_scaling_problems(c.compress_rope_scaling), f"compress_rope_scaling {c.compress_rope_scaling!r} is unsound")
-    dim("hyper_streams")
-    dim("hyper_sinkhorn_iters", 1, MAX_SINKHORN_ITERS)
-    need(_is_finite(c.hyper_eps) and 0 <= c.hyper_eps < 1, f"hyper_eps is {c.hyper_eps!r}, not a number in [0, 1)")
+    need(bool(c.hyper_streams), "compressed attention has hyper_streams")
     hashed = c.hash_layers
     need(all(i in c.moe_layers for i in hashed) and hashed == sorted(set(hashed)),
          f"hash_layers {hashed!r} are not distinct increasing MoE layers")
@@ -272,8 +283,8 @@ def _check_linear(c: ModelConfig, dim, need) -> None:
     if not need(_are_layers(layers, c.n_layers),
                 f"linear_layers {layers!r} are not distinct increasing layers of the {c.n_layers}") or not layers:
         return
-    need(c.attention in ("gqa", "mla") and not c.sliding_layers and not c.index_topk,
-         "linear_layers need GQA or MLA attention without sliding layers or an indexer")
+    need(c.attention in ("gqa", "mla") and not c.sliding_layers and (not c.index_topk or c.attention == "mla"),
+         "linear_layers need GQA or MLA attention without sliding layers, GQA without an indexer")
     dim("linear_conv_kernel", 1, MAX_CONV_KERNEL)
     for name in ("linear_k_heads", "linear_v_heads", "linear_k_head_dim", "linear_v_head_dim"):
         dim(name)
@@ -283,6 +294,9 @@ def _check_linear(c: ModelConfig, dim, need) -> None:
     if c.linear_kind == "kda":
         need(c.linear_k_heads == c.linear_v_heads and c.linear_k_head_dim == c.linear_v_head_dim,
              "Kimi delta attention has as many value heads as key heads, of one width")
+    need(_is_finite(c.linear_gate_lower_bound) and -MAX_DIM <= c.linear_gate_lower_bound <= 0
+         and (c.linear_kind == "kda" or not c.linear_gate_lower_bound),
+         f"linear_gate_lower_bound is {c.linear_gate_lower_bound!r}, not 0 or a negative number (of Kimi delta attention)")
 
 
 def _linear_tensors(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
@@ -368,7 +382,7 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     tensors = {"token_embd.weight": (c.vocab_size, d), "output_norm.weight": (d,)}
     if not c.tie_word_embeddings:
         tensors["output.weight"] = (c.vocab_size, d)
-    if c.hyper_streams:
+    if c.hyper_streams and not c.hyper_head_mean:
         s = c.hyper_streams
         tensors.update({"output_hc_fn.weight": (s, s * d), "output_hc_base.weight": (s,), "output_hc_scale.weight": (1,)})
     for layer in range(c.n_layers):
@@ -386,6 +400,8 @@ def layer_tensors(c: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
         tensors.update(_compressed_tensors(c, p, layer))
     else:
         tensors.update(_attention_tensors(c, p, layer))
+    if c.hyper_streams and c.attention != "compressed":
+        tensors.update(_hyper_tensors(c, p))
     if layer in c.moe_layers:
         tensors[p + "ffn_gate_inp.weight"] = (c.n_experts, d)
         if layer in c.hash_layers:  # expert ids, stored as float32
@@ -408,16 +424,13 @@ def layer_tensors(c: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
 
 def _compressed_tensors(c: ModelConfig, p: str, layer: int) -> dict[str, tuple[int, ...]]:
     """A DeepSeek-V4 layer's attention and hyper-connections, by llama.cpp's names."""
-    d, h, hd, streams = c.hidden_size, c.n_heads, c.head_dim, c.hyper_streams
-    mixes = (2 + streams) * streams
+    d, h, hd = c.hidden_size, c.n_heads, c.head_dim
     tensors = {p + "attn_q_a.weight": (c.q_lora_rank, d), p + "attn_q_a_norm.weight": (c.q_lora_rank,),
                p + "attn_q_b.weight": (h * hd, c.q_lora_rank), p + "attn_kv.weight": (hd, d),
                p + "attn_kv_a_norm.weight": (hd,), p + "attn_sinks.weight": (h,),
                p + "attn_output_a.weight": (c.output_groups * c.output_lora_rank, h * hd // c.output_groups),
                p + "attn_output_b.weight": (d, c.output_groups * c.output_lora_rank)}
-    for site in ("attn", "ffn"):
-        tensors.update({p + f"hc_{site}_fn.weight": (mixes, streams * d), p + f"hc_{site}_base.weight": (mixes,),
-                        p + f"hc_{site}_scale.weight": (3,)})
+    tensors.update(_hyper_tensors(c, p))
     ratio = c.compress_ratios[layer]
     if ratio:
         width = (2 if ratio == OVERLAPPING_RATIO else 1) * hd
@@ -427,6 +440,14 @@ def _compressed_tensors(c: ModelConfig, p: str, layer: int) -> dict[str, tuple[i
         tensors.update(_compressor(p + "indexer_compressor_", OVERLAPPING_RATIO, 2 * w, w, d))
         tensors.update({p + "indexer.attn_q_b.weight": (i * w, c.q_lora_rank), p + "indexer.proj.weight": (i, d)})
     return tensors
+
+
+def _hyper_tensors(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """A layer's hyper-connection weights (attention's, FFN's)."""
+    streams = c.hyper_streams
+    mixes = (2 + streams) * streams
+    return {p + f"hc_{site}_{part}.weight": shape for site in ("attn", "ffn")
+            for part, shape in (("fn", (mixes, streams * c.hidden_size)), ("base", (mixes,)), ("scale", (3,)))}
 
 
 def _compressor(prefix: str, ratio: int, width: int, entry: int, d: int) -> dict[str, tuple[int, ...]]:
@@ -456,6 +477,9 @@ def _attention_tensors(c: ModelConfig, p: str, layer: int) -> dict[str, tuple[in
             tensors.update({p + "indexer.attn_q_b.weight": (i * w, c.q_lora_rank), p + "indexer.attn_k.weight": (w, d),
                             p + "indexer.k_norm.weight": (w,), p + "indexer.k_norm.bias": (w,),
                             p + "indexer.proj.weight": (i, d)})
+            if c.index_kpool:  # the pools' softmax weights: a gate projection and a bias per place in a pool
+                tensors.update({p + "indexer_compressor_gate.weight": (w, d),
+                                p + "indexer_compressor_ape.weight": (c.index_kpool, w)})
     else:
         kv_heads = c.kv_heads_of(layer)
         q, k, v = h * c.head_dim, kv_heads * c.head_dim, kv_heads * c.v_head_dim

@@ -49,6 +49,7 @@ class ModelConfig:
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
     q_lora_rank: int | None = None  # MLA; None when q is projected directly
     kv_lora_rank: int | None = None  # MLA compressed latent width
+    latent_norm_eps: float = 1e-6  # the epsilon of MLA's q_a and kv_a RMSNorms (DeepSeek's; GLM-5-Next: norm_eps)
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     # DeepSeek sparse attention (MLA only): each query attends to the index_topk positions its
@@ -64,6 +65,11 @@ class ModelConfig:
     # the `index_local_blocks` up to their own always among them; the layers not in index_layers are dense
     index_block: int = 0
     index_local_blocks: int = 0
+    # GLM-5-Next's indexer of pools (MLA): with index_kpool > 0, it scores pools of that many
+    # consecutive positions (from position 0) by one key each, a softmax-weighted sum of its
+    # positions' keys; a query attends to the index_topk / index_kpool best complete pools it sees
+    # and to the positions after the last complete one
+    index_kpool: int = 0
     attn_output_gate: bool = False  # q's projection gives [query | gate] per head; the output is times sigmoid(gate)
     # DeepSeek-V4's compressed attention: one shared key-value head (K = V) over a window of
     # `sliding_window` positions in every layer, plus, where `compress_ratios[layer]` is m > 0,
@@ -80,12 +86,16 @@ class ModelConfig:
     hyper_streams: int = 0  # 0: one ordinary residual stream
     hyper_sinkhorn_iters: int = 0
     hyper_eps: float = 0.0
+    hyper_head_mean: bool = False  # the head collapses the streams by their plain mean (GLM-5-Next), not by
+    # weights of its own (DeepSeek-V4)
     # gated DeltaNet (Qwen3-Next, Qwen3.5): layers whose token mixer is a linear recurrence, not
     # attention, with a fixed-size state per sequence instead of a KV cache
     linear_layers: list[int] = field(default_factory=list)
     linear_kind: str = "gated_deltanet"  # or "kda": Kimi delta attention (Kimi-Linear), a decay per key
     # channel from a low-rank forget gate, separate q/k/v projections and convolutions, a low-rank
     # sigmoid output gate
+    linear_gate_lower_bound: float = 0.0  # KDA's "safe gate" when < 0: the decay is exp(bound * sigmoid(-A
+    # * (f + dt_bias))) (GLM-5-Next), not exp(A * softplus(f + dt_bias)) (Kimi-Linear)
     linear_conv_kernel: int = 0  # width of the causal depthwise convolution over the q/k/v channels
     linear_k_heads: int = 0
     linear_v_heads: int = 0  # a multiple of linear_k_heads (r times as many)

@@ -40,6 +40,14 @@ RECIPES = (*MIXES, "Q8_0", "BF16", "F16", "F32")
 # kept float32 by the BF16 and F16 recipes, as transformers keeps them (DeepSeek-V4's stream
 # mixing); llama-quantize's mixes quantize them
 FLOAT32_IN_FLOAT_RECIPES = ("_hc_fn.weight", "hc_attn_fn.weight", "hc_ffn_fn.weight")
+# llama.cpp's rules for one architecture (llama-quant.cpp), by colibri's model type: (the name parts
+# of tensors it never quantizes, those of tensors it never quantizes below Q8_0); GLM-5-Next's MLA
+# key and value halves are colibri's attn_kv_b
+ARCHITECTURE_RULES = {
+    "glm5_next_text": (("hc_", "indexer.attn_q_b", "indexer.attn_k", "indexer.proj", "indexer_compressor_",
+                        "ssm_f_a.weight", "ssm_f_b.weight", "ssm_g_a.weight", "ssm_g_b.weight", "ssm_beta.weight",
+                        "attn_kv_a_mqa.weight", "attn_kv_b.weight"), ("attn_q_a", "attn_q_b")),
+}
 # the types whose tensors llama-quantize quantizes only with an importance matrix entry (not the
 # token embeddings or the output); Q2_K tensors need one too in a Q2_K_S file
 IMATRIX_TYPES = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_M", "IQ1_S")
@@ -165,6 +173,7 @@ class Recipe:
     n_gqa: int = 1  # query heads per KV head
     has_imatrix: bool = False
     names: tuple[str, ...] = ()  # every tensor of the model, for llama.cpp's counts (empty: layers count)
+    architecture: str = ""  # the model type, for its ARCHITECTURE_RULES
 
     def __post_init__(self):
         if self.name not in RECIPES:
@@ -180,18 +189,22 @@ class Recipe:
     def for_model(cls, name: str, config, names, overrides=(), has_imatrix: bool = False) -> "Recipe":
         """The recipe of a model (a normalized config and its tensors' canonical names)."""
         return cls(name, config.n_layers, config.n_experts, config.tie_word_embeddings, list(overrides),
-                   n_gqa=config.n_heads // max(config.n_kv_heads, 1), has_imatrix=has_imatrix, names=tuple(names))
+                   n_gqa=config.n_heads // max(config.n_kv_heads, 1), has_imatrix=has_imatrix, names=tuple(names),
+                   architecture=config.architecture)
 
     def encoding(self, name: str, shape, kept: str | None = None) -> str:
         """The encoding of tensor `name` with row-major `shape`; `kept`, when the source tensor
         already is exactly that encoding (packed INT4 is Q4_0), unless an override says otherwise."""
         if kept is not None:
             return next((encoding for pattern, encoding in self.overrides if re.search(pattern, name)), kept)
-        if self.name == "F32" or not is_quantizable(name, shape):
+        kept_float, at_least_q8 = ARCHITECTURE_RULES.get(self.architecture, ((), ()))
+        if self.name == "F32" or not is_quantizable(name, shape) or any(part in name for part in kept_float):
             return "F32"
         if self.name in ("BF16", "F16"):
             return "F32" if name.endswith(FLOAT32_IN_FLOAT_RECIPES) else self.name
         chosen = self._mix(name, shape) if self.name in MIXES else "Q8_0"
+        if any(part in name for part in at_least_q8):
+            chosen = "Q8_0"
         row = shape[-1]
         if not fits(chosen, row):
             chosen = K_QUANT_FALLBACK.get(chosen, chosen)

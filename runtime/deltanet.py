@@ -10,8 +10,9 @@ states live in the sequence's `KVCache` and are the same size at any position.
 
 Kimi delta attention is the same recurrence with a decay per key channel: q, k and v from
 three projections, each through its own causal convolution (one state: [q | k | v]); the
-decay exp(A softplus(f_b f_a h + dt_bias)) per head and channel; each head's output
-RMS-normalized, times sigmoid(g_b g_a h), then projected by attn_output.
+decay exp(A softplus(f_b f_a h + dt_bias)) per head and channel (GLM-5-Next's safe gate:
+exp(bound sigmoid(-A (f_b f_a h + dt_bias)))); each head's output RMS-normalized, times
+sigmoid(g_b g_a h), then projected by attn_output.
 """
 
 from __future__ import annotations
@@ -125,8 +126,12 @@ class KimiDeltaAttention(GatedDeltaNet):
     def mixed(self, h: np.ndarray, spans) -> np.ndarray:
         c, n = self.c, h.shape[0]
         q, k, v, f, g, b = kernels.products(h, (self.q, self.k, self.v, self.f_a, self.g_a, self.beta))
-        forget = softplus(self.f_b(f) + self.dt_bias).reshape(n, c.linear_v_heads, c.linear_v_head_dim)
-        decay = np.exp(forget * self.a[None, :, None]).astype(np.float32)
+        forget = (self.f_b(f) + self.dt_bias).reshape(n, c.linear_v_heads, c.linear_v_head_dim)
+        if c.linear_gate_lower_bound:  # the safe gate: a log-decay between the bound and 0
+            decay = np.exp(np.float32(c.linear_gate_lower_bound) * sigmoid(-self.a[None, :, None] * forget))
+        else:
+            decay = np.exp(softplus(forget) * self.a[None, :, None])
+        decay = decay.astype(np.float32)
         out = self.recurrence(np.concatenate([q, k, v], axis=1), decay, sigmoid(b), spans)
         gated = kernels.rms_norm(out, self.norm, c.norm_eps) * sigmoid(self.g_b(g)).reshape(out.shape)
         return gated.reshape(n, -1)

@@ -9,6 +9,11 @@ than that, it attends to all of them: the indexer is skipped, and the attention 
 dense MLA. A layer that shares its indexer reuses the choice of the last layer before it that
 has one.
 
+`PoolIndexer` is GLM-5-Next's: the same scores, nothing rotated, over pools of `index_kpool`
+consecutive positions, each pool's key a softmax-weighted sum of its positions' keys; a query
+attends to the positions of its `index_topk / index_kpool` best complete pools and to those
+after the last complete one, and to every position while it sees no more pools than that.
+
 `BlockIndexer` is MiniMax-M3's, over a GQA layer: its cached key (one head, RMS-normalized,
 rotated as the layer's keys) and its queries (one head per key-value group) score positions by
 their plain dot product; a block of `index_block` positions scores its best visible one, the
@@ -66,7 +71,7 @@ class Indexer:
 
     def __init__(self, c: ModelConfig, w, layer: int, rope):
         p = f"blk.{layer}.indexer."
-        self.c, self.rope = c, rope
+        self.c, self.layer, self.rope = c, layer, rope
         self.q_b, self.k = w.linear(p + "attn_q_b.weight"), w.linear(p + "attn_k.weight")
         self.proj = w.linear(p + "proj.weight")
         self.norm_weight, self.norm_bias = w.vector(p + "k_norm.weight"), w.vector(p + "k_norm.bias")
@@ -76,19 +81,29 @@ class Indexer:
         k = layer_norm(self.k(h), self.norm_weight, self.norm_bias)
         return self.rope.apply(k[:, None, :], positions)[:, 0]
 
-    def choose(self, q_resid: np.ndarray, h: np.ndarray, positions: np.ndarray, keys: np.ndarray,
-               start: int) -> np.ndarray | None:
-        """uint8 [n, rows] (1: attended) for the queries of h [n, hidden] (q_resid: their q_a
-        norm) at positions start.., over the cached index keys [start + n, width] (every position);
-        None when no query sees more than index_topk positions (all are attended)."""
+    def remember(self, cache, h: np.ndarray, positions: np.ndarray, start: int) -> None:
+        """Cache the index keys of h [n, hidden] at positions start.."""
+        cache.write(self.layer, "index_k", start, self.keys(h, positions))
+
+    def sees_all(self, end: int) -> bool:
+        """Whether the queries of positions before `end` attend to every position (nothing to choose)."""
+        return end <= self.c.index_topk
+
+    def queries(self, q_resid: np.ndarray, h: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(queries [n, heads, width], head weights [n, heads]) of h [n, hidden] (q_resid: its q_a norm)."""
         c, n = self.c, h.shape[0]
-        if start + n <= c.index_topk:
-            return None
         q = self.rope.apply(self.q_b(q_resid).reshape(n, c.index_heads, c.index_head_dim), positions)
-        weights = (self.proj(h) * F32(c.index_heads ** -0.5)).astype(F32)
+        return np.ascontiguousarray(q), np.ascontiguousarray(self.proj(h) * F32(c.index_heads ** -0.5), dtype=F32)
+
+    def choose(self, q_resid: np.ndarray, h: np.ndarray, positions: np.ndarray, cache, start: int) -> np.ndarray:
+        """uint8 [n, start + n] (1: attended) for the queries of h [n, hidden] (q_resid: their
+        q_a norm) at positions start.., over the cached index keys of every position."""
+        c, n = self.c, h.shape[0]
+        keys = cache.read(self.layer, "index_k", start + n)
+        q, weights = self.queries(q_resid, h, positions)
         scores = np.empty((n, keys.shape[0]), F32)
-        _index_scores(np.ascontiguousarray(q), np.ascontiguousarray(keys, dtype=F32), np.ascontiguousarray(weights),
-                      start, F32(c.index_head_dim ** -0.5), scores, thread_count())
+        _index_scores(q, np.ascontiguousarray(keys, dtype=F32), weights, start, F32(c.index_head_dim ** -0.5), scores,
+                      thread_count())
         chosen = np.zeros(scores.shape, np.uint8)
         for i, row in enumerate(scores):
             seen = start + i + 1
@@ -96,6 +111,75 @@ class Indexer:
                 chosen[i, :seen] = 1
             else:  # the best index_topk; of equal scores, the earliest positions
                 chosen[i, np.argsort(-row[:seen], kind="stable")[:c.index_topk]] = 1
+        return chosen
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _choose_pools(q, pooled, weights, start, pool, select, scale, chosen, nthreads):
+    """chosen[i, r] = 1 for the positions r query i attends to: those of the `select` complete
+    pools it sees that score best (sum_h weights[i, h] * relu(q[i, h] . pooled[j] * scale); of
+    equal scores, the earliest), and those after its last complete pool; every position up to
+    its own while it sees no more than `select` pools."""
+    n, heads, width = q.shape
+    for t in prange(nthreads):
+        lo, hi = part_range(n, nthreads, t, 1)
+        scores = np.empty(pooled.shape[0], F32)
+        for i in range(lo, hi):
+            end = start + i + 1
+            visible = end // pool
+            if visible <= select:
+                chosen[i, :end] = 1
+                continue
+            for j in range(visible):
+                total = F32(0.0)
+                for h in range(heads):
+                    dot = F32(0.0)
+                    for d in range(width):
+                        dot += q[i, h, d] * pooled[j, d]
+                    total += weights[i, h] * max(dot * scale, F32(0.0))
+                scores[j] = -total
+            for j in np.argsort(scores[:visible], kind="mergesort")[:select]:
+                chosen[i, j * pool:(j + 1) * pool] = 1
+            chosen[i, visible * pool:end] = 1
+
+
+class PoolIndexer(Indexer):
+    """GLM-5-Next's indexer of pools (blk.L.indexer.*, blk.L.indexer_compressor_{gate,ape}):
+    DeepSeek's scores, without rotation, over one key a pool of `index_kpool` positions, the
+    positions' index keys weighted by a softmax, over the pool, of a gate projection plus a
+    bias per place in the pool, channel by channel. The cache keeps each position's key and
+    gate (`index_k`) and each complete pool's key (the `index` entries)."""
+
+    def __init__(self, c: ModelConfig, w, layer: int, rope):
+        super().__init__(c, w, layer, rope)
+        p = f"blk.{layer}.indexer_compressor_"
+        self.gate, self.ape = w.linear(p + "gate.weight"), w.array(p + "ape.weight")
+
+    def remember(self, cache, h: np.ndarray, positions: np.ndarray, start: int) -> None:
+        """Cache the keys and gates of h [n, hidden] at positions start.., then the keys of the
+        pools they complete (from the cached rows, whichever pass wrote them)."""
+        kp, width, end = self.c.index_kpool, self.c.index_head_dim, start + h.shape[0]
+        cache.write(self.layer, "index_k", start, np.concatenate([self.keys(h, positions), self.gate(h)], axis=1))
+        done, ready = start // kp, end // kp
+        if ready == done:
+            return
+        rows = cache.read(self.layer, "index_k", ready * kp, done * kp).reshape(ready - done, kp, 2 * width)
+        logits = rows[:, :, width:] + self.ape
+        weights = np.exp(logits - logits.max(axis=1, keepdims=True))
+        weights /= weights.sum(axis=1, keepdims=True)
+        cache.write_entries(self.layer, "index", done, (rows[:, :, :width] * weights).sum(axis=1).astype(F32))
+
+    def sees_all(self, end: int) -> bool:
+        return end // self.c.index_kpool <= self.c.index_topk // self.c.index_kpool
+
+    def choose(self, q_resid: np.ndarray, h: np.ndarray, positions: np.ndarray, cache, start: int) -> np.ndarray:
+        c, n = self.c, h.shape[0]
+        end = start + n
+        pooled = np.ascontiguousarray(cache.entries_of(self.layer, "index", end // c.index_kpool), dtype=F32)
+        q, weights = self.queries(q_resid, h, positions)
+        chosen = np.zeros((n, end), np.uint8)
+        _choose_pools(q, pooled, weights, start, c.index_kpool, c.index_topk // c.index_kpool,
+                      F32(c.index_head_dim ** -0.5), chosen, thread_count())
         return chosen
 
 

@@ -180,13 +180,15 @@ class KVCache:
             return self.values[layer][name][:end - self.firsts[layer][name]].view(np.uint16)
         return self.read(layer, name, end)
 
-    def read(self, layer: int, name: str, end: int) -> np.ndarray:
-        """Positions first(layer, name)..end-1 as float32 [rows, width]."""
-        end -= self.firsts[layer][name]
+    def read(self, layer: int, name: str, end: int, begin: int | None = None) -> np.ndarray:
+        """Positions `begin` (None: first(layer, name))..end-1 as float32 [rows, width]."""
+        first = self.firsts[layer][name]
+        rows = slice(0 if begin is None else begin - first, end - first)
         if self.kind in FLOAT_KINDS:
-            return self.values[layer][name][:end].astype(np.float32, copy=False)
-        q = self.values[layer][name][:end].reshape(end, -1, Q8_BLOCK).astype(np.float32)
-        return (q * self.scales[layer][name][:end].astype(np.float32)[:, :, None]).reshape(end, -1)
+            return self.values[layer][name][rows].astype(np.float32, copy=False)
+        q = self.values[layer][name][rows].astype(np.float32)
+        q = q.reshape(q.shape[0], -1, Q8_BLOCK)
+        return (q * self.scales[layer][name][rows].astype(np.float32)[:, :, None]).reshape(q.shape[0], -1)
 
 
 class KVPool:

@@ -38,7 +38,6 @@ NONE = np.empty(0, F32)  # an absent bias or norm
 QK_NORMS = {"none": 0, "full": 1, "head": 2, "weightless": 2}  # weightless: per head, weights of ones
 # MLA's q_a and kv_a RMSNorms keep their default epsilon whatever rms_norm_eps says, in
 # transformers and in DeepSeek's own code (GLM-5's rms_norm_eps is 1e-5)
-LATENT_NORM_EPS = 1e-6
 
 
 class GQAInput(NamedTuple):
@@ -240,7 +239,7 @@ def _latent(c: ModelConfig, w, p: str, rope: RopeTable, attn_norm: np.ndarray, m
                     o=w.linear(p + "attn_output.weight"))
     matrices["k_absorb"] = absorbed_keys(matrices["kv_b"], c)
     nope = c.qk_nope_head_dim
-    mixer = LatentInput(attn_norm, F32(c.norm_eps), F32(LATENT_NORM_EPS), matrices["q_a" if lora else "q"].product,
+    mixer = LatentInput(attn_norm, F32(c.norm_eps), F32(c.latent_norm_eps), matrices["q_a" if lora else "q"].product,
                         matrices["kv_a"].product, w.vector(p + "attn_kv_a_norm.weight"), rope,
                         matrices["k_absorb"].product, c.n_heads, nope, c.kv_lora_rank)
     scale = c.head_dim**-0.5

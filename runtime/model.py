@@ -25,7 +25,7 @@ from colibri.runtime import fused, hyper_connections, kernels
 from colibri.runtime.compressed_attention import CompressedAttention
 from colibri.runtime.deltanet import GatedDeltaNet, mixer_for
 from colibri.runtime.expert_store import ExpertStore
-from colibri.runtime.indexer import BlockIndexer, Indexer
+from colibri.runtime.indexer import BlockIndexer, Indexer, PoolIndexer
 from colibri.runtime.kernels.attention import Scoring
 from colibri.runtime.kernels.routing import route_by, weigh_chosen
 from colibri.runtime.kv_cache import CacheShape, KVCache
@@ -204,7 +204,8 @@ class LatentAttention:
         self.c, self.layer, self.record = c, layer, record
         self.rope = record.mixer.rope
         self.latent_eps = record.mixer.latent_eps
-        self.indexer = Indexer(c, w, layer, index_rope) if layer in c.index_layers else None
+        indexer = PoolIndexer if c.index_kpool else Indexer
+        self.indexer = indexer(c, w, layer, index_rope) if layer in c.index_layers else None
         self.shares: LatentAttention | None = None  # the layer whose indexer's choice this one reuses
         self.choices: dict[int, np.ndarray | None] = {}  # id(cache) -> the last pass's choice (indexer layers)
         if record.lora is not None:
@@ -296,11 +297,10 @@ class LatentAttention:
         q_resid: the queries' q_a norm (rows of this cache's sequence only)."""
         if self.indexer is None:
             return None if self.shares is None else self.shares.choices.get(id(cache))
-        end = start + h.shape[0]
-        cache.write(self.layer, "index_k", start, self.indexer.keys(h, positions))
+        self.indexer.remember(cache, h, positions, start)
         chosen = None
-        if end > self.c.index_topk:
-            chosen = self.indexer.choose(q_resid, h, positions, cache.read(self.layer, "index_k", end), start)
+        if not self.indexer.sees_all(start + h.shape[0]):
+            chosen = self.indexer.choose(q_resid, h, positions, cache, start)
         self.choices[id(cache)] = chosen
         return chosen
 
@@ -482,8 +482,9 @@ class Decoder:
             else:
                 indexer = BlockIndexer(c, w, i, ropes[c.rope_theta_of(i)]) if i in c.index_layers else None
                 attention = Attention(c, record, indexer)
-            if c.index_topk and c.attention == "mla" and attention.indexer is None:  # it reuses the last indexer's choice
-                attention.shares = next(a for _, a, _, _ in reversed(self.layers) if a.indexer is not None)
+            if isinstance(attention, LatentAttention) and c.index_topk and attention.indexer is None:
+                attention.shares = next(a for _, a, _, _ in reversed(self.layers)  # the last indexer's choice
+                                        if isinstance(a, LatentAttention) and a.indexer is not None)
             router = HashRouter(c, record, w) if i in c.hash_layers else None
             ffn = MoE(c, record, store, router) if record.router is not None else \
                 DenseFFN(m["ffn_gate"], m["ffn_up"], m["ffn_down"], record.ffn.glu)
@@ -491,7 +492,7 @@ class Decoder:
         # each layer's (attention's, FFN's) hyper-connection weights, then the head's
         self.hyper = [tuple(self.hyper_weights(f"blk.{i}.hc_{site}_") for site in ("attn", "ffn"))
                       for i in range(c.n_layers)] if c.hyper_streams else []
-        self.hyper_head = self.hyper_weights("output_hc_") if c.hyper_streams else None
+        self.hyper_head = self.hyper_weights("output_hc_") if c.hyper_streams and not c.hyper_head_mean else None
         self.mixing = hyper_connections.Mixing(c.hyper_sinkhorn_iters, np.float32(c.hyper_eps), np.float32(c.norm_eps)) \
             if c.hyper_streams else None
         self.decode_layers = self.fused_steps()
@@ -537,6 +538,8 @@ class Decoder:
         layer's queries see (0: all), a DeltaNet layer's states; DeepSeek-V4's own streams and entries."""
         if c.attention == "compressed":
             return compressed_cache_shape(c)
+        if c.attention == "mla" and c.index_kpool:
+            return pooled_index_cache_shape(c)
         if c.attention == "mla":  # the latent, then the shared rotary key; the indexer's keys
             widths = {"kv": c.kv_lora_rank + c.qk_rope_head_dim, **({"index_k": c.index_head_dim} if c.index_topk else {})}
         else:
@@ -626,6 +629,8 @@ class Decoder:
                 streams = hyper_connections.merge(streams, y, post, comb)
             if self.route_log is not None and isinstance(ffn, MoE):
                 self.route_log(layer, positions, *ffn.last_route)
+        if self.hyper_head is None:  # GLM-5-Next's: the plain mean
+            return streams.mean(axis=1, dtype=np.float32)
         return hyper_connections.head(streams, self.hyper_head, mixing)
 
     def distinct_experts(self) -> int:
@@ -654,3 +659,15 @@ def compressed_cache_shape(c: ModelConfig) -> CacheShape:
         windows.append(max(c.sliding_window, pooled))
         entries.append(made)
     return CacheShape(c.n_layers, {}, tuple(windows), layer_widths=tuple(widths), entries=tuple(entries))
+
+
+def pooled_index_cache_shape(c: ModelConfig) -> CacheShape:
+    """GLM-5-Next's cache: an MLA layer's latents; an indexer layer's index key and gate a
+    position, and its pools' keys (entries); a linear layer's states."""
+    widths, entries, states = [], [], []
+    for layer in range(c.n_layers):
+        indexed = layer in c.index_layers
+        widths.append({"kv": c.kv_lora_rank + c.qk_rope_head_dim, **({"index_k": 2 * c.index_head_dim} if indexed else {})})
+        entries.append({"index": (c.index_kpool, c.index_head_dim)} if indexed else {})
+        states.append(GatedDeltaNet.state_shapes(c) if c.is_linear_layer(layer) else {})
+    return CacheShape(c.n_layers, {}, states=tuple(states), layer_widths=tuple(widths), entries=tuple(entries))

@@ -211,7 +211,8 @@ def test_the_low_bit_mixes_count_ffn_down_tensors_against_the_layers():
     routed and shared experts apart: with 16 layers, the first two tensors, both in layer 0."""
     from types import SimpleNamespace
 
-    config = SimpleNamespace(n_layers=16, n_experts=16, tie_word_embeddings=False, n_heads=8, n_kv_heads=8)
+    config = SimpleNamespace(n_layers=16, n_experts=16, tie_word_embeddings=False, n_heads=8, n_kv_heads=8,
+                             architecture="qwen3_moe")
     names = [f"blk.{i}.ffn_down_{kind}.weight" for i in range(16) for kind in ("exps", "shexp")]
     recipe = Recipe.for_model("IQ2_XXS", config, names)
     down = {n: recipe.encoding(n, (256, 256)) for n in names}
