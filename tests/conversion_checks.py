@@ -29,7 +29,8 @@ def check_conversion(source_dir, out, quant):
     plan = make_plan(ckpt)
     layout = ModelLayout(out)
     c = plan.config
-    recipe = Recipe(quant, c.n_layers, c.n_experts, c.tie_word_embeddings, n_gqa=c.n_heads // max(c.n_kv_heads, 1))
+    recipe = Recipe(quant, c.n_layers, c.n_experts, c.tie_word_embeddings, n_gqa=c.n_heads // max(c.n_kv_heads, 1),
+                    architecture=c.architecture)
     assert set(layout.tensors) == {t.name for t in plan.resident}
     assert sorted(layout.expert_layers) == c.moe_layers
     for t in plan.resident:

@@ -16,6 +16,8 @@ llama-cpp-python 0.3.36, ``conversion/{base,llama,qwen,olmo,deepseek,glm,minimax
   GLM-5's indexer keys;
 * Kimi-Linear: per-layer ``head_count_kv`` (0 on the KDA layers), the KDA convolutions
   [1, channels, 1, kernel], ``-exp(A_log)``, ``dt_bias`` as ``dt_proj.bias``;
+* GLM-5-Next: Kimi-Linear's KDA tensors and per-layer ``head_count_kv``, MLA without rotation, the
+  indexer's pools, the hyper-connections (bare ``hc_*`` named ``.weight``), the clamps per layer;
 * Llama 4: ``feed_forward_length`` the dense layers' width, the transposed ``gate_up_proj``
   split into gate and up halves, ``down_proj`` transposed;
 * MiniMax-M3: every norm's 1 added, the indexer, shared expert and dense FFN by llama.cpp's names,
@@ -82,7 +84,8 @@ def add_metadata(w: gguf.GGUFWriter, hp: dict, block_count: int) -> None:
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
-    w.add_rope_freq_base(hp.get("rope_theta") or hp["rope_parameters"]["rope_theta"])
+    if (theta := hp.get("rope_theta") or (hp.get("rope_parameters") or {}).get("rope_theta")) is not None:
+        w.add_rope_freq_base(theta)
     if hp.get("rms_norm_eps") is not None:
         w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
     if (experts := hp.get("num_local_experts") or hp.get("num_experts") or hp.get("n_routed_experts")) is not None:
@@ -327,6 +330,64 @@ def kimi_linear_tensors(name: str, data: np.ndarray):
     yield name, data
 
 
+def glm5next_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
+    """Glm5NextModel: head_count_kv 0 on the KDA layers, the KDA width and gate bound, MLA's widths
+    (no rotation), the indexer's over pools, the hyper-connections, the MoE's and its clamps (the
+    gguf package here predates its add_* helpers: the same keys by name)."""
+    layers, spec, arch = hp["num_hidden_layers"], hp["linear_attn_config"], w.arch
+    w.add_head_count_kv([0 if kind == "linear_attention" else 1 for kind in hp["layer_types"]])
+    w.add_vocab_size(hp["vocab_size"])
+    w.add_layer_norm_eps(1e-6)
+    w.add_ssm_conv_kernel(spec["short_conv_kernel_size"])
+    w.add_kda_head_dim(spec["head_dim"])
+    w.add_float32(f"{arch}.kda.gate_lower_bound", spec["gate_lower_bound"])
+    w.add_q_lora_rank(hp["q_lora_rank"])
+    w.add_kv_lora_rank(hp["kv_lora_rank"])
+    w.add_rope_dimension_count(0)
+    w.add_key_length(hp["kv_lora_rank"])
+    w.add_value_length(hp["kv_lora_rank"])
+    w.add_key_length_mla(hp["qk_nope_head_dim"])
+    w.add_value_length_mla(hp["v_head_dim"])
+    indexer = f"{arch}.attention.indexer."
+    for key, value in (("head_count", "index_n_heads"), ("key_length", "index_head_dim"), ("top_k", "index_topk"),
+                       ("kpool", "index_kpool")):
+        w.add_uint32(indexer + key, hp[value])
+    w.add_bool(indexer + "kpool_select_tail", hp.get("index_kpool_always_select_tail", True))
+    w.add_array(indexer + "types", [t == "full" for t in hp["indexer_types"]])
+    w.add_uint32(f"{arch}.hyper_connection.count", hp["hc_mult"])
+    w.add_uint32(f"{arch}.hyper_connection.sinkhorn_iterations", hp["hc_sinkhorn_iters"])
+    w.add_float32(f"{arch}.hyper_connection.epsilon", hp["hc_eps"])
+    w.add_leading_dense_block_count(hp["first_k_dense_replace"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_expert_shared_count(hp["n_shared_experts"])
+    w.add_expert_weights_scale(hp["routed_scaling_factor"])
+    w.add_expert_weights_norm(hp["norm_topk_prob"])
+    w.add_array(f"{arch}.swiglu_clamp_exp", [hp["swiglu_limit"]] * layers)
+    w.add_array(f"{arch}.swiglu_clamp_shexp", [hp["swiglu_limit"]] * layers)
+
+
+# llama.cpp's glm5-next tensors the gguf package here does not map (its tensor_mapping.py's glm5-next lines)
+GLM5_NEXT_NAMES = {
+    **{f"hc_{site}_{part}": f"hc_{site}_{part}.weight" for site in ("attn", "ffn") for part in ("fn", "base", "scale")},
+    "self_attn.indexer.index_kpool_compress_gate": "indexer_compressor_gate.weight",
+    "self_attn.indexer.index_kpool_compress_ape": "indexer_compressor_ape.weight",
+    **{f"self_attn.{x}_proj.weight": f"attn_{x}.weight" for x in ("q_a", "q_b")},
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    **{f"self_attn.indexer.{x}": f"indexer.{y}" for x, y in (("wq_b.weight", "attn_q_b.weight"), ("wk.weight", "attn_k.weight"),
+       ("k_norm.weight", "k_norm.weight"), ("k_norm.bias", "k_norm.bias"), ("weights_proj.weight", "proj.weight"))},
+}
+
+
+def glm5next_tensors(name: str, data: np.ndarray):
+    """Glm5NextModel.modify_tensors: KimiLinearModel's (convolutions, -exp(A_log), dt_bias), the
+    names gguf lacks by GLM5_NEXT_NAMES."""
+    layer = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
+    if layer and layer.group(2) in GLM5_NEXT_NAMES:
+        yield f"blk.{layer.group(1)}.{GLM5_NEXT_NAMES[layer.group(2)]}", data
+        return
+    yield from kimi_linear_tensors(name, data)
+
+
 # llama.cpp's converter: one model class per architecture it writes, by llama.cpp's name
 MODEL_CLASS_KEYS = {gguf.MODEL_ARCH_NAMES[arch]: keys for arch, keys in {
     gguf.MODEL_ARCH.LLAMA: llama_keys, gguf.MODEL_ARCH.QWEN2MOE: qwen_moe_keys, gguf.MODEL_ARCH.QWEN3MOE: qwen_moe_keys,
@@ -335,7 +396,7 @@ MODEL_CLASS_KEYS = {gguf.MODEL_ARCH_NAMES[arch]: keys for arch, keys in {
     gguf.MODEL_ARCH.QWEN3NEXT: qwen3next_keys, gguf.MODEL_ARCH.QWEN35MOE: qwen3next_keys, gguf.MODEL_ARCH.DOTS1: dots1_keys,
     gguf.MODEL_ARCH.ERNIE4_5_MOE: ernie_moe_keys, gguf.MODEL_ARCH.HUNYUAN_MOE: hunyuan_moe_keys,
     gguf.MODEL_ARCH.MIMO2: mimo2_keys, gguf.MODEL_ARCH.LLAMA4: llama4_keys, gguf.MODEL_ARCH.KIMI_LINEAR: kimi_linear_keys,
-}.items()} | {"deepseek32": glm_dsa_keys, "minimax-m3": minimaxm3_keys}
+}.items()} | {"deepseek32": glm_dsa_keys, "minimax-m3": minimaxm3_keys, "glm5-next": glm5next_keys}
 
 
 def v_heads_tiled(data: np.ndarray, axis: int, hp: dict, width: int) -> np.ndarray:
@@ -426,6 +487,8 @@ def gguf_tensors(tensors: dict[str, np.ndarray], hp: dict, block_count: int, fus
             pairs = gpt_oss_tensors(name, data)
         elif adapter.gguf_arch == gguf.MODEL_ARCH.LLAMA4:
             pairs = llama4_tensors(name, data)
+        elif adapter.gguf_arch_name == "glm5-next":
+            pairs = glm5next_tensors(name, data)
         elif adapter.gguf_arch == gguf.MODEL_ARCH.KIMI_LINEAR:
             pairs = kimi_linear_tensors(name, data)
         elif adapter.gguf_arch_name == "minimax-m3":

@@ -64,8 +64,18 @@ def oracle_available() -> tuple[bool, str]:
     return True, ""
 
 
+# text models transformers builds only inside their multimodal class: text model type → (the
+# wrapper's model type, its class, a tiny vision tower's config, the text width its output takes)
+MULTIMODAL_ONLY = {
+    "glm5_next_text": ("glm5_next", "Glm5NextForConditionalGeneration",
+                       {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
+                        "projection_intermediate_size": 64}, "out_hidden_size"),
+}
+
+
 def _hf_config(cfg: dict):
-    """transformers config object for a hub-style config dict (Kimi-K2 -> DeepseekV3Config)."""
+    """transformers config object for a hub-style config dict (Kimi-K2 -> DeepseekV3Config; a
+    text model of MULTIMODAL_ONLY inside its wrapper's config, with a tiny vision tower)."""
     from transformers import AutoConfig
 
     d = dict(cfg)
@@ -76,7 +86,21 @@ def _hf_config(cfg: dict):
         model_type = "qwen3_5_moe_text"
     for key in ("transformers_version", "quantization_config"):
         d.pop(key, None)
+    if model_type in MULTIMODAL_ONLY:
+        wrapper, _, vision, width = MULTIMODAL_ONLY[model_type]
+        return AutoConfig.for_model(wrapper, text_config={**d, "model_type": model_type},
+                                    vision_config={**vision, width: d["hidden_size"]})
     return AutoConfig.for_model(model_type, **d)
+
+
+def causal_lm_class(config):
+    """The transformers class that gives `config`'s logits: AutoModelForCausalLM, or a
+    MULTIMODAL_ONLY wrapper's class."""
+    import transformers
+
+    wrapped = {wrapper: name for wrapper, name, *_ in MULTIMODAL_ONLY.values()}
+    return getattr(transformers, wrapped[config.model_type]) if config.model_type in wrapped \
+        else transformers.AutoModelForCausalLM
 
 
 def _reinit(model, seed: int, hidden: int, zero_centred: bool = False) -> None:
@@ -105,6 +129,10 @@ def _reinit(model, seed: int, hidden: int, zero_centred: bool = False) -> None:
                 std, mean = 0.5, 0.0  # DeepSeek-V4's stream mixing and compressor position biases
             elif name.endswith(("conv1d.weight", ".A_log", ".dt_bias")):  # a DeltaNet's taps and decays
                 std, mean = 0.5, 0.0
+            elif name.endswith("index_kpool_compress_ape"):  # GLM-5-Next's pools: logits of their softmax
+                std, mean = 0.5, 0.0
+            elif name.endswith("index_kpool_compress_gate"):
+                std, mean = 0.1, 0.0
             elif t.ndim == 1 and "norm" in name:
                 std, mean = 0.1, 0.0 if zero_centred and not name.endswith("linear_attn.norm.weight") else 1.0
             else:  # projections, experts (2-D / 3-D), embeddings, biases
@@ -243,7 +271,6 @@ def build_with_transformers(
     """Save the tiny ``arch`` model (its config.json keys changed as ``overrides`` say) with
     transformers' ``save_pretrained`` (see module doc)."""
     torch = _torch()
-    from transformers import AutoModelForCausalLM
 
     if dtype not in ("f32", "bf16"):
         raise ValueError("dtype must be 'f32' or 'bf16'")
@@ -252,7 +279,9 @@ def build_with_transformers(
     config = _hf_config(cfg)
     torch.manual_seed(seed)
     # dtype at construction so transformers' own keep-in-fp32 rules (DeepSeek routers) apply
-    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    model_class = causal_lm_class(config)
+    build = model_class.from_config if hasattr(model_class, "from_config") else model_class._from_config
+    model = build(config, dtype=torch_dtype)
     _reinit(model, seed, int(cfg["hidden_size"]), ADAPTERS[arch].zero_centred_norms)
     model.eval()
 
@@ -339,14 +368,13 @@ def load_reference(path):
     ``accelerate``), and the dequantized copy is loaded.
     """
     torch = _torch()
-    from transformers import AutoModelForCausalLM
 
     path = pathlib.Path(path)
     cfg = json.loads((path / "config.json").read_text())
     config = _hf_config(cfg)
     quant = cfg.get("quantization_config") or {}
     if quant.get("quant_method") not in ("fp8", "mxfp4"):
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32)
+        model = causal_lm_class(config).from_pretrained(path, config=config, dtype=torch.float32)
         return model.float().eval()
     tensors = _read_all(path)
     tensors = _dequantize_fp8(tensors, torch.float32) if quant["quant_method"] == "fp8" else _dequantize_mxfp4(tensors)
@@ -356,7 +384,7 @@ def load_reference(path):
         gen = path / "generation_config.json"
         if gen.exists():
             (tmp / gen.name).write_text(gen.read_text())
-        model = AutoModelForCausalLM.from_pretrained(tmp, config=config, dtype=torch.float32)
+        model = causal_lm_class(config).from_pretrained(tmp, config=config, dtype=torch.float32)
         # materialise every tensor before the temporary files go away
         model = model.float()
         for p in model.parameters():

@@ -81,7 +81,7 @@ def assert_same(alone, together):
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "qwen3_next", "llama4_text", "kimi_linear",
-                                  "minimax_m3_vl_text"])
+                                  "minimax_m3_vl_text", "glm5_next_text"])
 def test_a_sequence_gets_the_same_logits_alone_and_in_any_batch(models, arch):
     path = models(arch)
     alone = {i: run(path, 1, [i])[0][i] for i in range(len(LENGTHS))}

@@ -9,8 +9,8 @@ whole-projection q/k norms with clipping (OLMoE), partial rotary and a dense fir
 (GLM-4.5), MLA with the query projected directly (DeepSeek-V2) or through its LoRA with dense
 layers and an ungated shared expert (DeepSeek-V3, Kimi-K2), gated DeltaNet layers and gated
 attention (Qwen3-Next, Qwen3.5-MoE), chunked and position-free layers with experts whose input
-the router scales (Llama 4), Kimi delta attention and MLA without rotation (Kimi-Linear), and
-every KV cache kind.
+the router scales (Llama 4), Kimi delta attention and MLA without rotation (Kimi-Linear), KDA's
+safe gate, MLA with an indexer of pools and hyper-connections (GLM-5-Next), and every KV cache kind.
 """
 
 import numpy as np
@@ -24,7 +24,7 @@ CASES = [("mixtral", "Q4_K_M", "f16"), ("qwen2_moe", "Q8_0", "q8_0"), ("qwen3_mo
          ("deepseek_v3", "Q4_K_M", "q8_0"), ("deepseek_v3", "F32", "f32"), ("kimi_k2", "Q8_0", "f16"),
          ("qwen3_next", "Q4_K_M", "f16"), ("qwen3_5_moe", "Q8_0", "q8_0"), ("llama4_text", "Q4_K_M", "f16"),
          ("kimi_linear", "Q8_0", "f16"), ("deepseek_v4", "Q4_K_M", "f16"),
-         ("minimax_m3_vl_text", "Q4_K_M", "f16")]
+         ("minimax_m3_vl_text", "Q4_K_M", "f16"), ("glm5_next_text", "Q4_K_M", "f16")]
 
 
 @pytest.mark.parametrize("arch, quant, kv_quant", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
@@ -36,13 +36,15 @@ def test_decoding_with_fused_layers_gives_the_general_paths_logits(tmp_path, arc
             ConvertOptions(quant=quant, progress=False))
     model = open_model(tmp_path / "model", ctx=64, ram_budget="8G", kv_quant=kv_quant)
     assert arch != "olmoe" or model.decoder.records[0].mixer.clip == np.float32(0.05)
-    fused_layers = model.decoder.decode_layers
-    assert all(step is not None for step in fused_layers)
+    fused_layers, c = model.decoder.decode_layers, model.config
+    # every layer but a hyper-connected one without routed experts (GLM-5-Next's dense first layer)
+    assert all(step is not None for i, step in enumerate(fused_layers) if not c.hyper_streams or c.is_moe_layer(i))
 
     def decode(steps):
         model.decoder.decode_layers = steps
         model.reset()
-        logits = [model.prefill([5, 9, 2, 7, 11, 3, 8, 1, 4, 6])[-1]]  # then past 12 positions: MiniMax-M3's sparse
+        logits = [model.prefill([5, 9, 2, 7, 11, 3, 8, 1, 4, 6])[-1]]  # then past 12 positions: MiniMax-M3's and
+        # GLM-5-Next's sparse
         for _ in range(6):
             logits.append(model.decode(int(np.argmax(logits[-1]))))
         return np.array(logits)
@@ -90,7 +92,8 @@ def test_the_layer_tail_runs_cached_experts_as_a_fetch_would(tmp_path, monkeypat
         model = open_model(tmp_path / "model", ctx=64, cache_policy=policy, expert_cache=half)
         if not with_fused_steps:
             model.decoder.decode_layers = [None] * len(model.decoder.layers)
-        logits = [model.prefill([5, 9, 2, 7, 11, 3, 8, 1, 4, 6])[-1]]  # then past 12 positions: MiniMax-M3's sparse
+        logits = [model.prefill([5, 9, 2, 7, 11, 3, 8, 1, 4, 6])[-1]]  # then past 12 positions: MiniMax-M3's and
+        # GLM-5-Next's sparse
         for _ in range(8):
             logits.append(model.decode(int(np.argmax(logits[-1]))))
         index = model.store.index

@@ -68,7 +68,7 @@ def test_logits_match_transformers(built, arch, dtype):
     entry = built(arch, dtype)
     reference = entry[1]
     model = open_f32(converted(entry, "F32" if dtype == "f32" else "BF16"))
-    vocab = reference.config.vocab_size
+    vocab = reference.config.get_text_config().vocab_size
     for length in PROMPT_LENGTHS:
         ids = prompt(vocab, length)
         want = reference_logits(reference, ids)
@@ -98,14 +98,14 @@ def test_gpt_oss_clamped_swiglu_and_window_match_transformers(tmp_path):
     model = open_f32(tmp_path / "out")
     assert model.config.swiglu_limit == 0.05  # the products' std is ~0.3: most are clipped
     for length in PROMPT_LENGTHS:
-        ids = prompt(reference.config.vocab_size, length)
+        ids = prompt(reference.config.get_text_config().vocab_size, length)
         want = reference_logits(reference, ids)
         model.reset()
         assert np.abs(model.prefill(ids) - want).max() <= 1e-4 * want.std(), length
-    ids = prompt(reference.config.vocab_size, 7)
+    ids = prompt(reference.config.get_text_config().vocab_size, 7)
     model.reset()
-    steps = [model.prefill(ids)[-1]] + [model.decode(t) for t in prompt(reference.config.vocab_size, 16, seed=1)]
-    want = reference_logits(reference, ids + prompt(reference.config.vocab_size, 16, seed=1))[6:]
+    steps = [model.prefill(ids)[-1]] + [model.decode(t) for t in prompt(reference.config.get_text_config().vocab_size, 16, seed=1)]
+    want = reference_logits(reference, ids + prompt(reference.config.get_text_config().vocab_size, 16, seed=1))[6:]
     assert np.abs(np.array(steps) - want).max() <= 1e-4 * want.std()
 
 
@@ -128,17 +128,25 @@ SPARSE_MEDIAN_COS = {"Q8_0": 0.99, "Q4_K_M": 0.9}
 # Kimi-Linear's tiny model: median cosine 0.948, 4 of its 7 clear rows. Its first KDA layer's output
 # moves 14% (relative) at Q4_K_M, as Qwen3-Next's DeltaNet's (18%) and Kimi-K2's MLA's (12%) do,
 # most of it from the Q4_K embedding (8% with the rest in F32); three such layers, two routed, add up
-BOUNDS_OF = {("deepseek_v4", "Q4_K_M"): {"median_cos": 0.95}, ("kimi_linear", "Q4_K_M"): {"median_cos": 0.94, "top1": 0.5}}
+# GLM-5-Next's tiny model keeps 2 pools of 4 a query: one pool flipped is half of what it attends to,
+# and its Q8_0 flips 14 of the last indexer layer's 37 sparse rows (median cosine 0.975 there, Q4_K_M
+# 0.88); its dense rows, KDA and MLA under 4 streams: Q4_K_M median cosine 0.946, Q8_0 4 of 5 clear
+# rows. llama.cpp computes the same on its export (tests/test_llama_cpp.py)
+BOUNDS_OF = {("deepseek_v4", "Q4_K_M"): {"median_cos": 0.95}, ("kimi_linear", "Q4_K_M"): {"median_cos": 0.94, "top1": 0.5},
+             ("glm5_next_text", "Q8_0"): {"top1": 0.8}, ("glm5_next_text", "Q4_K_M"): {"median_cos": 0.93}}
+SPARSE_BOUNDS_OF = {("glm5_next_text", "Q8_0"): 0.96, ("glm5_next_text", "Q4_K_M"): 0.85}
 CLEAR_MARGIN = 0.5  # top-1 minus top-2 logit, in units of the logits' standard deviation
 
 
 def dense_rows(c, n: int) -> int:
     """The first rows whose queries attend to every position (DeepSeek-V4: every entry; MiniMax-M3:
-    every block)."""
+    every block; GLM-5-Next: every pool)."""
     if not c.index_topk:
         return n
     if c.index_block:
         return c.index_topk * c.index_block
+    if c.index_kpool:  # GLM-5-Next: every pool, and the positions after the last complete one
+        return c.index_topk + c.index_kpool - 1
     return (c.index_topk + 1) * OVERLAPPING_RATIO - 1 if c.attention == "compressed" else c.index_topk
 
 
@@ -151,7 +159,7 @@ def log_softmax(x):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_quantized_runs_stay_close_to_f32(built, arch, quant):
     entry = built(arch)
-    vocab = entry[1].config.vocab_size
+    vocab = entry[1].config.get_text_config().vocab_size
     ids = prompt(vocab, 48, seed=1)
     want = open_f32(converted(entry, "F32")).prefill(ids)
     model = open_f32(converted(entry, quant))
@@ -166,7 +174,8 @@ def test_quantized_runs_stay_close_to_f32(built, arch, quant):
     bounds = {**QUANT_BOUNDS[quant], **BOUNDS_OF.get((arch, quant), {})}
     assert np.median(cos[:dense]) >= bounds["median_cos"], (arch, quant, np.median(cos[:dense]))
     if dense < len(ids):
-        assert np.median(cos[dense:]) >= SPARSE_MEDIAN_COS[quant], (arch, quant, np.median(cos[dense:]))
+        sparse_bound = SPARSE_BOUNDS_OF.get((arch, quant), SPARSE_MEDIAN_COS[quant])
+        assert np.median(cos[dense:]) >= sparse_bound, (arch, quant, np.median(cos[dense:]))
     assert kl <= bounds["mean_kl"], (arch, quant, kl)
     assert agreement >= bounds["top1"], (arch, quant, agreement, int(clear.sum()))
 
@@ -179,7 +188,7 @@ def test_placement_never_changes_logits(built, arch):
 
     layout = ModelLayout(path)
     all_experts = sum(t.stride * t.count for t in layout.expert_layers.values())
-    ids = prompt(entry[1].config.vocab_size, 20, seed=2)
+    ids = prompt(entry[1].config.get_text_config().vocab_size, 20, seed=2)
     results, hit_rates = [], []
     for cache_bytes in (0, all_experts // 4, all_experts):
         model = open_f32(path, expert_cache=cache_bytes)
@@ -199,7 +208,7 @@ def test_prompts_batched_together_match_transformers(built, arch):
     reference = entry[1]
     model = open_f32(converted(entry, "F32"), parallel=len(PROMPT_LENGTHS))
     scheduler = model.scheduler(keep_logits=True)
-    prompts = {scheduler.add(prompt(reference.config.vocab_size, n), 8): prompt(reference.config.vocab_size, n)
+    prompts = {scheduler.add(prompt(reference.config.get_text_config().vocab_size, n), 8): prompt(reference.config.get_text_config().vocab_size, n)
                for n in PROMPT_LENGTHS}
     steps = {i: [] for i in prompts}
     while scheduler.busy:

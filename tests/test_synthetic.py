@@ -133,8 +133,8 @@ def test_layout_index_and_plan(ckpt, arch):
         if name != "__metadata__"
     }
     for s in plan:  # K-quant friendly: every matrix's input dimension is a multiple of 256
-        if sum(d > 1 for d in s.shape) >= 2 and s.kind not in ("conv", "table", "score_bias"):  # taps, ids, ERNIE's
-            # [1, E] bias, vectors stored with unit dimensions (Kimi-Linear's A_log): no matrix
+        if sum(d > 1 for d in s.shape) >= 2 and s.kind not in ("conv", "table", "score_bias", "position_bias"):  # taps,
+            # ids, ERNIE's [1, E] bias, pools' position biases, vectors with unit dimensions (Kimi-Linear's A_log): no matrix
             assert s.shape[-1] % 256 == 0, s
 
 
@@ -302,7 +302,20 @@ _MUST_HAVE["minimax_m3_vl_text"] = {  # the release's names: per-expert w1/w3/w2
     "model.layers.1.block_sparse_moe.experts.0.w1.weight": [256, 256],
     "model.layers.2.block_sparse_moe.shared_experts.up_proj.weight": [256, 256],
 }
+_MUST_HAVE["glm5_next_text"] = {  # the release's names: KDA with a flat forget gate and per-head A_log; MLA
+    # without a rotary part; the indexer's pools; bare hyper-connections; per-expert
+    "model.layers.0.self_attn.A_log": [4],
+    "model.layers.0.self_attn.v_conv1d.weight": [1024, 1, 4],
+    "model.layers.0.hc_attn_fn": [24, 4 * 256],
+    "model.layers.1.self_attn.kv_a_proj_with_mqa.weight": [256, 256],
+    "model.layers.1.self_attn.indexer.index_kpool_compress_ape": [4, 64],
+    "model.layers.1.self_attn.indexer.index_kpool_compress_gate": [64, 256],
+    "model.layers.1.hc_ffn_scale": [3],
+    "model.layers.1.mlp.experts.0.gate_proj.weight": [256, 256],
+}
 _MUST_NOT_HAVE = {
+    "glm5_next_text": ["model.layers.2.self_attn.indexer.wk.weight", "model.layers.0.mlp.gate.weight",
+                       "model.hc_head.hc_fn", "model.layers.0.self_attn.q_a_proj.weight"],
     "minimax_m3_vl_text": ["model.layers.0.self_attn.index_q_proj.weight", "model.layers.0.block_sparse_moe.gate.weight"],
     "kimi_linear": ["model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "model.layers.2.self_attn.q_conv1d.weight",
                     "model.layers.2.self_attn.q_a_proj.weight"],
@@ -333,6 +346,8 @@ def test_config_and_arch_specific_tensors(ckpt, arch):
     assert cfg["torch_dtype"] == "bfloat16" and "quantization_config" not in cfg
     if arch == "qwen3_5_moe":  # Qwen3.5's hub config is v5-style
         assert cfg["rope_parameters"]["rope_theta"] and "rope_theta" not in cfg
+    elif arch == "glm5_next_text":  # nothing rotates
+        assert "rope_theta" not in cfg and "rope_parameters" not in cfg
     else:
         assert "rope_theta" in cfg and "rope_parameters" not in cfg  # hub (v4-style) config
     assert cfg["architectures"] == {
@@ -347,6 +362,7 @@ def test_config_and_arch_specific_tensors(ckpt, arch):
         "ernie4_5_moe": ["Ernie4_5_MoeForCausalLM"], "hunyuan_v1_moe": ["HunYuanMoEV1ForCausalLM"],
         "mimo_v2_flash": ["MiMoV2FlashForCausalLM"], "llama4_text": ["Llama4ForCausalLM"],
         "kimi_linear": ["KimiLinearForCausalLM"], "minimax_m3_vl_text": ["MiniMaxM3VLForCausalLM"],
+        "glm5_next_text": ["Glm5NextForConditionalGeneration"],
     }[arch]
     if arch == "gpt_oss":
         assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["rope_scaling"]["truncate"] is False
@@ -580,7 +596,10 @@ def test_same_tensors_as_transformers(oracle, arch):
     # a tensor transformers saves under another name than the release's (SAVED_NAMES), by the release's;
     # one it saves fused (SAVED_HALVES: MiniMax-M3's text model, its experts fused too), as its halves
     saved = _names_shapes(oracle(arch))
-    ref = {renamed_tensor(name, SAVED_NAMES.get(arch, ())): shape for name, shape in saved.items()}
+    text = saved if arch not in O.MULTIMODAL_ONLY else {  # the text model's, named as a text-only checkpoint
+        name.replace("model.language_model.", "model."): shape for name, shape in saved.items()
+        if name.startswith("model.language_model.") or name == "lm_head.weight"}
+    ref = {renamed_tensor(name, SAVED_NAMES.get(arch, ())): shape for name, shape in text.items()}
     for fused, first, second in SAVED_HALVES.get(arch, ()):
         for name in [n for n in ref if n.endswith(fused)]:
             rows, cols = ref.pop(name)
@@ -617,19 +636,26 @@ def test_variants_same_tensors_as_transformers(oracle, arch, opts):
 # MiniMax-M3's text-only class loads only the fused names it saves; the release's (the synthetic
 # model's) load through its multimodal class, and tests/test_minimax_m3.py converts that class's save
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a not in SAVED_HALVES])
-def test_transformers_loads_synthetic(ckpt, arch):
+def test_transformers_loads_synthetic(ckpt, arch, tmp_path):
     need_oracle()
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
-
     transformers.logging.set_verbosity_error()
     path = ckpt(arch)
     cfg = json.loads((path / "config.json").read_text())
-    model, info = AutoModelForCausalLM.from_pretrained(
-        path, config=O._hf_config(cfg), dtype=torch.float32, output_loading_info=True
-    )
-    assert not info["missing_keys"] and not info["mismatched_keys"]
+    config = O._hf_config(cfg)
+    prefix = "model."
+    if arch in O.MULTIMODAL_ONLY:  # its wrapper loads the text model under the release's prefix
+        prefix = "model.language_model."
+        tensors = {prefix + n.removeprefix("model.") if n.startswith("model.") else n: t for n, t in O._read_all(path).items()}
+        path = tmp_path / "wrapped"
+        path.mkdir()
+        (path / "generation_config.json").write_text((ckpt(arch) / "generation_config.json").read_text())
+        O._write_all(path, tensors)
+    model, info = O.causal_lm_class(config).from_pretrained(path, config=config, dtype=torch.float32,
+                                                            output_loading_info=True)
+    missing = [k for k in info["missing_keys"] if not k.startswith("model.visual.")]  # a wrapper's vision tower
+    assert not missing and not info["mismatched_keys"]
     mtp = mtp_prefixes(cfg)
     # only the MTP layer, which transformers does not model, is left over
     assert all(mtp and k.startswith(mtp) for k in info["unexpected_keys"])
@@ -640,7 +666,8 @@ def test_transformers_loads_synthetic(ckpt, arch):
     # the loaded parameters are the stored values
     name = "model.layers.1.input_layernorm.weight"
     stored = "model.layers.1.attn_norm.weight" if arch == "deepseek_v4" else name  # the release's name
-    np.testing.assert_array_equal(model.state_dict()[name].numpy(), decoded(path, stored))
+    np.testing.assert_array_equal(model.state_dict()[prefix + name.removeprefix("model.")].numpy(),
+                                  decoded(ckpt(arch), stored))
 
 
 @pytest.mark.oracle

@@ -29,18 +29,9 @@ GGUF_ADAPTERS: dict[str, Adapter] = {a.gguf_arch_name: a for a in dict.fromkeys(
 TINY_MODELS: dict[str, TinyModel] = {t: m for adapter in dict.fromkeys(ADAPTERS.values()) for t, m in adapter.tiny_models.items()}
 
 
-# model types of 2026 whose math the runtime does not compute yet → what is missing (issue 37)
-NOT_YET = {
-    **dict.fromkeys(("glm5_next", "glm5_next_text"), "GLM-5-Next's MLA with a DSA indexer over pooled keys and its "
-                                                     "hyper-connections are not built yet (its KDA layers are)"),
-}
-
-
 def adapter_for(hf_config: dict) -> Adapter:
     model_type = hf_config.get("model_type")
     model_type = ALIASES.get(model_type, model_type) if isinstance(model_type, str) else model_type
-    if isinstance(model_type, str) and model_type in NOT_YET:
-        raise ConfigError(f"config.json: architecture {model_type!r} is not supported yet: {NOT_YET[model_type]}")
     if not isinstance(model_type, str) or model_type not in ADAPTERS:
         raise ConfigError(f"config.json: unsupported architecture {model_type!r} (supported: {', '.join(SUPPORTED)})")
     return ADAPTERS[model_type]

@@ -40,7 +40,7 @@ class TensorSpec:
     tensor; ``kind`` is one of ``linear`` (2-D projection weight, FP8-eligible),
     ``experts`` (fused 3-D expert weight, FP8-eligible), ``embed``, ``head``, ``norm``,
     ``router``, ``gate`` (other tiny gating projections), ``mtp_proj`` (MTP ``eh_proj``),
-    ``bias``, ``score_bias``, ``scale_inv`` (FP8 block scales of ``source``) and ``table`` (I64
+    ``bias``, ``position_bias`` (a bias per place in a pool, [places, width]), ``score_bias``, ``scale_inv`` (FP8 block scales of ``source``) and ``table`` (I64
     rows of distinct ids below ``choices``: DeepSeek-V4's token → experts table).
     """
 
@@ -227,40 +227,59 @@ class _Planner:
         self.norm(p + "post_attention_layernorm", self.c.hidden_size)
         self.mlp(p, i)
 
-    def compressed_model(self) -> list[TensorSpec]:
-        """DeepSeek-V4's tensors, by the adapter's names: its own attention, hyper-connections
-        (float32, as transformers keeps them) and hash tables; each layer's experts after it."""
+    def hyper_model(self) -> list[TensorSpec]:
+        """A hyper-connected model's tensors (DeepSeek-V4's, GLM-5-Next's), by the adapter's
+        names: its attention or KDA, hyper-connections (float32, as transformers keeps them),
+        hash tables; each MoE layer's experts after it."""
         c, adapter = self.c, self.adapter
         for name, shape in adapter.global_tensors(c).items():
-            self.compressed_tensor(name, shape)
+            self.hyper_tensor(name, shape)
         for i in range(c.n_layers):
             for name, shape in adapter.layer_tensors(c, i).items():
-                self.compressed_tensor(name, shape)
-            self.experts(f"model.layers.{i}.ffn.", c.n_experts, c.expert_ffn)
+                self.hyper_tensor(name, shape)
+            if c.is_moe_layer(i):
+                self.experts(adapter.experts(i).prefix.removesuffix("experts"), c.n_experts, c.expert_ffn)
+        last = c.n_layers - 1
+        for i in mtp_layer_indices(self.cfg):  # the last layer's tensors, MoE, under the MTP layer's number
+            self.mtp_inputs(i)
+            for name, shape in adapter.layer_tensors(c, last).items():
+                self.hyper_tensor(name.replace(f"model.layers.{last}.", f"model.layers.{i}.", 1), shape)
+            self.experts(adapter.experts(i).prefix.removesuffix("experts"), c.n_experts, c.expert_ffn)
+            self.mtp_head(i)
         return self.specs
 
-    def compressed_tensor(self, name: str, shape: tuple) -> None:
+    def hyper_tensor(self, name: str, shape: tuple) -> None:
         base = name.removesuffix(".weight")
         if name.endswith("norm.weight"):
-            self.norm(base, shape[0])
+            self.norm(base, shape[0], zero_centred=False)
         elif name.endswith("tid2eid"):
             self._add(TensorSpec(name, shape, "table", "I64", parts=(name,), choices=self.c.n_experts))
         elif name.endswith("_fn"):
             self.plain(name, shape, "gate", self.std, dtype="F32")
-        elif name.endswith(("_base", "_scale", ".ape", "attn_sink")):
+        elif name.endswith("ape"):  # added to a softmax's logits per place in a pool: not a matrix
+            self.plain(name, shape, "position_bias", MIXING_STD, dtype="F32")
+        elif name.endswith(("_base", "_scale", "attn_sink")):
             self.plain(name, shape, "bias", SINK_STD if name.endswith("attn_sink") else MIXING_STD, dtype="F32")
-        elif name.endswith("gate.bias"):
+        elif name.endswith(("gate.bias", "e_score_correction_bias")):
             self.plain(name, shape, "score_bias", SCORE_BIAS_STD, dtype="F32")
+        elif name.endswith(("A_log", "dt_bias")):
+            self.plain(name, shape, "bias", DECAY_STD, dtype="F32")
+        elif name.endswith("conv1d.weight"):
+            self.plain(name, shape, "conv", CONV_STD)
+        elif name.endswith(".bias"):
+            self.plain(name, shape, "bias", self.std)
+        elif name.endswith("_compress_gate"):  # the pools' softmax logits
+            self.plain(name, shape, "gate", MIXING_STD / 4)
         elif name.endswith("gate.weight"):
             self.plain(name, shape, "router", self.router_std)
-        elif name in ("model.embed_tokens.weight", "head.weight"):
+        elif name in ("model.embed_tokens.weight", "head.weight", "lm_head.weight"):
             self.plain(name, shape, "embed" if name.startswith("model.") else "head", self.std)
         else:
             self.linear(base, *shape)
 
     def build(self) -> list[TensorSpec]:
-        if self.c.attention == "compressed":
-            return self.compressed_model()
+        if self.c.hyper_streams:
+            return self.hyper_model()
         D, V = self.c.hidden_size, self.c.vocab_size
         self.plain("model.embed_tokens.weight", (V, D), "embed", self.std)
         for i in range(self.c.n_layers):
@@ -269,18 +288,25 @@ class _Planner:
         if not self.c.tie_word_embeddings:
             self.plain("lm_head.weight", (V, D), "head", self.std)
         for i in mtp_layer_indices(self.cfg):
-            # DeepSeek-V3 / GLM-4.5 multi-token-prediction layer: a full decoder layer plus
-            # its own embedding, projections and shared head (eh_proj stays bf16 in the
-            # FP8 hub checkpoints, like the embeddings and the head)
-            p = f"model.layers.{i}."
-            self.plain(p + "embed_tokens.weight", (V, D), "embed", self.std)
-            self.norm(p + "enorm", D)
-            self.norm(p + "hnorm", D)
-            self.plain(p + "eh_proj.weight", (D, 2 * D), "mtp_proj", self.std)
+            self.mtp_inputs(i)
             self.decoder_layer(i)
-            self.norm(p + "shared_head.norm", D)
-            self.plain(p + "shared_head.head.weight", (V, D), "head", self.std)
+            self.mtp_head(i)
         return self.specs
+
+    # DeepSeek-V3 / GLM-4.5 / GLM-5-Next multi-token-prediction layer: a full decoder layer plus its
+    # own embedding, projections and shared head (eh_proj stays bf16 in the FP8 hub checkpoints,
+    # like the embeddings and the head)
+    def mtp_inputs(self, i):
+        p, D = f"model.layers.{i}.", self.c.hidden_size
+        self.plain(p + "embed_tokens.weight", (self.c.vocab_size, D), "embed", self.std)
+        self.norm(p + "enorm", D)
+        self.norm(p + "hnorm", D)
+        self.plain(p + "eh_proj.weight", (D, 2 * D), "mtp_proj", self.std)
+
+    def mtp_head(self, i):
+        p = f"model.layers.{i}."
+        self.norm(p + "shared_head.norm", self.c.hidden_size)
+        self.plain(p + "shared_head.head.weight", (self.c.vocab_size, self.c.hidden_size), "head", self.std)
 
 
 def checkpoint_plan(
