@@ -11,7 +11,10 @@ one key-value head of 512, indexer keys of 128. Llama-4-Scout and -Maverick (the
 27 layers, 7 of them MLA (a latent of 512 and a shared key of 64 a position), 20 KDA (32 heads of
 128: a fixed state). MiniMax-M3 (its text_config: transformers' MiniMaxM3VLTextConfig defaults, a
 context of 1048576): 60 layers of 4 key-value heads of 128, the 57 after the 3 dense ones with
-block-sparse attention and index keys of 128 a position.
+block-sparse attention and index keys of 128 a position. GLM-5-Next (its text_config as
+docs/glm5_next.md lists it): 45 layers, 34 KDA (64 heads of 128: a fixed state) and 11 MLA (a
+latent of 512 a position, nothing rotated) with indexers of pools of 4 (a key and a gate of 128 a
+position, one key of 128 a pool).
 """
 
 from __future__ import annotations
@@ -72,6 +75,16 @@ CONFIGS = {
         "sparse_attention_config": {"sparse_attention_freq": [0] * 3 + [1] * 57, "sparse_num_index_heads": 4,
                                     "sparse_index_dim": 128, "sparse_block_size": 128, "sparse_topk_blocks": 16,
                                     "sparse_local_block": 1},
+    },
+    "GLM-5-Next": {
+        "model_type": "glm5_next_text", "vocab_size": 154880, "hidden_size": 4096, "intermediate_size": 12288,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 45, "num_attention_heads": 64, "num_key_value_heads": 64,
+        "n_shared_experts": 1, "n_routed_experts": 288, "num_experts_per_tok": 8, "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 0, "qk_nope_head_dim": 256, "v_head_dim": 256,
+        "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32, "index_kpool": 4, "first_k_dense_replace": 3,
+        "max_position_embeddings": 1048576, "rms_norm_eps": 1e-5, "hc_mult": 4, "hc_eps": 1e-6, "hc_sinkhorn_iters": 20,
+        "linear_attn_config": {"num_heads": 64, "head_dim": 128, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0},
+        "swiglu_limit": 10.0, "num_nextn_predict_layers": 1,
     },
 }
 
