@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write the benchmark MoE checkpoint (hub layout, deterministic random bf16 weights).
 
-    python bench/model.py OUT [--shape mixtral-ref|qwen3-ref|qwen3-128|deepseek-v4-slice] [--seed 0] [--force]
+    python bench/model.py OUT [--shape mixtral-ref|qwen3-ref|qwen3-128|deepseek-v4-slice|deepseek-v3-slice] [--seed 0] [--force]
 
 ``mixtral-ref``: Mixtral architecture, hidden 2048, expert FFN 1024, 32 experts, top-4,
 16 layers, 16 heads / 4 KV heads, vocab 32000, rope theta 1e6, untied head, bf16,
@@ -13,7 +13,9 @@ in 6 layers, otherwise as ``qwen3-ref`` -- ~3.7 B parameters, ~7.4 GB. ``deepsee
 DeepSeek-V4-Flash's real widths (hidden 4096, 64 heads of 512, query LoRA 1024, 8 output groups of
 1024, indexer 64 x 128 keeping 512, window 128, experts of FFN 2048, top-6 and one shared, vocab
 129280) in 4 layers (window, CSA, HCA, CSA; the first hash-routed) of 16 experts -- ~3.3 B
-parameters, ~6.6 GB.
+parameters, ~6.6 GB. ``deepseek-v3-slice``: DeepSeek-V3's real widths (hidden 7168, 128 MLA heads,
+query LoRA 1536, latent 512, a dense first layer of FFN 18432, experts of FFN 2048, top-8 in 8 groups
+keeping 4, one shared, vocab 129280) in 4 layers of 16 experts -- ~5.2 B parameters, ~10.4 GB.
 
 Nothing is written when OUT already holds a complete checkpoint made with the same
 parameters (recorded in ``OUT/.colibri-bench.json``, written last).
@@ -79,6 +81,16 @@ SHAPES = {
             "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                             "compressed_sparse_attention"],
             "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        },
+    },
+    "deepseek-v3-slice": {
+        "arch": "deepseek_v3",
+        "config": {
+            "hidden_size": 7168, "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
+            "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "head_dim": 64,
+            "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 16, "num_experts_per_tok": 8,
+            "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 1, "num_hidden_layers": 4,
+            "num_nextn_predict_layers": 0, "vocab_size": 129280,
         },
     },
 }

@@ -340,7 +340,8 @@ def glm5next_keys(w: gguf.GGUFWriter, hp: dict, rope: dict) -> None:
     w.add_layer_norm_eps(1e-6)
     w.add_ssm_conv_kernel(spec["short_conv_kernel_size"])
     w.add_kda_head_dim(spec["head_dim"])
-    w.add_float32(f"{arch}.kda.gate_lower_bound", spec["gate_lower_bound"])
+    if spec.get("gate_lower_bound") is not None:
+        w.add_float32(f"{arch}.kda.gate_lower_bound", spec["gate_lower_bound"])
     w.add_q_lora_rank(hp["q_lora_rank"])
     w.add_kv_lora_rank(hp["kv_lora_rank"])
     w.add_rope_dimension_count(0)

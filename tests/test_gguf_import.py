@@ -142,6 +142,19 @@ def test_a_llama4_gguf_that_rotates_every_layer_but_the_last_is_refused(checkpoi
     refused(capsys, tmp_path, write_reference_gguf(src, tmp_path / "mobile.gguf"), "sliding_window 0", "MobileLLM")
 
 
+def test_a_glm5_next_gguf_without_a_gate_bound_decays_as_kimi_linear_and_one_without_the_tail_is_refused(
+        reference, tmp_path, capsys):
+    """llama.cpp's glm5-next graph takes Kimi-Linear's decay when kda.gate_lower_bound is absent
+    (its converter writes the key only when the config has one), and always selects the tail."""
+    _, source = reference("glm5_next_text")
+    unbounded = rewrite_gguf(source, tmp_path / "unbounded.gguf", drop=("glm5-next.kda.gate_lower_bound",))
+    assert run([str(unbounded), str(tmp_path / "kimi")], capsys)[0] == 0
+    assert ModelLayout(tmp_path / "kimi").config.linear_gate_lower_bound == 0.0
+    assert ModelLayout(tmp_path / "kimi").config.hyper_head_mean
+    no_tail = rewrite_gguf(source, tmp_path / "no-tail.gguf", keys={"glm5-next.attention.indexer.kpool_select_tail": False})
+    refused(capsys, tmp_path, no_tail, "kpool_select_tail is not true")
+
+
 def test_llama_without_experts_is_refused(reference, tmp_path, capsys):
     _, source = reference("mixtral")
     dense = rewrite_gguf(source, tmp_path / "dense.gguf", drop=("llama.expert_count",))

@@ -248,7 +248,8 @@ class Glm5Next(Adapter):
         writer.add_bool(f"{arch}.{GGUF_KEYS['indexer_tail']}", True)
         writer.add_array(f"{arch}.{INDEXER}types", [layer in c.index_layers for layer in range(c.n_layers)])
         writer.add_float32(f"{arch}.{GGUF_KEYS['hyper_eps']}", c.hyper_eps)
-        writer.add_float32(f"{arch}.{GGUF_KEYS['gate_lower_bound']}", c.linear_gate_lower_bound)
+        if c.linear_gate_lower_bound:  # absent: Kimi-Linear's decay, in llama.cpp's graph as in ours
+            writer.add_float32(f"{arch}.{GGUF_KEYS['gate_lower_bound']}", c.linear_gate_lower_bound)
         writer.add_float32(f"{arch}.attention.layer_norm_epsilon", 1e-6)  # the indexer's LayerNorm
         for key in ("swiglu_clamp_exp", "swiglu_clamp_shexp"):
             writer.add_array(f"{arch}.{key}", [c.swiglu_limit] * c.n_layers)
@@ -268,9 +269,13 @@ class Glm5Next(Adapter):
         if not (isinstance(clamps, list) and clamps and len(set(clamps)) == 1 and isinstance(clamps[0], float)):
             raise GGUFError(f"{meta.file}: {arch}.swiglu_clamp_exp is not one clamp for every layer")
         floats = {key: meta.source.get(f"{arch}.{GGUF_KEYS[key]}") for key in ("hyper_eps", "gate_lower_bound")}
+        if floats["gate_lower_bound"] is None:  # llama.cpp's graph then decays as Kimi-Linear does
+            floats["gate_lower_bound"] = 0.0
         for key, value in floats.items():
             if not isinstance(value, float):
                 raise GGUFError(f"{meta.file}: {arch}.{GGUF_KEYS[key]} is {value!r:.40}, not a float")
+        if meta.source.get(f"{arch}.{GGUF_KEYS['indexer_tail']}", True) is not True:
+            raise GGUFError(f"{meta.file}: {arch}.{GGUF_KEYS['indexer_tail']} is not true (colibri's pools keep the tail)")
         width, nope = meta.require(gguf.Keys.KDA.HEAD_DIM), meta.require(gguf.Keys.Attention.KEY_LENGTH_MLA)
         return dict(
             architecture=self.model_types[0], attention="mla", n_kv_heads=heads, head_dim=nope,
