@@ -334,36 +334,59 @@ print(kernels.kernel_paths()["k_quant_dot"])
 # each target and the K-quant dot its kernels must use there (so that the target took effect)
 TARGET_DOTS = {"generic": "portable vector IR", "avx2": "vpmaddubsw + vpmaddwd, 32 bytes",
                "avx2-vnni": "vpmaddubsw + vpdpwssd, 32 bytes"}
+OTHER_CPU_ENCODINGS = ("Q4_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0", "IQ2_XXS", "IQ2_S", "IQ3_S", "IQ1_M")
+
+
+def runs_here(target):
+    return target != "avx2-vnni" or "+avxvnni" in llvmlite.binding.get_host_cpu_features().flatten().split(",")
+
+
+@pytest.fixture(scope="module")
+def products_for_cpus(tmp_path_factory):
+    """(x, weights, {target: (folder, process)}): one process per target that runs here, all
+    started at once. Each compiles the kernels for its own CPU, so they share no work, and the
+    tests need not wait for one to finish before the next starts."""
+    x = np.random.default_rng(1).standard_normal((13, 512)).astype(np.float32)
+    weights = {encoding: random_weights(encoding, 37, 512)[0] for encoding in OTHER_CPU_ENCODINGS}
+    root = Path(__file__).resolve().parent.parent
+    jobs = {}
+    for target in filter(runs_here, TARGET_DOTS):
+        folder = tmp_path_factory.mktemp(f"cpu-{target}")
+        np.save(folder / "x.npy", x)
+        np.save(folder / "halves.npy", every_half())
+        for encoding, w in weights.items():
+            np.save(folder / f"{encoding}.npy", w)
+        env = dict(os.environ, **target_environment(target), PYTHONPATH=str(root))
+        with open(folder / "stdout", "w") as out, open(folder / "stderr", "w") as err:
+            jobs[target] = folder, subprocess.Popen([sys.executable, "-c", PRODUCTS_FOR_CPU, *OTHER_CPU_ENCODINGS],
+                                                    cwd=folder, env=env, stdout=out, stderr=err)
+    yield x, weights, jobs
+    for _, job in jobs.values():
+        if job.poll() is None:
+            job.kill()
+        job.wait()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target", list(TARGET_DOTS))
-def test_kernels_built_for_other_cpus_match_the_native_ones(tmp_path, target):
+def test_kernels_built_for_other_cpus_match_the_native_ones(products_for_cpus, target):
     """The int8 kernels built for a CPU without AVX2 or F16C (portable vector IR), with AVX2
     only (no AVX-512: most users' CPUs), and with AVX-VNNI but no AVX-512 give the same
     products as the native ones: the
     unsigned x signed, signed x signed and K-quant integer dot products, table lookups and
     signed levels in Q8_K dots, for whole groups, a half group and single activations; and
     they convert every finite half exactly (vcvtph2ps, or integer steps without F16C)."""
-    if target == "avx2-vnni" and "+avxvnni" not in llvmlite.binding.get_host_cpu_features().flatten().split(","):
+    if not runs_here(target):
         pytest.skip("this CPU has no AVX-VNNI: kernels built for it cannot run here")
-    x = np.random.default_rng(1).standard_normal((13, 512)).astype(np.float32)
-    np.save(tmp_path / "x.npy", x)
-    np.save(tmp_path / "halves.npy", every_half())
-    encodings = ("Q4_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0", "IQ2_XXS", "IQ2_S", "IQ3_S", "IQ1_M")
-    weights = {encoding: random_weights(encoding, 37, 512)[0] for encoding in encodings}
-    for encoding, w in weights.items():
-        np.save(tmp_path / f"{encoding}.npy", w)
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, **target_environment(target), PYTHONPATH=str(root))
-    done = subprocess.run([sys.executable, "-c", PRODUCTS_FOR_CPU, *encodings], cwd=tmp_path, env=env, check=True,
-                          capture_output=True, text=True)
-    assert done.stdout.strip().splitlines()[-1] == TARGET_DOTS[target]
+    x, weights, jobs = products_for_cpus
+    folder, job = jobs[target]
+    assert job.wait() == 0, (folder / "stderr").read_text()
+    assert (folder / "stdout").read_text().strip().splitlines()[-1] == TARGET_DOTS[target]
     for encoding, w in weights.items():
         native = kernels.matmul(w, encoding, 37, 512, x)
-        assert relative_error(np.load(tmp_path / f"{encoding}-product.npy"), native) <= EXACT_TOLERANCE
+        assert relative_error(np.load(folder / f"{encoding}-product.npy"), native) <= EXACT_TOLERANCE
     want = every_half().view(np.float16).astype(np.float32)
-    assert np.array_equal(np.load(tmp_path / "floats.npy").view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(np.load(folder / "floats.npy").view(np.uint32), want.view(np.uint32))
 
 
 def reference_attention(q, keys, values, start):
