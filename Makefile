@@ -47,12 +47,16 @@ $(CI_STAMP): locks/ci.txt pyproject.toml | $(BIN)/python
 demo: $(BASE_STAMP)
 	$(BIN)/colibri demo
 
+# Two processes (pytest-xdist), a test file each at a time: numba's compiles and the Python
+# between kernels take one core, so a second process nearly halves the run on 2 cores.
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile
+
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 # What .ci/run runs: the whole suite, and a skip in the llama.cpp, Ray or Chromium tests fails it.
 test-ci: $(CI_STAMP)
-	COLIBRI_REQUIRE_OPTIONAL=1 $(BIN)/python -m pytest -q --durations=25
+	COLIBRI_REQUIRE_OPTIONAL=1 $(PYTEST) --durations=25
 
 # The newest release of everything but torch, in a venv of its own: drift fails here, not in CI.
 test-latest:

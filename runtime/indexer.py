@@ -115,12 +115,13 @@ class Indexer:
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _choose_pools(q, pooled, weights, start, pool, select, scale, chosen, nthreads):
+def _choose_pools(q, pooled, weights, start, pool, select, chosen, nthreads):
     """chosen[i, r] = 1 for the positions r query i attends to: those of the `select` complete
-    pools it sees that score best (sum_h weights[i, h] * relu(q[i, h] . pooled[j] * scale); of
-    equal scores, the earliest), and those after its last complete pool; every position up to
+    pools it sees that score best (sum_h weights[i, h] * relu(q[i, h] . pooled[j] * width^-0.5);
+    of equal scores, the earliest), and those after its last complete pool; every position up to
     its own while it sees no more than `select` pools."""
     n, heads, width = q.shape
+    scale = F32(width ** -0.5)
     for t in prange(nthreads):
         lo, hi = part_range(n, nthreads, t, 1)
         scores = np.empty(pooled.shape[0], F32)
@@ -178,8 +179,7 @@ class PoolIndexer(Indexer):
         pooled = np.ascontiguousarray(cache.entries_of(self.layer, "index", end // c.index_kpool), dtype=F32)
         q, weights = self.queries(q_resid, h, positions)
         chosen = np.zeros((n, end), np.uint8)
-        _choose_pools(q, pooled, weights, start, c.index_kpool, c.index_topk // c.index_kpool,
-                      F32(c.index_head_dim ** -0.5), chosen, thread_count())
+        _choose_pools(q, pooled, weights, start, c.index_kpool, c.index_topk // c.index_kpool, chosen, thread_count())
         return chosen
 
 

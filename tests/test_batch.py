@@ -290,7 +290,7 @@ def test_merged_stats_are_the_sums_and_the_step_weighted_means_of_the_parts(mode
 
     parts = []
     for prompts in (["The river", "A mill"], ["Bells", "Bread and", "The town of"]):
-        model = open_model(models("qwen3_moe"), parallel=3, ram_budget=2 << 30, ctx=128)
+        model = open_model(models("qwen3_moe"), parallel=3, ram_budget="8G", ctx=128)  # (the process's own RSS counts)
         scheduler = model.scheduler()
         for p in prompts:
             scheduler.add(p, max_tokens=4 + len(p) % 3)

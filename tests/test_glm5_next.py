@@ -102,7 +102,7 @@ def test_a_query_attends_to_its_best_pools_and_the_positions_after_them():
     pooled[5] = pooled[2]  # a tie: the earlier pool wins
     weights = rng.standard_normal((n, heads)).astype(np.float32)
     chosen = np.zeros((n, start + n), np.uint8)
-    _choose_pools(q, pooled, weights, start, pool, select, np.float32(width ** -0.5), chosen, 2)
+    _choose_pools(q, pooled, weights, start, pool, select, chosen, 2)
     want = chosen_reference(q, pooled, weights, start, pool, select)
     np.testing.assert_array_equal(chosen, want)
     assert (chosen.sum(1) < np.arange(start + 1, start + n + 1)).any()  # some queries leave positions out
