@@ -20,6 +20,7 @@ import gguf
 
 from colibri.convert.arch.base import Adapter, ConfigError, ResidentView, TinyModel, common_fields, require, sigmoid_routing
 from colibri.convert.arch.deepseek_sparse import indexer_layers
+from colibri.convert.arch.kimi_linear import kda_fields, sparse_layers
 from colibri.convert.gguf_source import GGUFError
 from colibri.formats.config_check import layer_tensors
 from colibri.formats.model_config import ModelConfig
@@ -109,7 +110,7 @@ GGUF_KEYS = {  # llama.cpp's glm5-next keys (after `glm5-next.`) newer than the 
 INDEXER = "attention.indexer."
 
 
-def _layer_kinds(hf: dict, layers: int) -> list[int]:
+def _kda_layers(hf: dict, layers: int) -> list[int]:
     """The KDA layers, from `layer_types` (transformers' default when absent: all but every fourth)."""
     kinds = hf.get("layer_types")
     if kinds is None:
@@ -146,20 +147,12 @@ class Glm5Next(Adapter):
             raise ConfigError("config.json: an indexer without pooled keys or without the tail "
                               "(index_kpool_compress, index_kpool_always_select_tail false) is not supported")
         spec = hf.get("linear_attn_config") or {}
-        heads = spec.get("num_heads", hf.get("linear_num_heads", 64))
-        width = spec.get("head_dim", hf.get("linear_head_dim", 128))
         bound = spec["gate_lower_bound"] if "gate_lower_bound" in spec else hf.get("linear_lower_bound", -5.0)
         if bound is None or not isinstance(bound, (int, float)) or bound >= 0:
             raise ConfigError(f"config.json: KDA's gate_lower_bound {bound!r} is not a negative number "
                               "(colibri computes GLM-5-Next's safe gate only)")
-        linear = _layer_kinds(hf, layers)
-        kinds = hf.get("mlp_layer_types")
-        if kinds is None:
-            moe = list(range(min(int(hf.get("first_k_dense_replace", 3)), layers), layers))
-        elif isinstance(kinds, list) and len(kinds) == layers and set(kinds) <= {"dense", "sparse"}:
-            moe = [i for i in range(layers) if kinds[i] == "sparse"]
-        else:
-            raise ConfigError(f"config.json: mlp_layer_types is not {layers} of 'dense', 'sparse'")
+        linear = _kda_layers(hf, layers)
+        moe = sparse_layers(hf, layers, list(range(min(int(hf.get("first_k_dense_replace", 3)), layers), layers)))
         attended = [i for i in range(layers) if i not in linear]
         shared = hf.get("n_shared_experts") or 0
         fields = common_fields(hf, "glm5_next_text", self.gguf_arch)
@@ -184,13 +177,8 @@ class Glm5Next(Adapter):
             hyper_eps=float(hf.get("hc_eps", 1e-6)),
             hyper_head_mean=True,
             linear_layers=linear,
-            linear_kind="kda",
             linear_gate_lower_bound=float(bound),
-            linear_conv_kernel=spec.get("short_conv_kernel_size", hf.get("linear_conv_kernel_dim", 4)),
-            linear_k_heads=heads,
-            linear_v_heads=heads,
-            linear_k_head_dim=width,
-            linear_v_head_dim=width,
+            **kda_fields(hf, heads=64, width=128),
             dense_ffn=hf.get("intermediate_size", 0),
             moe_layers=moe,
             n_experts=experts,

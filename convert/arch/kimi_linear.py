@@ -78,6 +78,26 @@ def _linear_layers(hf: dict, layers: int) -> list[int]:
     return sorted(i - 1 for i in kda)
 
 
+def kda_fields(hf: dict, heads: int, width: int) -> dict:
+    """The ModelConfig fields of Kimi delta attention layers, from the release's
+    `linear_attn_config` or transformers' `linear_*` keys (`heads` and `width`: the defaults)."""
+    spec = hf.get("linear_attn_config") or {}
+    heads = spec.get("num_heads", hf.get("linear_num_heads", heads))
+    width = spec.get("head_dim", hf.get("linear_head_dim", width))
+    return dict(linear_kind="kda", linear_conv_kernel=spec.get("short_conv_kernel_size", hf.get("linear_conv_kernel_dim", 4)),
+                linear_k_heads=heads, linear_v_heads=heads, linear_k_head_dim=width, linear_v_head_dim=width)
+
+
+def sparse_layers(hf: dict, layers: int, default: list[int]) -> list[int]:
+    """The MoE layers: `mlp_layer_types` (as transformers saves it), else `default`."""
+    kinds = hf.get("mlp_layer_types")
+    if kinds is None:
+        return default
+    if not (isinstance(kinds, list) and len(kinds) == layers and set(kinds) <= {"dense", "sparse"}):
+        raise ConfigError(f"config.json: mlp_layer_types is not {layers} of 'dense', 'sparse'")
+    return [i for i in range(layers) if kinds[i] == "sparse"]
+
+
 class KimiLinear(Adapter):
     model_types = ("kimi_linear",)
     tiny_models = {"kimi_linear": TinyModel(TINY, "kimi")}
@@ -100,17 +120,9 @@ class KimiLinear(Adapter):
         if hf.get("moe_router_activation_func", "sigmoid") != "sigmoid":
             raise ConfigError(f"config.json: moe_router_activation_func {hf['moe_router_activation_func']!r} is not "
                               "supported (Kimi-Linear's is sigmoid)")
-        spec = hf.get("linear_attn_config") or {}
-        heads = spec.get("num_heads", hf.get("linear_num_heads", 32))
-        width = spec.get("head_dim", hf.get("linear_head_dim", 128))
         linear = _linear_layers(hf, layers)
         first_dense, freq = hf.get("first_k_dense_replace", 1), hf.get("moe_layer_freq", 1)
-        moe = [i for i in range(layers) if i >= first_dense and i % freq == 0]
-        kinds = hf.get("mlp_layer_types")  # as transformers saves it
-        if kinds is not None:
-            if not (isinstance(kinds, list) and len(kinds) == layers and set(kinds) <= {"dense", "sparse"}):
-                raise ConfigError(f"config.json: mlp_layer_types is not {layers} of 'dense', 'sparse'")
-            moe = [i for i in range(layers) if kinds[i] == "sparse"]
+        moe = sparse_layers(hf, layers, [i for i in range(layers) if i >= first_dense and i % freq == 0])
         shared = hf.get("num_shared_experts", hf.get("n_shared_experts")) or 0
         plain = {**hf, "max_position_embeddings": hf.get("model_max_length", hf.get("max_position_embeddings", 4096))}
         fields = common_fields(plain, "kimi_linear", self.gguf_arch)
@@ -129,12 +141,7 @@ class KimiLinear(Adapter):
             rope_interleaved=True,
             nope_layers=[i for i in range(layers) if i not in linear],
             linear_layers=linear,
-            linear_kind="kda",
-            linear_conv_kernel=spec.get("short_conv_kernel_size", hf.get("linear_conv_kernel_dim", 4)),
-            linear_k_heads=heads,
-            linear_v_heads=heads,
-            linear_k_head_dim=width,
-            linear_v_head_dim=width,
+            **kda_fields(hf, heads=32, width=128),
             dense_ffn=hf.get("intermediate_size", 0),
             moe_layers=moe,
             n_experts=experts,
