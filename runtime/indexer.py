@@ -35,27 +35,30 @@ F32 = np.float32
 LAYER_NORM_EPS = 1e-6
 
 
+@njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _index_score(q, weights, key, scale):
+    """sum_h weights[h] * relu(q[h] . key * scale): DeepSeek's indexer's score of one key for one
+    query (q [heads, width])."""
+    total = F32(0.0)
+    for h in range(q.shape[0]):
+        dot = F32(0.0)
+        for d in range(q.shape[1]):
+            dot += q[h, d] * key[d]
+        total += weights[h] * max(dot * scale, F32(0.0))
+    return total
+
+
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _index_scores(q, keys, weights, start, scale, out, nthreads):
     """out[i, r] = sum_h weights[i, h] * relu(q[i, h] . keys[r] * scale) for the positions r
     query i sees (up to start + i), -inf-like elsewhere."""
-    n, heads, width = q.shape
-    rows = keys.shape[0]
+    n, rows = q.shape[0], keys.shape[0]
     for t in prange(nthreads):
         lo, hi = part_range(n, nthreads, t, 1)
         for i in range(lo, hi):
             seen = start + i + 1
             for r in range(rows):
-                if r >= seen:
-                    out[i, r] = F32(-3.0e38)
-                    continue
-                total = F32(0.0)
-                for h in range(heads):
-                    dot = F32(0.0)
-                    for d in range(width):
-                        dot += q[i, h, d] * keys[r, d]
-                    total += weights[i, h] * max(dot * scale, F32(0.0))
-                out[i, r] = total
+                out[i, r] = _index_score(q[i], weights[i], keys[r], scale) if r < seen else F32(-3.0e38)
 
 
 def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
@@ -120,8 +123,7 @@ def _choose_pools(q, pooled, weights, start, pool, select, chosen, nthreads):
     pools it sees that score best (sum_h weights[i, h] * relu(q[i, h] . pooled[j] * width^-0.5);
     of equal scores, the earliest), and those after its last complete pool; every position up to
     its own while it sees no more than `select` pools."""
-    n, heads, width = q.shape
-    scale = F32(width ** -0.5)
+    n, scale = q.shape[0], F32(q.shape[2] ** -0.5)
     for t in prange(nthreads):
         lo, hi = part_range(n, nthreads, t, 1)
         scores = np.empty(pooled.shape[0], F32)
@@ -132,13 +134,7 @@ def _choose_pools(q, pooled, weights, start, pool, select, chosen, nthreads):
                 chosen[i, :end] = 1
                 continue
             for j in range(visible):
-                total = F32(0.0)
-                for h in range(heads):
-                    dot = F32(0.0)
-                    for d in range(width):
-                        dot += q[i, h, d] * pooled[j, d]
-                    total += weights[i, h] * max(dot * scale, F32(0.0))
-                scores[j] = -total
+                scores[j] = -_index_score(q[i], weights[i], pooled[j], scale)
             for j in np.argsort(scores[:visible], kind="mergesort")[:select]:
                 chosen[i, j * pool:(j + 1) * pool] = 1
             chosen[i, visible * pool:end] = 1
