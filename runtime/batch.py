@@ -78,9 +78,12 @@ class Scheduler:
     """Drives a model's KV slots: `add` queues a prompt, `step` advances every running sequence
     by one token (or one prompt chunk) and returns their events, `cancel` ends one."""
 
-    def __init__(self, model, keep_logits: bool = False):
+    def __init__(self, model, keep_logits: bool = False, slots: list | None = None, step_tokens: int = STEP_TOKENS):
+        """Over `slots` (default: the model's KV slots), at most `step_tokens` rows a step."""
         self.model, self.keep_logits = model, keep_logits
-        self.free = list(range(len(model.slots)))
+        self.slots = model.slots if slots is None else slots
+        self.step_tokens = step_tokens
+        self.free = list(range(len(self.slots)))
         self.queue: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.sequences: dict[int, Sequence] = {}  # queued and running, by id
@@ -124,26 +127,35 @@ class Scheduler:
 
     # --- one step ------------------------------------------------------------------
 
-    def step(self) -> list[Event]:
-        """One forward pass over every running sequence (admitting queued ones into free slots first)."""
-        started = time.perf_counter()
+    def admit(self) -> list[Sequence]:
+        """Move queued sequences into free slots; returns them."""
+        admitted, now = [], time.perf_counter()
         while self.free and self.queue:
             sequence = self.queue.popleft()
-            sequence.slot, sequence.admitted = self.free.pop(0), started
-            self.model.slots[sequence.slot].length = 0
+            sequence.slot, sequence.admitted = self.free.pop(0), now
+            self.slots[sequence.slot].length = 0
             self.running.append(sequence)
+            admitted.append(sequence)
+        return admitted
+
+    def step(self, admit: bool = True) -> list[Event]:
+        """One forward pass over every running sequence (admitting queued ones into free slots
+        first, unless not `admit`)."""
+        started = time.perf_counter()
+        if admit:
+            self.admit()
         batch, members, rows = [], [], 0
         for sequence in self.running:  # decoding sequences first: one row each
             if sequence.decoding:
-                batch.append(([sequence.generated[-1]], self.model.slots[sequence.slot]))
+                batch.append(([sequence.generated[-1]], self.slots[sequence.slot]))
                 members.append(sequence)
                 rows += 1
         for sequence in self.running:
             if not sequence.decoding:
                 chunk = sequence.prompt[sequence.read:sequence.read + STEP_PROMPT_TOKENS]
-                if rows and rows + len(chunk) > STEP_TOKENS:
+                if rows and rows + len(chunk) > self.step_tokens:
                     break
-                batch.append((chunk, self.model.slots[sequence.slot]))
+                batch.append((chunk, self.slots[sequence.slot]))
                 members.append(sequence)
                 rows += len(chunk)
         if not batch:
@@ -157,12 +169,27 @@ class Scheduler:
                 if not sequence.decoding:
                     continue  # more of its prompt to read
             events.append(self._sample(sequence, row))
+        self._count_step(rows, started)
+        return events
+
+    def read_prompts(self, sequences: list[Sequence], logits: np.ndarray, started: float) -> list[Event]:
+        """The events of admitted `sequences` whose whole prompts a pass outside `step` put in
+        their slots (a sweep, `runtime.sweep`), `logits` [len(sequences), vocab] those of
+        their last prompt tokens; that pass began at `started`."""
+        events = []
+        for sequence, row in zip(sequences, logits):
+            sequence.read = len(sequence.prompt)
+            self.counters["prompt_tokens"] += sequence.read
+            events.append(self._sample(sequence, row))
+        self._count_step(sum(len(s.prompt) for s in sequences), started)
+        return events
+
+    def _count_step(self, rows: int, started: float) -> None:
         c = self.counters
         c["steps"] += 1
         c["rows"] += rows
         c["distinct_experts"] += self.model.decoder.distinct_experts()
         c["seconds"] += time.perf_counter() - started
-        return events
 
     def _sample(self, sequence: Sequence, logits: np.ndarray) -> Event:
         token = sequence.sampler(logits)
@@ -178,7 +205,7 @@ class Scheduler:
         cut = min((i for i in (text.find(s) for s in sequence.stop) if i >= 0), default=-1)
         if cut >= 0:
             return self._finish(sequence, "stop", token, text[:cut], kept)
-        cache = self.model.slots[sequence.slot]
+        cache = self.slots[sequence.slot]
         if len(sequence.generated) >= sequence.max_tokens or cache.length >= cache.ctx:
             return self._finish(sequence, "length", token, text, kept)
         # hold back a tail that could be the start of a stop string

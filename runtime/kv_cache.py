@@ -82,8 +82,10 @@ def entry_dtype(kind: str) -> np.dtype:
 
 
 class KVCache:
-    def __init__(self, shape: CacheShape, ctx: int, kind: str = "f16", pool: KVPool | None = None, slot: int = 0):
-        """With a `pool` (of this shape, ctx and kind), the streams are its slot `slot`."""
+    def __init__(self, shape: CacheShape, ctx: int, kind: str = "f16", pool: KVPool | None = None, slot: int = 0,
+                 allocate=np.zeros):
+        """With a `pool` (of this shape, ctx and kind), the streams are its slot `slot`; the
+        arrays come zeroed from `allocate(shape, dtype)` (a sweep's maps them in --scratch)."""
         if kind not in KV_KINDS:
             raise ValueError(f"--kv-quant must be one of {', '.join(KV_KINDS)}, not {kind!r}")
         widths = [shape.widths_of(i) for i in range(shape.n_layers)]
@@ -96,15 +98,15 @@ class KVCache:
         dtype = FLOAT_KINDS.get(kind, np.int8)
         self.pool, self.slot = pool, slot
         pooled = [pool is not None and not window for window in self.windows]
-        self.values = [{n: pool.values[i][n][slot] if pooled[i] else np.zeros((r, w), dtype) for n, w in widths[i].items()}
+        self.values = [{n: pool.values[i][n][slot] if pooled[i] else allocate((r, w), dtype) for n, w in widths[i].items()}
                        for i, r in enumerate(rows)]
         if kind == "q8_0":
-            self.scales = [{n: np.zeros((r, w // Q8_BLOCK), np.float16) for n, w in widths[i].items()}
+            self.scales = [{n: allocate((r, w // Q8_BLOCK), np.float16) for n, w in widths[i].items()}
                            for i, r in enumerate(rows)]
         self.firsts = [dict.fromkeys(layer, 0) for layer in widths]  # the position row 0 of each stream holds
-        self.entries = [{n: np.zeros((ctx // ratio, width), entry_dtype(kind)) for n, (ratio, width) in
+        self.entries = [{n: allocate((ctx // ratio, width), entry_dtype(kind)) for n, (ratio, width) in
                          shape.entries_of(i).items()} for i in range(shape.n_layers)]
-        self.states = [{n: np.zeros(s, np.float32) for n, s in shape.state(i).items()} for i in range(shape.n_layers)]
+        self.states = [{n: allocate(s, np.float32) for n, s in shape.state(i).items()} for i in range(shape.n_layers)]
 
     @property
     def nbytes(self) -> int:
@@ -196,13 +198,13 @@ class KVPool:
     that a batch step writes, and attends to, one new position of many sequences in one call.
     Slot i is `caches[i]`; a windowed layer's streams are each cache's own (it moves them)."""
 
-    def __init__(self, shape: CacheShape, ctx: int, kind: str, count: int):
+    def __init__(self, shape: CacheShape, ctx: int, kind: str, count: int, allocate=np.zeros):
         if kind not in FLOAT_KINDS:
             raise ValueError(f"a KV pool holds f32 or f16 caches, not {kind}")
         self.windows = [shape.window(i) for i in range(shape.n_layers)]
-        self.values = [{n: np.zeros((count if not window else 0, r, w), FLOAT_KINDS[kind])
+        self.values = [{n: allocate((count if not window else 0, r, w), FLOAT_KINDS[kind])
                         for n, w in shape.widths_of(i).items()} for i, (r, window) in enumerate(zip(shape.rows(ctx), self.windows))]
-        self.caches = [KVCache(shape, ctx, kind, self, i) for i in range(count)]
+        self.caches = [KVCache(shape, ctx, kind, self, i, allocate) for i in range(count)]
 
     def holds(self, layer: int, caches) -> bool:
         """Whether `layer`'s streams of every cache of `caches` are this pool's."""

@@ -207,7 +207,9 @@ class LatentAttention:
         indexer = PoolIndexer if c.index_kpool else Indexer
         self.indexer = indexer(c, w, layer, index_rope) if layer in c.index_layers else None
         self.shares: LatentAttention | None = None  # the layer whose indexer's choice this one reuses
-        self.choices: dict[int, np.ndarray | None] = {}  # id(cache) -> the last pass's choice (indexer layers)
+        # indexer layers: id(cache) -> {a pass's start position: its choice}, for the passes whose
+        # forward is not over (a sweep runs all of a layer's passes before the next layer's)
+        self.choices: dict[int, dict[int, np.ndarray | None]] = {}
         if record.lora is not None:
             self.q_a, self.q_b = m["q_a"], m["q_b"]
             self.q_a_norm = record.lora.q_a_norm
@@ -296,12 +298,13 @@ class LatentAttention:
         (uint8 [n, start + n]), None for all; an indexer layer first caches their index keys.
         q_resid: the queries' q_a norm (rows of this cache's sequence only)."""
         if self.indexer is None:
-            return None if self.shares is None else self.shares.choices.get(id(cache))
+            return None if self.shares is None else self.shares.choices.get(id(cache), {}).get(start)
         self.indexer.remember(cache, h, positions, start)
         chosen = None
         if not self.indexer.sees_all(start + h.shape[0]):
             chosen = self.indexer.choose(q_resid, h, positions, cache, start)
-        self.choices[id(cache)] = chosen
+        pending = {at: c for at, c in self.choices.get(id(cache), {}).items() if cache.length <= at < start}
+        self.choices[id(cache)] = {**pending, start: chosen}
         return chosen
 
 
@@ -593,45 +596,70 @@ class Decoder:
     def residual_layers(self, x: np.ndarray, positions: np.ndarray, segments: list[Segment],
                         batch_invariant: bool) -> np.ndarray:
         """The layers over one residual stream; one token alone takes the fused decode steps."""
-        c = self.config
         fused = x.shape[0] == 1 and not batch_invariant
-        for layer, (attn_norm, attention, ffn_norm, ffn) in enumerate(self.layers):
+        for layer in range(self.config.n_layers):
             step = self.decode_layers[layer] if fused else None
             if step is not None:
                 x = step(x, segments[0].start, segments[0].cache)
+                self.log_route(layer, positions)
             else:
-                x = x + attention(rms_norm(x, attn_norm, c.norm_eps), positions, segments)
-                h = rms_norm(x, ffn_norm, c.norm_eps)
-                x = x + (ffn(h, batch_invariant) if isinstance(ffn, MoE) else ffn(h))
-            if self.route_log is not None and isinstance(ffn, MoE):
-                self.route_log(layer, positions, *ffn.last_route)
+                x = self.feed(layer, self.mix(layer, x, positions, segments), None, positions, batch_invariant)
         return x
 
     def hyper_layers(self, x: np.ndarray, tokens, positions: np.ndarray, segments: list[Segment],
                      batch_invariant: bool) -> np.ndarray:
         """The layers over `hyper_streams` residual streams (DeepSeek-V4's mHC,
         `runtime.hyper_connections`), then the head's collapse of them: [n, hidden]."""
-        c, mixing = self.config, self.mixing
-        streams = np.repeat(x[:, None, :], c.hyper_streams, axis=1)
+        streams = self.hyper_streams(x)
         fused = x.shape[0] == 1 and not batch_invariant
-        for layer, (attn_norm, attention, ffn_norm, ffn) in enumerate(self.layers):
+        for layer in range(self.config.n_layers):
             step = self.decode_layers[layer] if fused else None
             if step is not None:
                 streams = step(streams, tokens[0], positions, segments)
+                self.log_route(layer, positions)
             else:
-                before_attention, before_ffn = self.hyper[layer]
-                h, post, comb = hyper_connections.mix(streams, before_attention, mixing)
-                y = attention(rms_norm(h, attn_norm, c.norm_eps), positions, segments)
-                streams = hyper_connections.merge(streams, y, post, comb)
-                h, post, comb = hyper_connections.mix(streams, before_ffn, mixing)
-                h = rms_norm(h, ffn_norm, c.norm_eps)
-                y = ffn(h, batch_invariant, tokens) if isinstance(ffn, MoE) else ffn(h)
-                streams = hyper_connections.merge(streams, y, post, comb)
-            if self.route_log is not None and isinstance(ffn, MoE):
-                self.route_log(layer, positions, *ffn.last_route)
+                streams = self.feed(layer, self.mix(layer, streams, positions, segments), tokens, positions,
+                                    batch_invariant)
+        return self.hyper_collapse(streams)
+
+    def hyper_streams(self, x: np.ndarray) -> np.ndarray:
+        """Embeddings [n, hidden] as the `hyper_streams` copies the first layer reads."""
+        return np.repeat(x[:, None, :], self.config.hyper_streams, axis=1)
+
+    def hyper_collapse(self, streams: np.ndarray) -> np.ndarray:
+        """The head's collapse of the last layer's streams: [n, hidden]."""
         if self.hyper_head is None:  # GLM-5-Next's: the plain mean
             return streams.mean(axis=1, dtype=np.float32)
-        return hyper_connections.head(streams, self.hyper_head, mixing)
+        return hyper_connections.head(streams, self.hyper_head, self.mixing)
+
+    def mix(self, layer: int, x: np.ndarray, positions: np.ndarray, segments: list[Segment]) -> np.ndarray:
+        """Layer `layer`'s token mixer (attention, or a DeltaNet) over x with its residual or
+        hyper-connection around it; each segment's rows go into its cache at this layer."""
+        c = self.config
+        attn_norm, attention, _, _ = self.layers[layer]
+        if not c.hyper_streams:
+            return x + attention(rms_norm(x, attn_norm, c.norm_eps), positions, segments)
+        h, post, comb = hyper_connections.mix(x, self.hyper[layer][0], self.mixing)
+        return hyper_connections.merge(x, attention(rms_norm(h, attn_norm, c.norm_eps), positions, segments), post, comb)
+
+    def feed(self, layer: int, x: np.ndarray, tokens, positions: np.ndarray, batch_invariant: bool) -> np.ndarray:
+        """Layer `layer`'s FFN over x with its residual or hyper-connection around it: each row
+        on its own (`tokens`, the rows' token ids, for a hash layer's router)."""
+        c = self.config
+        _, _, ffn_norm, ffn = self.layers[layer]
+        if c.hyper_streams:
+            h, post, comb = hyper_connections.mix(x, self.hyper[layer][1], self.mixing)
+        else:
+            h = x
+        h = rms_norm(h, ffn_norm, c.norm_eps)
+        y = ffn(h, batch_invariant, tokens) if isinstance(ffn, MoE) else ffn(h)
+        self.log_route(layer, positions)
+        return hyper_connections.merge(x, y, post, comb) if c.hyper_streams else x + y
+
+    def log_route(self, layer: int, positions: np.ndarray) -> None:
+        ffn = self.layers[layer][3]
+        if self.route_log is not None and isinstance(ffn, MoE):
+            self.route_log(layer, positions, *ffn.last_route)
 
     def distinct_experts(self) -> int:
         """Distinct experts the last forward pass used, summed over the MoE layers."""

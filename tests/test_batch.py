@@ -229,10 +229,12 @@ def answers(folder):
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if not p.name.startswith(".")}
 
 
-def test_a_prompt_dir_killed_mid_batch_resumes_with_each_document_answered_once(models, tmp_path):
+@pytest.mark.parametrize("sweep", [[], ["--sweep"]], ids=["scheduler", "sweep"])
+def test_a_prompt_dir_killed_mid_batch_resumes_with_each_document_answered_once(models, tmp_path, sweep):
     """SIGKILL while documents are in flight, then the same command again: the finished answers
     are kept byte for byte, no partial file is left, and every answer equals an uninterrupted
-    run's (with another --parallel: a document's answer does not depend on its company)."""
+    run's (with another --parallel: a document's answer does not depend on its company); the
+    same for a sweep (`runtime.sweep`), against the scheduler's answers."""
     model = models("qwen3_moe")
     inputs = documents(tmp_path / "in")
     clean = tmp_path / "clean"
@@ -241,7 +243,7 @@ def test_a_prompt_dir_killed_mid_batch_resumes_with_each_document_answered_once(
     assert len(want) == 16 and len(set(want.values())) > 1
 
     out = tmp_path / "out"
-    job = subprocess.Popen(prompt_dir_argv(model, inputs, out, 2, 120), stdout=subprocess.DEVNULL,
+    job = subprocess.Popen(prompt_dir_argv(model, inputs, out, 2, 120) + sweep, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and len(list(out.glob("*.out"))) < 3:
@@ -252,7 +254,7 @@ def test_a_prompt_dir_killed_mid_batch_resumes_with_each_document_answered_once(
     assert 3 <= len(before) < 16, "the job was not killed mid-batch"
     assert all(want[name] == data for name, (data, _) in before.items())
 
-    done = subprocess.run(prompt_dir_argv(model, inputs, out, 3, 120), check=True, capture_output=True, text=True)
+    done = subprocess.run(prompt_dir_argv(model, inputs, out, 3, 120) + sweep, check=True, capture_output=True, text=True)
     assert f"{16 - len(before)} written, {len(before)} already done, 0 failed" in done.stdout
     assert answers(out) == want  # every document once, none partial
     assert all(p.stat().st_mtime_ns == before[p.name][1] for p in out.glob("*.out") if p.name in before)

@@ -61,11 +61,12 @@ def lock_out_dir(out_dir: Path):
     return handle
 
 
-def run_documents(model, todo: list[Path], out_dir: Path, sampling: dict, progress: tqdm, debug: bool = False):
-    """Answer every document of `todo`, at most len(model.slots) at a time; returns (written,
-    failed names, {name: its numbers}, the run's stats). A document that cannot be read or
-    tokenized fails alone."""
-    scheduler = model.scheduler()
+def run_documents(model, scheduler, todo: list[Path], out_dir: Path, sampling: dict, progress: tqdm,
+                  debug: bool = False):
+    """Answer every document of `todo` through `scheduler` (a `runtime.batch.Scheduler` or a
+    `runtime.sweep.Sweep` of `model`), at most len(scheduler.slots) at a time; returns
+    (written, failed names, {name: its numbers}, the run's stats). A document that cannot be
+    read or tokenized fails alone."""
     documents = iter(todo)
     running: dict[int, tuple[Path, list[str]]] = {}
     written, failed, numbers = 0, [], {}
@@ -79,7 +80,7 @@ def run_documents(model, todo: list[Path], out_dir: Path, sampling: dict, progre
         progress.update(1)
 
     def top_up() -> None:  # keep one document queued per slot, read only when needed
-        while len(scheduler.queue) < len(model.slots):
+        while len(scheduler.queue) < len(scheduler.slots):
             path = next(documents, None)
             if path is None:
                 return
@@ -110,29 +111,39 @@ def run_documents(model, todo: list[Path], out_dir: Path, sampling: dict, progre
     return written, failed, numbers, scheduler.stats()
 
 
-def plan_for(model) -> dict:
+def plan_for(model, parallel: int) -> dict:
     """The plan's batch row for this job's batch size (the largest planned one not above it)."""
     from colibri.runtime.plan import plan
 
     p = plan(model.layout, model.budget.ram, model.ctx, model.cache.kind)
-    rows = [row for row in p["batches"] if row["batch"] <= len(model.slots)]
+    rows = [row for row in p["batches"] if row["batch"] <= parallel]
     return rows[-1] if rows else {}
 
 
-def run_batch(model, args, sampling: dict, inputs: list[Path], todo: list[Path]) -> int:
+def run_batch(model, args, sampling: dict, inputs: list[Path], todo: list[Path], window: int | None = None) -> int:
     """The nightly batch job over `todo` (the documents of `inputs` without an answer), in the
-    OUT that `claimed_documents` holds."""
+    OUT that `claimed_documents` holds: through the model's KV slots, or with `args.sweep` a
+    sweep of `window` documents at a time (`runtime.sweep`)."""
+    from colibri.runtime.sweep import Sweep
+
     with tqdm(total=len(inputs), initial=len(inputs) - len(todo), unit="doc", desc="documents",
               disable=None, file=sys.stderr) as progress:
-        written, failed, documents, stats = run_documents(model, todo, args.out_dir, sampling, progress, args.debug)
+
+        def on_layer(layer: int, documents: int) -> None:  # a sweep's prompt pass, which can take hours
+            progress.set_postfix_str(f"prompts of {documents} documents: layer {layer + 1}/{model.config.n_layers}")
+
+        scheduler = Sweep(model, window, args.scratch, on_layer) if args.sweep else model.scheduler()
+        parallel = len(scheduler.slots)
+        written, failed, documents, stats = run_documents(model, scheduler, todo, args.out_dir, sampling, progress,
+                                                          args.debug)
     skipped = len(inputs) - len(todo)
     summary = {"inputs": len(inputs), "written": written, "skipped_done": skipped, "failed": failed,
-               "parallel": len(model.slots), "documents": documents, "stats": stats}
+               "parallel": parallel, "sweep": args.sweep, "documents": documents, "stats": stats}
     if args.stats:
-        write_answer(args.stats, json.dumps({**summary, "plan": plan_for(model)}, indent=1))
+        write_answer(args.stats, json.dumps({**summary, "plan": plan_for(model, parallel)}, indent=1))
     rate = stats["tok_per_s"]
     print(json.dumps(summary) if args.json else
           f"batch: {len(inputs)} prompts, {written} written, {skipped} already done, {len(failed)} failed"
           + (f" ({', '.join(failed)})" if failed else "")
-          + (f"; {len(model.slots)} at a time, {rate:.2f} tok/s generated" if rate else ""))
+          + (f"; {parallel} at a time{' (sweep)' if args.sweep else ''}, {rate:.2f} tok/s generated" if rate else ""))
     return 1 if failed else 0

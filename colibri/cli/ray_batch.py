@@ -72,7 +72,7 @@ class ColibriGenerator:
 
     def plan(self) -> dict:
         """The plan's batch row for this actor's slots (`batch_job.plan_for`)."""
-        return plan_for(self.model)
+        return plan_for(self.model, len(self.model.slots))
 
     def answer(self, rows: list[dict]) -> tuple[list[dict], str]:
         """`generate(rows)`, and the routing records it wrote (JSON lines; "" without a trace)."""

@@ -27,6 +27,14 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "at --model's path; the answers are written here (needs the ray extra)")
     p.add_argument("--ray-actors", type=int, default=None, metavar="N",
                    help="--ray: actors, each with the model open and --parallel slots (default: one per node)")
+    p.add_argument("--sweep", action="store_true",
+                   help="--prompt-dir: read a window of documents' prompts layer by layer, each layer's experts once "
+                        "for all of them, then decode them together (--parallel N: the window; default: as many as "
+                        "fit in a quarter of the RAM budget's room, or with --scratch in half its free space, at most "
+                        "4096)")
+    p.add_argument("--scratch", type=Path, metavar="DIR",
+                   help="--sweep: keep the window's KV caches and hidden states in nameless files in DIR (an existing "
+                        "folder on a fast disk), which the kernel pages out when RAM is short")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: %(default)s)")
     add_engine_flags(p)  # --parallel: the documents of --prompt-dir decoded together
     p.add_argument("--direct-io", action="store_const", const="direct", dest="io", default=argparse.SUPPRESS,
@@ -92,8 +100,14 @@ def run_command(args: argparse.Namespace) -> int:
     from colibri.runtime import open_model
 
     options = engine_options(args, "run")
-    if args.ray and not args.prompt_dir:
-        raise SystemExit("colibri run: error: --ray needs --prompt-dir")
+    for flag, needs, given in (("--ray", "--prompt-dir", args.prompt_dir), ("--sweep", "--prompt-dir", args.prompt_dir),
+                               ("--scratch", "--sweep", args.sweep)):
+        if getattr(args, flag[2:]) and not given:
+            raise SystemExit(f"colibri run: error: {flag} needs {needs}")
+    if args.sweep and args.ray:
+        raise SystemExit("colibri run: error: --sweep runs on this machine; drop --ray")
+    if args.scratch and not args.scratch.is_dir():
+        raise SystemExit(f"colibri run: error: --scratch {args.scratch}: not an existing folder")
     if not args.prompt_dir:
         model = open_model(args.model, options)
         with _routing_trace(model, args):
@@ -106,9 +120,16 @@ def run_command(args: argparse.Namespace) -> int:
             from colibri.cli.ray_batch import run_prompt_dir
 
             return run_prompt_dir(args, sampling, inputs, todo, options)
+        window = None
+        if args.sweep:
+            from colibri.formats.layout import ModelLayout
+            from colibri.runtime.sweep import sweep_window
+
+            window = sweep_window(ModelLayout(args.model), options, len(todo), args.scratch)
+            options = options.replace(parallel=1 if args.scratch else window)
         model = open_model(args.model, options, jobs=len(todo))
         with _routing_trace(model, args):
-            return run_batch(model, args, sampling, inputs, todo)
+            return run_batch(model, args, sampling, inputs, todo, window)
 
 
 @contextmanager

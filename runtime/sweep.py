@@ -1,0 +1,163 @@
+"""Sweeps: a window of documents through the model layer by layer, for folder jobs.
+
+A `Sweep` keeps up to `window` sequences in KV slots: the model's own, or a pool mapped in a
+--scratch folder. At the start, and whenever half its slots are free, it admits queued
+documents and reads all their prompts layer-major (`read_prompts`): layer 0 over every prompt
+token of every admitted document, then layer 1, and so on, so that each layer's routed experts
+are read once for all of them. Between admissions every step decodes all running sequences
+together (`batch.Scheduler.step`), reading the union of their experts once a layer.
+
+Batch invariance holds as in `runtime.batch`: a prompt is cut at the same STEP_PROMPT_TOKENS
+positions, each cut reaches a layer's token mixer with the cache as the scheduler would have
+filled it, and the FFNs take each row on its own; so a document's tokens and logits are those
+it gets alone.
+"""
+
+from __future__ import annotations
+
+import mmap
+import shutil
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from colibri.runtime import kernels
+from colibri.runtime.engine import fitting_parallel
+from colibri.runtime.batch import STEP_PROMPT_TOKENS, STEP_TOKENS, Event, Scheduler
+from colibri.runtime.kv_cache import FLOAT_KINDS, KVCache, KVPool
+from colibri.runtime.model import Decoder, Segment
+
+SWEEP_MOST = 4096  # documents a window holds at most
+FFN_BLOCK_BYTES = 1 << 30  # hidden states of one FFN call of a prompt pass (its experts are read once per call)
+FFN_VALUE_BYTES = 17  # bytes a hidden value takes in an FFN call: the input, its norm, int8 copy, output, sum
+
+
+def sweep_window(layout, options, documents: int, scratch: Path | None) -> int:
+    """The documents a sweep holds at once: `options.parallel`, else as many as `documents` and
+    SWEEP_MOST allow whose KV caches fit in a quarter of the RAM the budget leaves after the
+    resident weights (`engine.fitting_parallel`), or with `scratch`, whose caches and prompt
+    hidden states fit in half the folder's free space."""
+    most = max(1, min(documents, SWEEP_MOST))
+    if options.parallel is not None:
+        return options.parallel
+    if scratch is None:
+        return fitting_parallel(layout, options.ctx, options.kv_quant, options.ram_budget, most)
+    c = layout.config
+    per_document = Decoder.cache_shape_for(c).nbytes(options.ctx, options.kv_quant) + \
+        4 * options.ctx * (c.hyper_streams or 1) * c.hidden_size
+    return max(1, min(most, shutil.disk_usage(scratch).free // 2 // per_document))
+
+
+def scratch_array(shape: tuple, dtype, directory: Path) -> np.ndarray:
+    """A zeroed array mapped from a nameless file in `directory`: the kernel writes its pages
+    there when RAM is short, and the file is gone with the array or the process."""
+    size = max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1)
+    with tempfile.TemporaryFile(dir=directory) as file:
+        file.truncate(size)
+        mapped = mmap.mmap(file.fileno(), size)
+    return np.frombuffer(mapped, dtype, int(np.prod(shape))).reshape(shape)
+
+
+def read_prompts(decoder: Decoder, batch: list[tuple[list[int], KVCache]], allocate=np.zeros,
+                 on_layer=None) -> np.ndarray:
+    """Logits [len(batch), vocab] of the last token of each (prompt, cache) pair, every prompt
+    placed after its cache's contents: each layer runs over all the prompts before the next
+    does, and then calls `on_layer(layer)` when given. The hidden states [tokens, hidden] come
+    from `allocate(shape, dtype)`."""
+    c = decoder.config
+    for ids, cache in batch:
+        cache.check_room(cache.length, len(ids))
+    lengths = np.array([len(ids) for ids, _ in batch], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = np.concatenate([np.asarray(ids, np.int64) for ids, _ in batch])
+    positions = np.concatenate([np.arange(cache.length, cache.length + len(ids)) for ids, cache in batch])
+    width = (c.hyper_streams or 1) * c.hidden_size
+    x = allocate((tokens.size, c.hyper_streams, c.hidden_size) if c.hyper_streams else (tokens.size, c.hidden_size),
+                 np.float32)
+    block = max(1, FFN_BLOCK_BYTES // (FFN_VALUE_BYTES * width))
+    for first in range(0, tokens.size, block):
+        rows = np.concatenate([decoder.embed.rows_f32(int(t), 1) for t in tokens[first:first + block]])
+        x[first:first + block] = decoder.hyper_streams(rows) if c.hyper_streams else rows
+    passes = _passes(lengths, offsets, batch)
+    with kernels.without_tiles():
+        for layer in range(c.n_layers):
+            for rows, segments in passes:
+                x[rows] = decoder.mix(layer, x[rows], positions[rows], segments)
+            for first in range(0, tokens.size, block):
+                part = slice(first, first + block)
+                x[part] = decoder.feed(layer, x[part], tokens[part], positions[part], batch_invariant=True)
+            if on_layer is not None:
+                on_layer(layer)
+        last = x[offsets[1:] - 1]
+        logits = decoder.logits(decoder.hyper_collapse(last) if c.hyper_streams else last)
+    for ids, cache in batch:
+        cache.length += len(ids)
+    return logits
+
+
+def _passes(lengths: np.ndarray, offsets: np.ndarray, batch) -> list[tuple[np.ndarray, list[Segment]]]:
+    """The token mixers' passes of `read_prompts`: pass j holds cut j (STEP_PROMPT_TOKENS
+    tokens) of every prompt that long, as (its rows of the hidden states, their segments)."""
+    passes = []
+    for start in range(0, int(lengths.max()), STEP_PROMPT_TOKENS):
+        rows, segments = [], []
+        for length, offset, (_, cache) in zip(lengths, offsets, batch):
+            count = min(int(length) - start, STEP_PROMPT_TOKENS)
+            if count > 0:
+                segments.append(Segment(sum(r.size for r in rows), count, cache.length + start, cache))
+                rows.append(np.arange(offset + start, offset + start + count))
+        passes.append((np.concatenate(rows), segments))
+    return passes
+
+
+class Sweep:
+    """A `batch.Scheduler` whose admitted documents read their prompts layer-major (`read_prompts`).
+
+    `window` documents at once (default: the model's KV slots); with `scratch`, their KV caches
+    and the prompt passes' hidden states are mapped from nameless files in that folder.
+    `on_layer(layer, documents)` is called as a prompt pass of `documents` finishes a layer.
+    """
+
+    def __init__(self, model, window: int | None = None, scratch: Path | None = None, on_layer=None):
+        self.model, self.on_layer = model, on_layer
+        self.allocate = np.zeros if scratch is None else partial(scratch_array, directory=scratch)
+        if scratch is None and window in (None, len(model.slots)):
+            slots = model.slots
+        else:
+            shape, count, kind = Decoder.cache_shape_for(model.config), window or len(model.slots), model.cache.kind
+            slots = KVPool(shape, model.ctx, kind, count, self.allocate).caches if kind in FLOAT_KINDS else \
+                [KVCache(shape, model.ctx, kind, allocate=self.allocate) for _ in range(count)]
+        self.scheduler = Scheduler(model, slots=slots, step_tokens=max(STEP_TOKENS, len(slots)))
+        self.add, self.cancel, self.stats = self.scheduler.add, self.scheduler.cancel, self.scheduler.stats
+
+    @property
+    def slots(self) -> list:
+        return self.scheduler.slots
+
+    @property
+    def queue(self):
+        return self.scheduler.queue
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.busy
+
+    @property
+    def counters(self) -> dict:
+        return self.scheduler.counters
+
+    def step(self) -> list[Event]:
+        """Admit queued documents and read their prompts, when none runs or half the slots are
+        free; else decode one token of every running sequence."""
+        s = self.scheduler
+        if s.queue and (not s.running or 2 * len(s.free) >= len(s.slots)):
+            started = time.perf_counter()
+            admitted = s.admit()
+            batch = [(sequence.prompt, s.slots[sequence.slot]) for sequence in admitted]
+            progress = None if self.on_layer is None else lambda layer: self.on_layer(layer, len(batch))
+            logits = self.model.tuned(False, lambda: read_prompts(self.model.decoder, batch, self.allocate, progress))
+            return s.read_prompts(admitted, logits, started)
+        return s.step(admit=False)

@@ -1,0 +1,118 @@
+"""Sweeps (`runtime.sweep`): prompts read layer by layer, a window at a time, give each document
+the bits it gets alone, and read each layer's experts once for the whole window."""
+
+import subprocess
+
+import numpy as np
+import pytest
+
+from test_batch import LENGTHS, MAX_TOKENS, answers, assert_same, documents, models, prompt_dir_argv, prompts, run, sampling  # noqa: F401 (models: a fixture)
+
+
+def sweep(path, window, scratch=None, **options):
+    """{prompt index: [(token, logits, finish reason), ...]} and the stats of a sweep over the
+    prompts of `test_batch` with `window` slots (mapped in `scratch` when given)."""
+    from colibri.runtime import open_model
+    from colibri.runtime.sweep import Sweep
+
+    model = open_model(path, ctx=256, ram_budget="8G", parallel=1 if scratch else window, **options)
+    runner = Sweep(model, window, scratch)
+    runner.scheduler.keep_logits = True
+    index, out = {}, {}
+    for i, prompt in enumerate(prompts()):
+        index[runner.add(prompt, MAX_TOKENS[i], **sampling(i))] = i
+    while runner.busy:
+        for event in runner.step():
+            out.setdefault(index[event.sequence], []).append((event.token, event.logits, event.finish_reason))
+    stats = runner.stats()
+    model.close()
+    return out, stats
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "qwen3_next", "gpt_oss", "deepseek_v4", "glm5_next_text"])
+def test_a_sweep_gives_each_document_the_bits_it_gets_alone(models, arch, tmp_path):
+    """Attention, MLA with its indexer, DeltaNet states, sliding windows, DeepSeek-V4's
+    compressors and hyper-connections: a window of all eight prompts, one of three that is
+    refilled as documents end, and one whose caches are mapped in a scratch folder."""
+    path = models(arch)
+    alone = {i: run(path, 1, [i])[0][i] for i in range(len(LENGTHS))}
+    for window, scratch in ((8, None), (3, None), (8, tmp_path)):
+        together, stats = sweep(path, window, scratch)
+        assert_same(alone, together)
+        assert stats["prompt_tokens"] == sum(LENGTHS)
+    assert list(tmp_path.iterdir()) == []  # the scratch files have no names
+
+
+def test_a_sweep_reads_each_layers_experts_once_for_all_its_prompts(models):
+    """With a cache of a quarter of the experts, the prompts of a window of eight (sixteen
+    cuts of up to 64 tokens) read at most every expert once a layer, where the scheduler reads
+    experts again in each of its steps."""
+    from colibri.formats.layout import ModelLayout
+    from colibri.runtime import open_model
+    from colibri.runtime.sweep import Sweep
+
+    path = models("mixtral")
+    layout = ModelLayout(path)
+    quarter = sum(t.stride * t.count for t in layout.expert_layers.values()) // 4
+    c = layout.config
+    moe_layers = sum(c.is_moe_layer(i) for i in range(c.n_layers))
+    misses = {}
+    for name in ("sweep", "scheduler"):
+        model = open_model(path, ctx=256, ram_budget="8G", parallel=8, expert_cache=quarter)
+        runner = Sweep(model) if name == "sweep" else model.scheduler()
+        for prompt in prompts():
+            runner.add(prompt, 1)
+        while runner.busy:
+            runner.step()
+        misses[name] = runner.stats()["expert_misses"]
+        model.close()
+    assert misses["sweep"] <= moe_layers * c.n_experts < misses["scheduler"]
+
+
+def test_sweep_window_follows_the_budget_or_the_scratch_space(models, tmp_path, monkeypatch):
+    import shutil
+
+    from colibri.formats.layout import ModelLayout
+    from colibri.runtime.options import EngineOptions
+    from colibri.runtime.sweep import SWEEP_MOST, sweep_window
+
+    layout = ModelLayout(models("mixtral"))
+    options = EngineOptions(ctx=512, ram_budget="4G")
+    assert sweep_window(layout, options.replace(parallel=7), 100, None) == 7
+    assert sweep_window(layout, options, 5, None) == 5
+    assert 5 < sweep_window(layout, options, 10_000, None) <= SWEEP_MOST
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1 << 40, 0, 100 << 20))
+    small = sweep_window(layout, options, 10_000, tmp_path)
+    assert 1 <= small < sweep_window(layout, options.replace(ctx=64), 10_000, tmp_path)
+
+
+def test_a_prompt_dir_sweep_writes_the_answers_of_a_plain_run(models, tmp_path):
+    """`colibri run --prompt-dir --sweep`, with and without --scratch: the same files as the
+    scheduler's run; and the flags it needs are asked for in one line."""
+    model = models("qwen3_moe")
+    inputs = documents(tmp_path / "in")
+    subprocess.run(prompt_dir_argv(model, inputs, tmp_path / "plain", 4, 24), check=True, capture_output=True)
+    want = answers(tmp_path / "plain")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    for out, extra in (("sweep", ["--sweep"]), ("scratch", ["--sweep", "--scratch", str(scratch)])):
+        done = subprocess.run(prompt_dir_argv(model, inputs, tmp_path / out, 6, 24) + extra, check=True,
+                              capture_output=True, text=True)
+        assert "16 written, 0 already done, 0 failed; 6 at a time (sweep)" in done.stdout
+        assert answers(tmp_path / out) == want
+    argv = prompt_dir_argv(model, inputs, tmp_path / "x", 6, 24)
+    for extra, line in ((["--scratch", str(scratch)], "colibri run: error: --scratch needs --sweep"),
+                        (["--sweep", "--scratch", str(tmp_path / "missing")],
+                         f"colibri run: error: --scratch {tmp_path / 'missing'}: not an existing folder")):
+        refused = subprocess.run(argv + extra, capture_output=True, text=True)
+        assert refused.returncode != 0 and refused.stderr.strip().splitlines() == [line]
+    assert not (tmp_path / "x").exists()
+
+
+def test_scratch_arrays_are_zeroed_maps_of_nameless_files(tmp_path):
+    from colibri.runtime.sweep import scratch_array
+
+    a = scratch_array((3, 5), np.float16, tmp_path)
+    assert a.shape == (3, 5) and a.dtype == np.float16 and not a.any()
+    a[1] = 2
+    assert a.sum() == 10 and list(tmp_path.iterdir()) == []
