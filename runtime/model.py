@@ -303,7 +303,7 @@ class LatentAttention:
         chosen = None
         if not self.indexer.sees_all(start + h.shape[0]):
             chosen = self.indexer.choose(q_resid, h, positions, cache, start)
-        pending = {at: c for at, c in self.choices.get(id(cache), {}).items() if cache.length <= at < start}
+        pending = {at: kept for at, kept in self.choices.get(id(cache), {}).items() if cache.length <= at < start}
         self.choices[id(cache)] = {**pending, start: chosen}
         return chosen
 
@@ -643,8 +643,9 @@ class Decoder:
         return hyper_connections.merge(x, attention(rms_norm(h, attn_norm, c.norm_eps), positions, segments), post, comb)
 
     def feed(self, layer: int, x: np.ndarray, tokens, positions: np.ndarray, batch_invariant: bool) -> np.ndarray:
-        """Layer `layer`'s FFN over x with its residual or hyper-connection around it: each row
-        on its own (`tokens`, the rows' token ids, for a hash layer's router)."""
+        """Layer `layer`'s FFN over x with its residual or hyper-connection around it (`tokens`, the
+        rows' token ids, for a hash layer's router). With `batch_invariant`, a row gets the same
+        bits in any company of rows."""
         c = self.config
         _, _, ffn_norm, ffn = self.layers[layer]
         if c.hyper_streams:

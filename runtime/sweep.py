@@ -24,31 +24,57 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri.formats.layout import ModelLayout
+from colibri.formats.model_config import ModelConfig
 from colibri.runtime import kernels
-from colibri.runtime.engine import fitting_parallel
 from colibri.runtime.batch import STEP_PROMPT_TOKENS, STEP_TOKENS, Event, Scheduler
+from colibri.runtime.engine import BudgetError, fitting_parallel, plan_budget
 from colibri.runtime.kv_cache import FLOAT_KINDS, KVCache, KVPool
+from colibri.runtime.memory import format_size
 from colibri.runtime.model import Decoder, Segment
+from colibri.runtime.options import EngineOptions
 
 SWEEP_MOST = 4096  # documents a window holds at most
 FFN_BLOCK_BYTES = 1 << 30  # hidden states of one FFN call of a prompt pass (its experts are read once per call)
 FFN_VALUE_BYTES = 17  # bytes a hidden value takes in an FFN call: the input, its norm, int8 copy, output, sum
 
 
-def sweep_window(layout, options, documents: int, scratch: Path | None) -> int:
+def sweep_window(layout: ModelLayout, options: EngineOptions, documents: int, scratch: Path | None) -> int:
     """The documents a sweep holds at once: `options.parallel`, else as many as `documents` and
-    SWEEP_MOST allow whose KV caches fit in a quarter of the RAM the budget leaves after the
-    resident weights (`engine.fitting_parallel`), or with `scratch`, whose caches and prompt
-    hidden states fit in half the folder's free space."""
+    SWEEP_MOST allow whose KV caches and prompt hidden states (--ctx positions each) fit in a
+    quarter of the RAM the budget leaves after the resident weights, or with `scratch`, in
+    half the folder's free space."""
     most = max(1, min(documents, SWEEP_MOST))
     if options.parallel is not None:
         return options.parallel
+    hidden = hidden_bytes(layout.config, options.ctx)
     if scratch is None:
-        return fitting_parallel(layout, options.ctx, options.kv_quant, options.ram_budget, most)
-    c = layout.config
-    per_document = Decoder.cache_shape_for(c).nbytes(options.ctx, options.kv_quant) + \
-        4 * options.ctx * (c.hyper_streams or 1) * c.hidden_size
+        return fitting_parallel(layout, options.ctx, options.kv_quant, options.ram_budget, most, hidden)
+    per_document = Decoder.cache_shape_for(layout.config).nbytes(options.ctx, options.kv_quant) + hidden
     return max(1, min(most, shutil.disk_usage(scratch).free // 2 // per_document))
+
+
+def sweep_options(layout: ModelLayout, options: EngineOptions, window: int, scratch: Path | None) -> EngineOptions:
+    """The options to open the model with for a sweep of `window` documents: with `scratch`, one
+    KV slot of its own (the window's are mapped there), else the window's slots; and unless
+    --expert-cache is given, an expert cache that leaves the budget room for a prompt pass's
+    FFN call and, without `scratch`, its hidden states. Raises BudgetError when there is none."""
+    options = options.replace(parallel=1 if scratch else window)
+    if options.expert_cache is not None:
+        return options
+    budget = plan_budget(layout, options.ctx, options.kv_quant, options.ram_budget, None, options.parallel)
+    held = FFN_BLOCK_BYTES + (0 if scratch else window * hidden_bytes(layout.config, options.ctx))
+    room = budget.ram - budget.fixed - held
+    if room < 0:
+        raise BudgetError(f"--ram-budget {format_size(budget.ram)} cannot hold a sweep of {window} documents: their "
+                          f"prompt passes need {format_size(held)} beside {format_size(budget.fixed)} of weights, KV "
+                          f"cache and runtime; lower --parallel or --ctx, or give --scratch")
+    return options.replace(expert_cache=min(budget.expert_cache, room))
+
+
+def hidden_bytes(c: ModelConfig, tokens: int) -> int:
+    """The hidden states of `tokens` prompt tokens in a prompt pass (float32, every stream)."""
+    return 4 * tokens * (c.hyper_streams or 1) * c.hidden_size
 
 
 def scratch_array(shape: tuple, dtype, directory: Path) -> np.ndarray:

@@ -69,18 +69,35 @@ def test_a_sweep_reads_each_layers_experts_once_for_all_its_prompts(models):
     assert misses["sweep"] <= moe_layers * c.n_experts < misses["scheduler"]
 
 
-def test_sweep_window_follows_the_budget_or_the_scratch_space(models, tmp_path, monkeypatch):
+def test_sweep_window_and_budget_follow_the_ram_or_the_scratch_space(models, tmp_path, monkeypatch):
+    """The window fits the budget (or half the scratch folder's free space), and the model is
+    opened with an expert cache that leaves room for the prompt passes' activations."""
     import shutil
 
     from colibri.formats.layout import ModelLayout
+    from colibri.runtime import open_model
+    from colibri.runtime.engine import BudgetError, plan_budget
     from colibri.runtime.options import EngineOptions
-    from colibri.runtime.sweep import SWEEP_MOST, sweep_window
+    from colibri.runtime.sweep import FFN_BLOCK_BYTES, SWEEP_MOST, hidden_bytes, sweep_options, sweep_window
 
-    layout = ModelLayout(models("mixtral"))
+    path = models("mixtral")
+    layout = ModelLayout(path)
     options = EngineOptions(ctx=512, ram_budget="4G")
     assert sweep_window(layout, options.replace(parallel=7), 100, None) == 7
     assert sweep_window(layout, options, 5, None) == 5
-    assert 5 < sweep_window(layout, options, 10_000, None) <= SWEEP_MOST
+    window = sweep_window(layout, options, 10_000, None)
+    assert 5 < window <= SWEEP_MOST
+    opened = sweep_options(layout, options, window, None)
+    budget = plan_budget(layout, 512, "f16", "4G", None, window)
+    assert opened.parallel == window
+    assert opened.expert_cache + FFN_BLOCK_BYTES + window * hidden_bytes(layout.config, 512) <= budget.ram - budget.fixed
+    model = open_model(path, opened)  # the budget takes it
+    assert len(model.slots) == window
+    model.close()
+    assert sweep_options(layout, options, window, tmp_path).parallel == 1
+    assert sweep_options(layout, options.replace(expert_cache=1 << 20), window, None).expert_cache == 1 << 20
+    with pytest.raises(BudgetError, match="sweep of 40 documents"):
+        sweep_options(layout, options.replace(ctx=1 << 14, ram_budget="1600M"), 40, None)
     monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1 << 40, 0, 100 << 20))
     small = sweep_window(layout, options, 10_000, tmp_path)
     assert 1 <= small < sweep_window(layout, options.replace(ctx=64), 10_000, tmp_path)

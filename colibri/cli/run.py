@@ -123,10 +123,11 @@ def run_command(args: argparse.Namespace) -> int:
         window = None
         if args.sweep:
             from colibri.formats.layout import ModelLayout
-            from colibri.runtime.sweep import sweep_window
+            from colibri.runtime.sweep import sweep_options, sweep_window
 
-            window = sweep_window(ModelLayout(args.model), options, len(todo), args.scratch)
-            options = options.replace(parallel=1 if args.scratch else window)
+            layout = ModelLayout(args.model)
+            window = sweep_window(layout, options, len(todo), args.scratch)
+            options = sweep_options(layout, options, window, args.scratch)
         model = open_model(args.model, options, jobs=len(todo))
         with _routing_trace(model, args):
             return run_batch(model, args, sampling, inputs, todo, window)
