@@ -129,12 +129,13 @@ def _passes(lengths: np.ndarray, offsets: np.ndarray, batch) -> list[tuple[np.nd
     tokens) of every prompt that long, as (its rows of the hidden states, their segments)."""
     passes = []
     for start in range(0, int(lengths.max()), STEP_PROMPT_TOKENS):
-        rows, segments = [], []
+        rows, segments, first = [], [], 0
         for length, offset, (_, cache) in zip(lengths, offsets, batch):
             count = min(int(length) - start, STEP_PROMPT_TOKENS)
             if count > 0:
-                segments.append(Segment(sum(r.size for r in rows), count, cache.length + start, cache))
+                segments.append(Segment(first, count, cache.length + start, cache))
                 rows.append(np.arange(offset + start, offset + start + count))
+                first += count
         passes.append((np.concatenate(rows), segments))
     return passes
 

@@ -96,8 +96,9 @@ def test_sweep_window_and_budget_follow_the_ram_or_the_scratch_space(models, tmp
     model.close()
     assert sweep_options(layout, options, window, tmp_path).parallel == 1
     assert sweep_options(layout, options.replace(expert_cache=1 << 20), window, None).expert_cache == 1 << 20
-    with pytest.raises(BudgetError, match="sweep of 40 documents"):
-        sweep_options(layout, options.replace(ctx=1 << 14, ram_budget="1600M"), 40, None)
+    fixed = plan_budget(layout, 512, "f16", "64G", None, 40).fixed  # weights, 40 slots and this process
+    with pytest.raises(BudgetError, match="sweep of 40 documents"):  # room for them, not for a FFN block
+        sweep_options(layout, options.replace(ram_budget=fixed + FFN_BLOCK_BYTES // 2), 40, None)
     monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1 << 40, 0, 100 << 20))
     small = sweep_window(layout, options, 10_000, tmp_path)
     assert 1 <= small < sweep_window(layout, options.replace(ctx=64), 10_000, tmp_path)
