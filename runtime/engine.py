@@ -89,12 +89,12 @@ def plan_budget(layout: ModelLayout, ctx: int, kv_quant: str, ram_budget, expert
 
 
 def fitting_parallel(layout: ModelLayout, ctx: int, kv_quant: str, ram_budget=None, most: int = MOST_PARALLEL,
-                     extra_per_slot: int = 0) -> int:
+                     extra_per_slot: int = 0, reserved: int = 0) -> int:
     """The most KV slots (at most `most`) whose cache, and `extra_per_slot` bytes each, take at
-    most a quarter of what the RAM budget leaves after resident weights, scratch and the
-    runtime: the rest stays for experts."""
+    most a quarter of what the RAM budget leaves after resident weights, scratch, the runtime
+    and `reserved` bytes: the rest stays for experts."""
     ram = parse_size(ram_budget) if ram_budget is not None else default_ram_budget()
-    room = ram - current_rss() - Decoder.resident_bytes(layout) - scratch_bytes(layout)
+    room = ram - current_rss() - Decoder.resident_bytes(layout) - scratch_bytes(layout) - reserved
     per_slot = Decoder.cache_shape_for(layout.config).nbytes(ctx, kv_quant) + extra_per_slot
     return max(1, min(most, room // 4 // max(per_slot, 1)))
 

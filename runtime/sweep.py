@@ -42,14 +42,15 @@ FFN_VALUE_BYTES = 17  # bytes a hidden value takes in an FFN call: the input, it
 def sweep_window(layout: ModelLayout, options: EngineOptions, documents: int, scratch: Path | None) -> int:
     """The documents a sweep holds at once: `options.parallel`, else as many as `documents` and
     SWEEP_MOST allow whose KV caches and prompt hidden states (--ctx positions each) fit in a
-    quarter of the RAM the budget leaves after the resident weights, or with `scratch`, in
-    half the folder's free space."""
+    quarter of the RAM the budget leaves after the resident weights and a prompt pass's FFN
+    call, or with `scratch`, in half the folder's free space."""
     most = max(1, min(documents, SWEEP_MOST))
     if options.parallel is not None:
         return options.parallel
     hidden = hidden_bytes(layout.config, options.ctx)
     if scratch is None:
-        return fitting_parallel(layout, options.ctx, options.kv_quant, options.ram_budget, most, hidden)
+        return fitting_parallel(layout, options.ctx, options.kv_quant, options.ram_budget, most, hidden,
+                                reserved=ffn_block_bytes(layout.config, most * options.ctx))
     per_document = Decoder.cache_shape_for(layout.config).nbytes(options.ctx, options.kv_quant) + hidden
     return max(1, min(most, shutil.disk_usage(scratch).free // 2 // per_document))
 
@@ -63,7 +64,8 @@ def sweep_options(layout: ModelLayout, options: EngineOptions, window: int, scra
     if options.expert_cache is not None:
         return options
     budget = plan_budget(layout, options.ctx, options.kv_quant, options.ram_budget, None, options.parallel)
-    held = FFN_BLOCK_BYTES + (0 if scratch else window * hidden_bytes(layout.config, options.ctx))
+    held = ffn_block_bytes(layout.config, window * options.ctx) + \
+        (0 if scratch else window * hidden_bytes(layout.config, options.ctx))
     room = budget.ram - budget.fixed - held
     if room < 0:
         raise BudgetError(f"--ram-budget {format_size(budget.ram)} cannot hold a sweep of {window} documents: their "
@@ -75,6 +77,11 @@ def sweep_options(layout: ModelLayout, options: EngineOptions, window: int, scra
 def hidden_bytes(c: ModelConfig, tokens: int) -> int:
     """The hidden states of `tokens` prompt tokens in a prompt pass (float32, every stream)."""
     return 4 * tokens * (c.hyper_streams or 1) * c.hidden_size
+
+
+def ffn_block_bytes(c: ModelConfig, tokens: int) -> int:
+    """The activations of one FFN call of a prompt pass over `tokens` tokens (its block)."""
+    return min(FFN_BLOCK_BYTES, FFN_VALUE_BYTES * tokens * (c.hyper_streams or 1) * c.hidden_size)
 
 
 def scratch_array(shape: tuple, dtype, directory: Path) -> np.ndarray:

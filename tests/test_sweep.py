@@ -78,27 +78,31 @@ def test_sweep_window_and_budget_follow_the_ram_or_the_scratch_space(models, tmp
     from colibri.runtime import open_model
     from colibri.runtime.engine import BudgetError, plan_budget
     from colibri.runtime.options import EngineOptions
-    from colibri.runtime.sweep import FFN_BLOCK_BYTES, SWEEP_MOST, hidden_bytes, sweep_options, sweep_window
+    from colibri.runtime.memory import current_rss
+    from colibri.runtime.sweep import SWEEP_MOST, ffn_block_bytes, hidden_bytes, sweep_options, sweep_window
 
     path = models("mixtral")
     layout = ModelLayout(path)
-    options = EngineOptions(ctx=512, ram_budget="4G")
+    c = layout.config
+    options = EngineOptions(ctx=512, ram_budget=current_rss() + (2 << 30))  # this process may hold gigabytes
     assert sweep_window(layout, options.replace(parallel=7), 100, None) == 7
     assert sweep_window(layout, options, 5, None) == 5
     window = sweep_window(layout, options, 10_000, None)
     assert 5 < window <= SWEEP_MOST
     opened = sweep_options(layout, options, window, None)
-    budget = plan_budget(layout, 512, "f16", "4G", None, window)
+    budget = plan_budget(layout, 512, "f16", options.ram_budget, None, window)
     assert opened.parallel == window
-    assert opened.expert_cache + FFN_BLOCK_BYTES + window * hidden_bytes(layout.config, 512) <= budget.ram - budget.fixed
+    held = ffn_block_bytes(c, window * 512) + window * hidden_bytes(c, 512)
+    assert opened.expert_cache + held <= budget.ram - budget.fixed
     model = open_model(path, opened)  # the budget takes it
     assert len(model.slots) == window
     model.close()
     assert sweep_options(layout, options, window, tmp_path).parallel == 1
     assert sweep_options(layout, options.replace(expert_cache=1 << 20), window, None).expert_cache == 1 << 20
     fixed = plan_budget(layout, 512, "f16", "64G", None, 40).fixed  # weights, 40 slots and this process
-    with pytest.raises(BudgetError, match="sweep of 40 documents"):  # room for them, not for a FFN block
-        sweep_options(layout, options.replace(ram_budget=fixed + FFN_BLOCK_BYTES // 2), 40, None)
+    held = ffn_block_bytes(c, 40 * 512) + 40 * hidden_bytes(c, 512)
+    with pytest.raises(BudgetError, match="sweep of 40 documents"):  # room for the slots, not their passes
+        sweep_options(layout, options.replace(ram_budget=fixed + held // 2), 40, None)
     monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1 << 40, 0, 100 << 20))
     small = sweep_window(layout, options, 10_000, tmp_path)
     assert 1 <= small < sweep_window(layout, options.replace(ctx=64), 10_000, tmp_path)
