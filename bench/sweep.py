@@ -46,15 +46,14 @@ def documents(vocab: int, count: int, shortest: int, longest: int, seed: int = 0
     return [[int(t) for t in rng.integers(3, vocab, int(n))] for n in rng.integers(shortest, longest + 1, count)]
 
 
-def run(path: Path, docs: list[list[int]], gen_tokens: int, window: int | None, parallel: int, cache: int,
-        io: str, threads: int, scratch: Path | None = None) -> dict:
-    """One folder job: the scheduler over `parallel` slots (window None) or a sweep of `window`
+def run(path: Path, docs: list[list[int]], gen_tokens: int, sweep: bool, slots: int, cache: int, io: str,
+        threads: int, scratch: Path | None = None) -> dict:
+    """One folder job: the scheduler over `slots` KV slots, or a sweep of a window of `slots`
     (its caches mapped in `scratch`, when given)."""
     evict_experts(ModelLayout(path))
-    slots = parallel if window is None else 1 if scratch else window
     model = open_model(path, threads=threads, ctx=max(map(len, docs)) + gen_tokens, io=io, expert_cache=cache,
-                       parallel=slots)
-    runner = model.scheduler() if window is None else Sweep(model, window, scratch)
+                       parallel=1 if sweep and scratch else slots)
+    runner = Sweep(model, slots, scratch) if sweep else model.scheduler()
     started = time.perf_counter()
     for doc in docs:
         runner.add(doc, gen_tokens, ignore_eos=True)
@@ -63,7 +62,7 @@ def run(path: Path, docs: list[list[int]], gen_tokens: int, window: int | None, 
     seconds = time.perf_counter() - started
     stats = runner.stats()
     model.close()
-    return {"runner": "scheduler" if window is None else "sweep", "slots": parallel if window is None else window,
+    return {"runner": "sweep" if sweep else "scheduler", "slots": slots,
             "seconds": seconds, "tok_per_s": stats["generated_tokens"] / seconds,
             "prompt_tokens": stats["prompt_tokens"], "generated_tokens": stats["generated_tokens"],
             "expert_misses": stats["expert_misses"], "expert_bytes_read": stats["expert_bytes_read"],
@@ -89,11 +88,11 @@ def main() -> None:
     cache = int(cache_bytes_for_all(layout) * args.cache_share)
     windows = [int(w) for w in args.windows.split(",")]
     disk = statistics.median(measure_disk_bandwidth(layout, direct_io=True) for _ in range(3))
-    rows = [run(args.model, docs, args.gen_tokens, None, args.baseline, cache, "direct", args.threads)]
-    rows += [run(args.model, docs, args.gen_tokens, w, 0, cache, "direct", args.threads, args.scratch) for w in windows]
+    rows = [run(args.model, docs, args.gen_tokens, False, args.baseline, cache, "direct", args.threads)]
+    rows += [run(args.model, docs, args.gen_tokens, True, w, cache, "direct", args.threads, args.scratch) for w in windows]
     largest = rows[-1]
-    compute = run(args.model, docs, args.gen_tokens, windows[-1], 0, cache_bytes_for_all(layout), "pread", args.threads,
-                  args.scratch)
+    compute = run(args.model, docs, args.gen_tokens, True, windows[-1], cache_bytes_for_all(layout), "pread",
+                  args.threads, args.scratch)
     generated = largest["generated_tokens"]
     ceilings = {"disk_bytes_per_s": disk, "disk_tok_per_s": generated / (largest["expert_bytes_read"] / disk),
                 "compute_tok_per_s": compute["tok_per_s"]}

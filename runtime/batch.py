@@ -172,18 +172,6 @@ class Scheduler:
         self._count_step(rows, started)
         return events
 
-    def read_prompts(self, sequences: list[Sequence], logits: np.ndarray, started: float) -> list[Event]:
-        """The events of admitted `sequences` whose whole prompts a pass outside `step` put in
-        their slots (a sweep, `runtime.sweep`), `logits` [len(sequences), vocab] those of
-        their last prompt tokens; that pass began at `started`."""
-        events = []
-        for sequence, row in zip(sequences, logits):
-            sequence.read = len(sequence.prompt)
-            self.counters["prompt_tokens"] += sequence.read
-            events.append(self._sample(sequence, row))
-        self._count_step(sum(len(s.prompt) for s in sequences), started)
-        return events
-
     def _count_step(self, rows: int, started: float) -> None:
         c = self.counters
         c["steps"] += 1

@@ -76,12 +76,17 @@ def sweep_options(layout: ModelLayout, options: EngineOptions, window: int, scra
 
 def hidden_bytes(c: ModelConfig, tokens: int) -> int:
     """The hidden states of `tokens` prompt tokens in a prompt pass (float32, every stream)."""
-    return 4 * tokens * (c.hyper_streams or 1) * c.hidden_size
+    return 4 * tokens * _token_values(c)
 
 
 def ffn_block_bytes(c: ModelConfig, tokens: int) -> int:
     """The activations of one FFN call of a prompt pass over `tokens` tokens (its block)."""
-    return min(FFN_BLOCK_BYTES, FFN_VALUE_BYTES * tokens * (c.hyper_streams or 1) * c.hidden_size)
+    return min(FFN_BLOCK_BYTES, FFN_VALUE_BYTES * tokens * _token_values(c))
+
+
+def _token_values(c: ModelConfig) -> int:
+    """The values of one token's hidden state: a stream of `hidden_size`, or `hyper_streams` of them."""
+    return (c.hyper_streams or 1) * c.hidden_size
 
 
 def scratch_array(shape: tuple, dtype, directory: Path) -> np.ndarray:
@@ -107,10 +112,9 @@ def read_prompts(decoder: Decoder, batch: list[tuple[list[int], KVCache]], alloc
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     tokens = np.concatenate([np.asarray(ids, np.int64) for ids, _ in batch])
     positions = np.concatenate([np.arange(cache.length, cache.length + len(ids)) for ids, cache in batch])
-    width = (c.hyper_streams or 1) * c.hidden_size
     x = allocate((tokens.size, c.hyper_streams, c.hidden_size) if c.hyper_streams else (tokens.size, c.hidden_size),
                  np.float32)
-    block = max(1, FFN_BLOCK_BYTES // (FFN_VALUE_BYTES * width))
+    block = max(1, FFN_BLOCK_BYTES // (FFN_VALUE_BYTES * _token_values(c)))
     for first in range(0, tokens.size, block):
         rows = np.concatenate([decoder.embed.rows_f32(int(t), 1) for t in tokens[first:first + block]])
         x[first:first + block] = decoder.hyper_streams(rows) if c.hyper_streams else rows
@@ -147,7 +151,7 @@ def _passes(lengths: np.ndarray, offsets: np.ndarray, batch) -> list[tuple[np.nd
     return passes
 
 
-class Sweep:
+class Sweep(Scheduler):
     """A `batch.Scheduler` whose admitted documents read their prompts layer-major (`read_prompts`).
 
     `window` documents at once (default: the model's KV slots); with `scratch`, their KV caches
@@ -155,8 +159,9 @@ class Sweep:
     `on_layer(layer, documents)` is called as a prompt pass of `documents` finishes a layer.
     """
 
-    def __init__(self, model, window: int | None = None, scratch: Path | None = None, on_layer=None):
-        self.model, self.on_layer = model, on_layer
+    def __init__(self, model, window: int | None = None, scratch: Path | None = None, on_layer=None,
+                 keep_logits: bool = False):
+        self.on_layer = on_layer
         self.allocate = np.zeros if scratch is None else partial(scratch_array, directory=scratch)
         if scratch is None and window in (None, len(model.slots)):
             slots = model.slots
@@ -164,34 +169,22 @@ class Sweep:
             shape, count, kind = Decoder.cache_shape_for(model.config), window or len(model.slots), model.cache.kind
             slots = KVPool(shape, model.ctx, kind, count, self.allocate).caches if kind in FLOAT_KINDS else \
                 [KVCache(shape, model.ctx, kind, allocate=self.allocate) for _ in range(count)]
-        self.scheduler = Scheduler(model, slots=slots, step_tokens=max(STEP_TOKENS, len(slots)))
-        self.add, self.cancel, self.stats = self.scheduler.add, self.scheduler.cancel, self.scheduler.stats
-
-    @property
-    def slots(self) -> list:
-        return self.scheduler.slots
-
-    @property
-    def queue(self):
-        return self.scheduler.queue
-
-    @property
-    def busy(self) -> bool:
-        return self.scheduler.busy
-
-    @property
-    def counters(self) -> dict:
-        return self.scheduler.counters
+        super().__init__(model, keep_logits, slots, step_tokens=max(STEP_TOKENS, len(slots)))
 
     def step(self) -> list[Event]:
         """Admit queued documents and read their prompts, when none runs or half the slots are
         free; else decode one token of every running sequence."""
-        s = self.scheduler
-        if s.queue and (not s.running or 2 * len(s.free) >= len(s.slots)):
-            started = time.perf_counter()
-            admitted = s.admit()
-            batch = [(sequence.prompt, s.slots[sequence.slot]) for sequence in admitted]
-            progress = None if self.on_layer is None else lambda layer: self.on_layer(layer, len(batch))
-            logits = self.model.tuned(False, lambda: read_prompts(self.model.decoder, batch, self.allocate, progress))
-            return s.read_prompts(admitted, logits, started)
-        return s.step(admit=False)
+        if not self.queue or (self.running and 2 * len(self.free) < len(self.slots)):
+            return super().step(admit=False)
+        started = time.perf_counter()
+        admitted = self.admit()
+        batch = [(sequence.prompt, self.slots[sequence.slot]) for sequence in admitted]
+        progress = None if self.on_layer is None else lambda layer: self.on_layer(layer, len(batch))
+        logits = self.model.tuned(False, lambda: read_prompts(self.model.decoder, batch, self.allocate, progress))
+        events = []
+        for sequence, row in zip(admitted, logits):
+            sequence.read = len(sequence.prompt)
+            self.counters["prompt_tokens"] += sequence.read
+            events.append(self._sample(sequence, row))
+        self._count_step(sum(len(ids) for ids, _ in batch), started)
+        return events

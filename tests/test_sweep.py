@@ -16,8 +16,7 @@ def sweep(path, window, scratch=None, **options):
     from colibri.runtime.sweep import Sweep
 
     model = open_model(path, ctx=256, ram_budget="8G", parallel=1 if scratch else window, **options)
-    runner = Sweep(model, window, scratch)
-    runner.scheduler.keep_logits = True
+    runner = Sweep(model, window, scratch, keep_logits=True)
     index, out = {}, {}
     for i, prompt in enumerate(prompts()):
         index[runner.add(prompt, MAX_TOKENS[i], **sampling(i))] = i

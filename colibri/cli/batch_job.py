@@ -61,10 +61,9 @@ def lock_out_dir(out_dir: Path):
     return handle
 
 
-def run_documents(model, scheduler, todo: list[Path], out_dir: Path, sampling: dict, progress: tqdm,
-                  debug: bool = False):
+def run_documents(scheduler, todo: list[Path], out_dir: Path, sampling: dict, progress: tqdm, debug: bool = False):
     """Answer every document of `todo` through `scheduler` (a `runtime.batch.Scheduler` or a
-    `runtime.sweep.Sweep` of `model`), at most len(scheduler.slots) at a time; returns
+    `runtime.sweep.Sweep`), at most len(scheduler.slots) at a time; returns
     (written, failed names, {name: its numbers}, the run's stats). A document that cannot be
     read or tokenized fails alone."""
     documents = iter(todo)
@@ -85,7 +84,7 @@ def run_documents(model, scheduler, todo: list[Path], out_dir: Path, sampling: d
             if path is None:
                 return
             try:
-                sequence = scheduler.add(read_prompt(path, model.prompt_bytes_limit()), **sampling)
+                sequence = scheduler.add(read_prompt(path, scheduler.model.prompt_bytes_limit()), **sampling)
             except Exception as e:  # one bad prompt must not stop the night's job
                 fail(path, e)
                 continue
@@ -134,8 +133,7 @@ def run_batch(model, args, sampling: dict, inputs: list[Path], todo: list[Path],
 
         scheduler = Sweep(model, window, args.scratch, on_layer) if args.sweep else model.scheduler()
         parallel = len(scheduler.slots)
-        written, failed, documents, stats = run_documents(model, scheduler, todo, args.out_dir, sampling, progress,
-                                                          args.debug)
+        written, failed, documents, stats = run_documents(scheduler, todo, args.out_dir, sampling, progress, args.debug)
     skipped = len(inputs) - len(todo)
     summary = {"inputs": len(inputs), "written": written, "skipped_done": skipped, "failed": failed,
                "parallel": parallel, "sweep": args.sweep, "documents": documents, "stats": stats}
