@@ -9,7 +9,8 @@ beside what uniform, independent routing would read.
     the expert files dropped from the page cache first. Printed next to the batch ceiling
     disk_bw × B / (distinct expert bytes per step) (B: the tokens a step made), disk_bw measured as the store reads (O_DIRECT,
     one expert record per read, several in flight; median of 3), and next to B = 1.
-(b) in RAM (`--modes ram`): every expert cached, warm. Printed next to llama.cpp's
+(b) in RAM (`--modes ram`): every expert cached, warm. Printed next to what `colibri plan
+    --measure-speed` expects (`plan.measure_costs`, measured in the same run), to llama.cpp's
     `llama-batched-bench` (S_TG, aggregate) on the same weights, when --llama-bin is given
     (the GGUF `colibri export-gguf` writes, -npp/-ntg as here, -t --threads), run in the same
     session, and next to the memory ceiling at B = 1.
@@ -40,7 +41,7 @@ from colibri.formats.layout import ModelLayout
 from colibri.runtime import open_model
 from colibri.runtime.expert_store import cache_bytes_for_all
 from colibri.runtime.memory import current_rss
-from colibri.runtime.plan import measure_disk_bandwidth
+from colibri.runtime.plan import measure_costs, measure_disk_bandwidth, step_seconds
 
 from machine import evict_experts, read_bandwidth  # bench/machine.py: a script's own folder is first on sys.path
 
@@ -144,6 +145,7 @@ def main() -> None:
                 subprocess.run([sys.executable, "-m", "colibri.cli", "export-gguf", str(args.model), str(gguf)], check=True)
             llama = llama_batched_bench(args.llama_bin, gguf, [b for b in batches if b <= 32], args.prompt_tokens,
                                         args.tokens, args.threads)
+        costs = results["costs"] = measure_costs(args.model, threads=args.threads)
         model = open_model(args.model, threads=args.threads, ctx=ctx, expert_cache=all_experts, parallel=max(batches))
         decode_batch(model, max(batches), args.prompt_tokens, 4, args.text)  # warm: kernels compiled, experts cached
         rows = []
@@ -151,17 +153,19 @@ def main() -> None:
             r = decode_batch(model, b, args.prompt_tokens, args.tokens, args.text)
             r["llama_batched_bench"] = llama.get(b)
             r["uniform_distinct_per_step"] = uniform_union(c, b)
+            r["plan_tok_per_s"] = b / step_seconds(costs, r["uniform_distinct_per_step"], b)
             rows.append(r)
         model.close()
         results["ram"] = rows
         print(f"\nin RAM, {args.model.name}: read bw {mem_bw / 1e9:.1f} GB/s, B=1 memory ceiling "
-              f"{results['ram_ceiling_b1']:.1f} tok/s; llama-batched-bench S_TG beside")
-        print(f"{'B':>4}{'tok/s':>9}{'vs B=1':>8}{'llama':>9}{'ratio':>7}{'experts/step':>14}{'if uniform':>11}{'step ms':>9}")
+              f"{results['ram_ceiling_b1']:.1f} tok/s; the plan's expected tok/s and llama-batched-bench S_TG beside")
+        print(f"{'B':>4}{'tok/s':>9}{'vs B=1':>8}{'plan':>8}{'of it':>7}{'llama':>9}{'ratio':>7}{'experts/step':>14}"
+              f"{'if uniform':>11}{'step ms':>9}")
         for r in rows:
             lr = r["llama_batched_bench"]
             theirs, ratio = ("-", "-") if lr is None else (f"{lr:.2f}", f"{r['tok_per_s'] / lr:.2f}x")
             print(f"{r['batch']:>4}{r['tok_per_s']:>9.2f}{r['tok_per_s'] / rows[0]['tok_per_s']:>7.2f}x"
-                  f"{theirs:>9}{ratio:>7}{r['distinct_experts_per_step']:>14.1f}{r['uniform_distinct_per_step']:>11.1f}"
+                  f"{r['plan_tok_per_s']:>8.2f}{r['tok_per_s'] / r['plan_tok_per_s']:>7.2f}{theirs:>9}{ratio:>7}{r['distinct_experts_per_step']:>14.1f}{r['uniform_distinct_per_step']:>11.1f}"
                   f"{r['step_ms']:>9.1f}")
 
     if "disk" in modes:

@@ -10,7 +10,10 @@ generated tokens over that time (the aggregate tok/s of a folder job).
 Rows: the scheduler with --baseline slots, then a sweep of each --windows N. Beside them:
 - the disk ceiling: the bytes the largest sweep read over the O_DIRECT read rate measured here
   (`plan.measure_disk_bandwidth`, median of 3), as generated tokens a second;
-- the compute ceiling: that sweep again with every expert in RAM (read once, then cached).
+- the compute ceiling: that sweep again with every expert in RAM (read once, then cached);
+- what `colibri plan --docs` predicts for each sweep (`runtime.sweep_plan.sweep_estimate`), from
+  compute costs measured first (`plan.measure_costs` at the documents' mean prompt length) and
+  the read rate above, and the measured time over it.
 Writes bench/out/sweep.json.
 
     python bench/sweep.py --model DIR [--docs 256] [--doc-tokens 100,400] [--gen-tokens 16]
@@ -33,8 +36,9 @@ from colibri.formats.layout import ModelLayout
 from colibri.runtime import open_model
 from colibri.runtime.expert_store import cache_bytes_for_all
 from colibri.runtime.memory import peak_rss
-from colibri.runtime.plan import measure_disk_bandwidth
+from colibri.runtime.plan import measure_costs, measure_disk_bandwidth
 from colibri.runtime.sweep import Sweep
+from colibri.runtime.sweep_plan import sweep_estimate
 
 from machine import evict_experts  # bench/machine.py: a script's own folder is first on sys.path
 
@@ -88,6 +92,12 @@ def main() -> None:
     cache = int(cache_bytes_for_all(layout) * args.cache_share)
     windows = [int(w) for w in args.windows.split(",")]
     disk = statistics.median(measure_disk_bandwidth(layout, direct_io=True) for _ in range(3))
+    mean_tokens = round(sum(map(len, docs)) / len(docs))
+    costs = measure_costs(args.model, threads=args.threads, doc_tokens=mean_tokens)
+
+    def predicted(window: int, expert_cache: int) -> dict:
+        return sweep_estimate(layout, costs, args.docs, mean_tokens, args.gen_tokens, window, expert_cache, disk)
+
     rows = [run(args.model, docs, args.gen_tokens, False, args.baseline, cache, "direct", args.threads)]
     rows += [run(args.model, docs, args.gen_tokens, True, w, cache, "direct", args.threads, args.scratch) for w in windows]
     largest = rows[-1]
@@ -100,19 +110,27 @@ def main() -> None:
     print(f"{args.docs} documents of {shortest}-{longest} tokens, {args.gen_tokens} generated each, "
           f"{sum(map(len, docs))} prompt tokens; O_DIRECT at {disk / 1e9:.2f} GB/s, expert cache "
           f"{cache / 1e6:.0f} MB ({args.cache_share:.0%}), {args.threads} threads")
-    print("| runner | N | seconds | gen tok/s | vs scheduler | expert misses | GB read | read s | peak RSS GB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows[1:]:
+        r["plan"] = predicted(r["slots"], cache)
+    compute["plan"] = predicted(windows[-1], cache_bytes_for_all(layout))
+    print("| runner | N | seconds | plan's s | measured / plan | gen tok/s | vs scheduler | expert misses | GB read "
+          "| plan's GB | read s | peak RSS GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows + [{**compute, "runner": "sweep, experts in RAM"}]:
-        print(f"| {r['runner']} | {r['slots']} | {r['seconds']:.1f} | {r['tok_per_s']:.2f} | {r['tok_per_s'] / base:.2f}x "
-              f"| {r['expert_misses']} | {r['expert_bytes_read'] / 1e9:.2f} | {r['read_seconds']:.1f} "
-              f"| {r['peak_rss'] / 1e9:.2f} |")
+        plan = r.get("plan")
+        seconds, ratio, gb = (f"{plan['seconds']:.1f}", f"{r['seconds'] / plan['seconds']:.2f}",
+                              f"{plan['bytes_read'] / 1e9:.2f}") if plan else ("-", "-", "-")
+        print(f"| {r['runner']} | {r['slots']} | {r['seconds']:.1f} | {seconds} | {ratio} | {r['tok_per_s']:.2f} "
+              f"| {r['tok_per_s'] / base:.2f}x | {r['expert_misses']} | {r['expert_bytes_read'] / 1e9:.2f} | {gb} "
+              f"| {r['read_seconds']:.1f} | {r['peak_rss'] / 1e9:.2f} |")
     bound = min(ceilings["disk_tok_per_s"], ceilings["compute_tok_per_s"])
     print(f"N = {largest['slots']}: disk ceiling {ceilings['disk_tok_per_s']:.2f} tok/s, compute ceiling "
           f"{ceilings['compute_tok_per_s']:.2f}; the sweep reached {largest['tok_per_s'] / bound:.2f} of the lower")
     out = BENCH / "out" / "sweep.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "args": vars(args) | {"model": str(args.model)},
-                               "rows": rows, "compute": compute, "ceilings": ceilings}, indent=1, default=str))
+                               "rows": rows, "compute": compute, "ceilings": ceilings,
+                               "costs": costs}, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@ streamed, `disk_bw / (expert_bytes_per_token × (1 − hit_rate))`, and by memor
 
 Batches: B sequences decoding together read the union of their experts once per step. The
 expected distinct experts per step come from uniform routing (E × (1 − (1 − k/E)^B) a layer)
-or from a routing trace of an earlier run (unions of B of its tokens). With `step_costs`
-measured on this machine (`measure_step_costs`: a step costs a + b × distinct experts + c ×
-rows of compute), the expected aggregate tok/s is B / (compute + the step's expert misses /
-disk_bw); without them, only the ceilings are given.
+or from a routing trace of an earlier run (unions of B of its tokens). With `costs` measured
+on this machine (`measure_costs`: a step costs a + b × distinct experts + c × rows of
+compute), the expected aggregate tok/s is B / (compute + the step's expert misses / disk_bw);
+without them, only the ceilings are given. The same costs predict a sweep's time
+(`runtime.sweep_plan`).
 
 How to read experts (`--io`, `io_choice`): a container memory limit (cgroup) counts the page
 cache against the process, so `direct` (or `mmap` with an expert cache well inside the limit)
@@ -38,7 +39,9 @@ OS_RESERVE = 0.15  # share of RAM left to the OS and the page cache
 RUNTIME_BYTES = 400 << 20  # what the process holds before any weight: interpreter, numpy, numba, compiled kernels
 KV_SHARE = 0.25  # the recommended --ctx keeps the KV cache within this share of free RAM
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32)  # sequences per step of the measured run
+CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32)  # sequences per step of the measured decode steps
+CALIBRATION_PROMPT = 8  # tokens of their prompts
+PROMPT_WINDOWS = (2, 2, 8)  # documents of the measured prompt passes (the first warms up)
 TRACE_MAX_BYTES = 1 << 30  # a routing trace read for the plan is at most this large
 UNION_DRAWS = 64  # random groups of B traced tokens averaged per batch size
 
@@ -82,36 +85,93 @@ def distinct_traced(layers: dict[int, list[frozenset]], batch: int, seed: int = 
     return total
 
 
-def measure_step_costs(path, threads: int | None = None, ram_budget=None, steps: int = 6) -> dict:
-    """Compute seconds of a decode step, fitted as a + b × distinct experts + c × rows to
-    batch decode steps of this model on this machine (expert read waits left out)."""
+def measure_costs(path, threads: int | None = None, ram_budget=None, doc_tokens: int | None = None,
+                  steps: int = 6) -> dict:
+    """This machine's compute seconds for the model, every speed the plan gives comes from:
+    - a decode step: step_s + per_expert_s × distinct experts + per_row_s × rows, fitted to
+      batch decode steps of 1 to 32 sequences at short contexts;
+    - with `doc_tokens`: a sweep's prompt pass of prompts that long, prompt_pass_s +
+      prompt_token_s × tokens, and a decode row's extra seconds per cached position beyond the
+      fit's (per_row_position_s), from sweeps of PROMPT_WINDOWS such prompts.
+    Expert read waits are left out: the plan adds the disk's time from its bytes."""
     from colibri.runtime import open_model
 
-    model = open_model(path, threads=threads, ctx=64, ram_budget=ram_budget, parallel=max(CALIBRATION_BATCHES))
+    ctx = max(64, (doc_tokens or 0) + steps + 2)
+    model = open_model(path, threads=threads, ctx=ctx, ram_budget=ram_budget, parallel=max(CALIBRATION_BATCHES))
     try:
-        rng = np.random.default_rng(0)
-        samples = []
-        for batch in (CALIBRATION_BATCHES[-1],) + CALIBRATION_BATCHES:  # the first pass warms up
-            scheduler = model.scheduler()
-            for _ in range(batch):
-                scheduler.add([int(t) for t in rng.integers(3, model.config.vocab_size, 8)], steps + 1, ignore_eos=True)
-            measured = []
-            while scheduler.busy:
-                decoding = all(s.decoding for s in scheduler.running) and not scheduler.queue
-                waited, started = model.store.counters["waited_seconds"], time.perf_counter()
-                events = scheduler.step()
-                if decoding and events:
-                    seconds = time.perf_counter() - started - (model.store.counters["waited_seconds"] - waited)
-                    measured.append((model.decoder.distinct_experts(), len(events), seconds))
-            samples.append(measured)
-        rows = [m for measured in samples[1:] for m in measured]
+        costs = _decode_costs(model, steps)
+        if doc_tokens:
+            costs.update(_prompt_pass_costs(model, doc_tokens, costs, steps))
     finally:
         model.close()
+    return costs
+
+
+def _timed_steps(model, runner):
+    """(whether every sequence decoded, events, compute seconds, distinct experts) of each
+    step until `runner` is done."""
+    counters = model.store.counters
+    while runner.busy:
+        decoding = bool(runner.running) and all(s.decoding for s in runner.running) and not runner.queue
+        waited, started = counters["waited_seconds"], time.perf_counter()
+        events = runner.step()
+        yield decoding, events, time.perf_counter() - started - (counters["waited_seconds"] - waited), \
+            model.decoder.distinct_experts()
+
+
+def _decode_costs(model, steps: int) -> dict:
+    """step_s, per_expert_s and per_row_s fitted to batch decode steps (see `measure_costs`)."""
+    rng = np.random.default_rng(0)
+    samples = []
+    for batch in (CALIBRATION_BATCHES[-1],) + CALIBRATION_BATCHES:  # the first pass warms up
+        scheduler = model.scheduler()
+        for _ in range(batch):
+            scheduler.add([int(t) for t in rng.integers(3, model.config.vocab_size, CALIBRATION_PROMPT)], steps + 1,
+                          ignore_eos=True)
+        samples.append([(distinct, len(events), seconds) for decoding, events, seconds, distinct
+                        in _timed_steps(model, scheduler) if decoding and events])
+    rows = [m for measured in samples[1:] for m in measured]
     design = np.array([[1.0, d, b] for d, b, _ in rows])
     seconds = np.array([t for *_, t in rows])
     (a, b, c), *_ = np.linalg.lstsq(design, seconds, rcond=None)
     return {"step_s": float(max(a, 0.0)), "per_expert_s": float(max(b, 0.0)), "per_row_s": float(max(c, 0.0)),
-            "samples": len(rows)}
+            "position": CALIBRATION_PROMPT + (steps - 1) / 2, "samples": len(rows)}
+
+
+def _prompt_pass_costs(model, doc_tokens: int, decode: dict, steps: int) -> dict:
+    """prompt_pass_s and prompt_token_s of a sweep's prompt pass over prompts of `doc_tokens`
+    tokens, and per_row_position_s of its decode steps (see `measure_costs`)."""
+    from colibri.runtime.sweep import Sweep
+
+    rng = np.random.default_rng(1)
+    passes, extra = [], []
+    for index, window in enumerate(PROMPT_WINDOWS):
+        sweep = Sweep(model, window)
+        for _ in range(window):
+            sweep.add([int(t) for t in rng.integers(3, model.config.vocab_size, doc_tokens)], steps + 1, ignore_eos=True)
+        timed = _timed_steps(model, sweep)
+        passes.append((window * doc_tokens, next(timed)[2]))
+        for step, (_, _, seconds, distinct) in enumerate(timed):
+            if index < len(PROMPT_WINDOWS) - 1:
+                continue  # the decode rows of the largest window only
+            fitted = step_seconds(decode, distinct, window)
+            extra.append((seconds - fitted) / (window * max(doc_tokens + step - decode["position"], 1)))
+    (small, small_s), (large, large_s) = passes[-2:]  # the first pass warms up
+    token_s = max(large_s - small_s, 0.0) / (large - small)
+    pass_s = small_s - token_s * small
+    if pass_s < 0:
+        pass_s, token_s = 0.0, large_s / large
+    return {"doc_tokens": doc_tokens, "prompt_pass_s": pass_s, "prompt_token_s": token_s,
+            "per_row_position_s": max(float(np.median(extra)), 0.0)}
+
+
+def step_seconds(costs: dict, distinct: float, rows: int, position: float | None = None) -> float:
+    """Compute seconds of a decode step of `rows` sequences reading `distinct` experts, from
+    `measure_costs`, each row with `position` tokens cached (default: the calibration's)."""
+    beyond = 0.0 if position is None else max(position - costs["position"], 0.0)
+    row_s = costs["per_row_s"] + costs.get("per_row_position_s", 0.0) * beyond
+    return costs["step_s"] + costs["per_expert_s"] * distinct + row_s * rows
+
 
 def measure_disk_bandwidth(layout: ModelLayout, max_bytes: int = 1 << 30, seconds: float = 3.0,
                            direct_io: bool = False) -> float:
@@ -161,10 +221,10 @@ def io_choice(container_limit: int | None) -> dict:
 
 
 def plan(layout: ModelLayout, ram: int, ctx: int | None = None, kv_quant: str = "f16", disk_bw: float | None = None,
-         mem_bw: float | None = None, hit_rate: float | None = None, step_costs: dict | None = None,
+         mem_bw: float | None = None, hit_rate: float | None = None, costs: dict | None = None,
          trace: dict | None = None) -> dict:
     """The budget table and the expected decode speed, as a dict (bytes, bytes/s, tok/s);
-    `step_costs` from `measure_step_costs`, `trace` from `traced_choices`."""
+    `costs` from `measure_costs`, `trace` from `traced_choices`."""
     c = layout.config
     shape = Decoder.cache_shape_for(c)
     resident = Decoder.resident_bytes(layout)
@@ -188,7 +248,7 @@ def plan(layout: ModelLayout, ram: int, ctx: int | None = None, kv_quant: str = 
     ceilings = {"memory": mem_bw / (resident + expert_bytes_per_token)}
     if disk_bw and streamed > 0:
         ceilings["disk"] = disk_bw / streamed
-    batches = batch_estimates(layout, kv, free_for_model, hit_rate, disk_bw, mem_bw, resident, step_costs, trace)
+    batches = batch_estimates(layout, kv, free_for_model, hit_rate, disk_bw, mem_bw, resident, costs, trace)
     return {
         "ram": ram,
         "fits": free_for_model - kv >= 0,
@@ -210,17 +270,20 @@ def plan(layout: ModelLayout, ram: int, ctx: int | None = None, kv_quant: str = 
         "ceiling_tok_per_s": min(ceilings.values()),
         "bound_by": min(ceilings, key=ceilings.get),
         "ceilings_tok_per_s": ceilings,
-        "step_costs": step_costs,
+        "costs": costs,
         "routing": "trace" if trace else "uniform",
         "batches": batches,
+        # one sequence's decode from the measured costs (disk-bound when --disk-bw is known), else None
+        "expected_tok_per_s": (batches[0].get("expected_disk_tok_per_s") or batches[0]["expected_tok_per_s"])
+        if costs else None,
         "io": io_choice(container_memory_limit()),
     }
 
 
 def batch_estimates(layout: ModelLayout, kv_per_slot: int, free_for_model: int, hit_rate: float, disk_bw, mem_bw,
-                    resident: int, step_costs: dict | None, trace: dict | None) -> list[dict]:
+                    resident: int, costs: dict | None, trace: dict | None) -> list[dict]:
     """Per batch size: KV of its slots, whether they fit, distinct experts and expert bytes per
-    step, and the expected aggregate decode tok/s (in RAM and disk-bound, from `step_costs`)
+    step, and the expected aggregate decode tok/s (in RAM and disk-bound, from `costs`)
     or, without them, the memory and disk ceilings."""
     c = layout.config
     tables = list(layout.expert_layers.values())
@@ -237,8 +300,8 @@ def batch_estimates(layout: ModelLayout, kv_per_slot: int, free_for_model: int, 
                "memory_ceiling_tok_per_s": batch * mem_bw / (resident + step_bytes)}
         streamed = step_bytes * (1 - hit_rate)
         row["disk_ceiling_tok_per_s"] = batch * disk_bw / streamed if disk_bw and streamed > 0 else None
-        if step_costs:
-            compute = step_costs["step_s"] + step_costs["per_expert_s"] * distinct + step_costs["per_row_s"] * batch
+        if costs:
+            compute = step_seconds(costs, distinct, batch)
             row["expected_tok_per_s"] = batch / compute
             row["expected_disk_tok_per_s"] = batch / (compute + streamed / disk_bw) if disk_bw else None
         rows.append(row)

@@ -284,17 +284,49 @@ def test_plan_batch_table_from_uniform_routing_a_trace_and_measured_costs(model_
                           "--measure-speed", "--json"], capsys)
     assert code == 0, err
     p = json.loads(out)
-    assert p["routing"] == "trace" and set(p["step_costs"]) >= {"step_s", "per_expert_s", "per_row_s"}
+    assert p["routing"] == "trace" and set(p["costs"]) >= {"step_s", "per_expert_s", "per_row_s"}
     rows = p["batches"]
     assert [r["batch"] for r in rows] == [1, 2, 4, 8, 16, 32, 64]
     assert all(r["kv_bytes"] == r["batch"] * p["kv_cache_bytes"] for r in rows)
     assert all(r["expected_tok_per_s"] > 0 and r["expected_disk_tok_per_s"] <= r["expected_tok_per_s"] for r in rows)
     assert rows[-1]["expected_tok_per_s"] > rows[0]["expected_tok_per_s"]
+    assert p["expected_tok_per_s"] == rows[0]["expected_disk_tok_per_s"]
     code, out, err = run(["plan", "--model", str(model_dir), "--ram", "2G"], capsys)
     assert code == 0 and "batches (--parallel B" in out and "ceilings only" in out
     (tmp_path / "bad.jsonl").write_text('{"layer": 0, "experts": [99999]}\n')
     code, out, err = run(["plan", "--model", str(model_dir), "--ram", "2G", "--trace", str(tmp_path / "bad.jsonl")], capsys)
     assert code == 1 and "bad.jsonl line 1" in err
+
+
+def test_plan_of_a_sweep_gives_its_window_time_reads_and_scratch(model_dir, tmp_path, capsys):
+    """`colibri plan --docs`: the sweep `colibri run --sweep` would run, its time from costs
+    measured here with --measure-speed; its flags are checked in one line each."""
+    job = ["plan", "--model", str(model_dir), "--ram", "2G", "--disk-bw", "1", "--docs", "40", "--doc-tokens", "30",
+           "--gen-tokens", "6"]
+    code, out, err = run(job + ["--parallel", "16", "--measure-speed", "--json"], capsys)
+    assert code == 0, err
+    p = json.loads(out)
+    s, costs = p["sweep"], p["costs"]
+    assert s["fits"] and s["window"] == 16 and s["windows"] == 3 and s["ctx"] == 36 and s["scratch_bytes"] == 0
+    assert costs["doc_tokens"] == 30 and costs["prompt_token_s"] > 0 and costs["per_row_s"] > 0
+    assert s["seconds"] == pytest.approx(s["compute_s"] + s["disk_s"]) and s["disk_s"] == pytest.approx(s["bytes_read"] / 1e9)
+    assert s["tok_per_s"] == pytest.approx(40 * 6 / s["seconds"]) and s["bound_by"] in ("disk", "compute")
+    assert s["bytes_per_generated_token"] == pytest.approx(s["bytes_read"] / 240)
+    code, out, err = run(job + ["--scratch", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert "a sweep of 40 documents" in out and f"in --scratch {tmp_path}" in out and "compute not measured" in out
+    assert "--sweep --parallel" in out and f"--scratch {tmp_path}" in out
+    code, out, err = run(job[:-6] + ["--ram", "300M", "--docs", "4", "--doc-tokens", "30", "--gen-tokens", "6",
+                                     "--parallel", "4000"], capsys)
+    assert code == 1 and "does NOT fit" in out
+    for extra, line in ((["--gen-tokens", "6"], "--gen-tokens needs --docs"),
+                        (["--docs", "3", "--gen-tokens", "6"], "--docs needs --doc-tokens"),
+                        (["--docs", "0", "--doc-tokens", "3", "--gen-tokens", "6"], "--docs must be at least 1, got 0"),
+                        (["--docs", "3", "--doc-tokens", "3", "--gen-tokens", "6", "--scratch", str(tmp_path / "no")],
+                         f"--scratch {tmp_path / 'no'}: not an existing folder")):
+        with pytest.raises(SystemExit) as refused:
+            run(["plan", "--model", str(model_dir), "--ram", "2G"] + extra, capsys)
+        assert str(refused.value) == f"colibri plan: error: {line}"
 
 
 def test_prompt_dir_json_gives_each_document_and_the_batch_numbers(model_dir, tmp_path, capsys):

@@ -137,3 +137,54 @@ def test_scratch_arrays_are_zeroed_maps_of_nameless_files(tmp_path):
     assert a.shape == (3, 5) and a.dtype == np.float16 and not a.any()
     a[1] = 2
     assert a.sum() == 10 and list(tmp_path.iterdir()) == []
+
+
+def test_an_lru_cache_serves_a_sweep_pass_only_when_it_holds_a_whole_pass():
+    from colibri.runtime.sweep_plan import lru_hit_rate
+
+    assert lru_hit_rate(0.5, 0.9) == 0 and lru_hit_rate(1.0, 1.0) == 1 and lru_hit_rate(0.3, 0.0) == 1
+    assert abs(lru_hit_rate(0.03, 0.001) - 0.03) < 0.001  # sparse passes: the cache's share
+    assert lru_hit_rate(0.5, 0.5) == 0.5 and lru_hit_rate(0.9, 0.3) > lru_hit_rate(0.6, 0.3) > 0.3
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_the_plan_predicts_a_sweeps_disk_reads_and_scratch(models, arch, tmp_path, monkeypatch):
+    """What `colibri plan --docs` says a sweep reads through a quarter-size expert cache and
+    maps in --scratch is what the sweep then reads and maps."""
+    from colibri.formats.layout import ModelLayout
+    from colibri.runtime import open_model, sweep
+    from colibri.runtime.expert_store import cache_bytes_for_all
+    from colibri.runtime.sweep_plan import sweep_estimate, sweep_plan
+
+    path = models(arch)
+    layout = ModelLayout(path)
+    quarter = cache_bytes_for_all(layout) // 4
+    costs = dict.fromkeys(("step_s", "per_expert_s", "per_row_s", "position", "prompt_pass_s", "prompt_token_s",
+                           "per_row_position_s"), 0.0)
+    docs, doc_tokens, gen_tokens, window = 16, 40, 5, 8
+    rng = np.random.default_rng(0)
+    mapped = []  # bytes of each scratch map
+
+    def scratch_array(shape, dtype, directory):
+        mapped.append(int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        return np.zeros(shape, dtype)
+
+    monkeypatch.setattr(sweep, "scratch_array", scratch_array)
+    for scratch in (None, tmp_path):
+        model = open_model(path, ctx=doc_tokens + gen_tokens, ram_budget="8G", parallel=1 if scratch else window,
+                           expert_cache=quarter)
+        runner = sweep.Sweep(model, window, scratch)
+        caches = len(mapped)  # the window's KV caches; then a prompt pass's hidden states per admission
+        for _ in range(docs):
+            runner.add(rng.integers(3, 200, doc_tokens).tolist(), gen_tokens, ignore_eos=True)
+        while runner.busy:
+            runner.step()
+        read = runner.stats()["expert_bytes_read"]
+        model.close()
+        if scratch is None:
+            predicted = sweep_estimate(layout, costs, docs, doc_tokens, gen_tokens, window, model.store.cache_bytes, 1e9)
+            assert 0.9 < read / predicted["bytes_read"] < 1.1
+    planned = sweep_plan(layout, costs, 1e9, docs, doc_tokens, gen_tokens, 8 << 30, "f16", parallel=window,
+                         scratch=tmp_path)
+    assert planned["fits"] and planned["window"] == window and len(mapped) == caches + 2
+    assert planned["scratch_bytes"] == sum(mapped[:caches]) + max(mapped[caches:])

@@ -189,28 +189,61 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="a `colibri run --trace-routing` file of an earlier run: distinct experts per step of a "
                         "batch from its routing instead of uniform routing")
     p.add_argument("--threads", type=int, default=None, help="compute threads for --measure-speed (default: all cores)")
+    job = p.add_argument_group("a folder job as a sweep (`colibri run --prompt-dir --sweep`): its window, scratch, "
+                               "disk reads and their time (--disk-bw; default: measure), and with --measure-speed "
+                               "its compute and total time")
+    job.add_argument("--docs", type=int, metavar="D", help="documents in the folder")
+    job.add_argument("--doc-tokens", type=int, metavar="T", help="--docs: prompt tokens of a document, on average")
+    job.add_argument("--gen-tokens", type=int, metavar="G", help="--docs: tokens generated per document")
+    job.add_argument("--parallel", type=int, metavar="N",
+                     help="--docs: the sweep's window (default: what `colibri run --sweep` chooses within the "
+                          "recommended --ram-budget)")
+    job.add_argument("--scratch", type=Path, metavar="DIR", help="--docs: the --scratch folder the sweep would use")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
 def plan_command(args: argparse.Namespace) -> int:
     from colibri.formats.layout import ModelLayout
-    from colibri.runtime.plan import measure_disk_bandwidth, plan
+    from colibri.runtime.plan import measure_costs, measure_disk_bandwidth, plan, traced_choices
 
+    _check_job_arguments(args)
     layout = ModelLayout(args.model)
+    if args.docs and args.disk_bw is None:
+        args.disk_bw = "measure"
     disk_bw = measure_disk_bandwidth(layout) if args.disk_bw == "measure" else args.disk_bw
-    from colibri.runtime.plan import measure_step_costs, traced_choices
-
-    costs = measure_step_costs(args.model, threads=args.threads) if args.measure_speed else None
+    costs = measure_costs(args.model, threads=args.threads, doc_tokens=args.doc_tokens) if args.measure_speed else None
     trace = traced_choices(args.trace, layout.config.n_experts) if args.trace else None
-    p = plan(layout, args.ram, args.ctx, args.kv_quant, disk_bw=disk_bw, hit_rate=args.hit_rate, step_costs=costs,
+    p = plan(layout, args.ram, args.ctx, args.kv_quant, disk_bw=disk_bw, hit_rate=args.hit_rate, costs=costs,
              trace=trace)
+    if args.docs:
+        from colibri.runtime.sweep_plan import sweep_plan
+
+        p["sweep"] = sweep_plan(layout, costs, disk_bw, args.docs, args.doc_tokens, args.gen_tokens,
+                                p["ram"] - p["os_reserve_bytes"], args.kv_quant, args.ctx, args.parallel, args.scratch)
     print(json.dumps(p, indent=1) if args.json else format_plan(p, args.model))
-    return 0 if p["fits"] else 1
+    return 0 if p["fits"] and p.get("sweep", {}).get("fits", True) else 1
+
+
+def _check_job_arguments(args: argparse.Namespace) -> None:
+    """Exit with one line for a job flag without --docs, a job without its lengths, or a count below 1."""
+    given = [flag for flag in ("doc_tokens", "gen_tokens", "parallel", "scratch") if getattr(args, flag) is not None]
+    if args.docs is None and given:
+        raise SystemExit(f"colibri plan: error: --{given[0].replace('_', '-')} needs --docs")
+    if args.docs is None:
+        return
+    for flag in ("docs", "doc_tokens", "gen_tokens", "parallel"):
+        value = getattr(args, flag)
+        if value is None and flag != "parallel":
+            raise SystemExit(f"colibri plan: error: --docs needs --{flag.replace('_', '-')}")
+        if value is not None and value < 1:
+            raise SystemExit(f"colibri plan: error: --{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.scratch is not None and not args.scratch.is_dir():
+        raise SystemExit(f"colibri plan: error: --scratch {args.scratch}: not an existing folder")
 
 
 def format_batches(p: dict) -> list[str]:
     """The batch table: KV of B slots and the aggregate decode tok/s to expect."""
-    expected = p["step_costs"] is not None
+    expected = p["costs"] is not None
     routing = "a routing trace" if p["routing"] == "trace" else "uniform routing"
     lines = [f"  batches (--parallel B; KV {format_size(p['kv_cache_bytes'])} a slot; distinct experts from {routing}; "
              + ("tok/s expected from this machine's measured step costs)" if expected else
@@ -223,6 +256,29 @@ def format_batches(p: dict) -> list[str]:
         lines.append(f"    {r['batch']:>3} {format_size(r['kv_bytes']):>10} {'yes' if r['fits'] else 'no':>5} "
                      f"{r['distinct_experts_per_step']:>13.1f} {r['expert_bytes_per_step'] / 1e6:>9.1f}   "
                      f"{first:.2f}, " + ("-" if second is None else f"{second:.2f}"))
+    return lines
+
+
+def format_sweep(s: dict, model) -> list[str]:
+    """The sweep section: the job, its window, what it reads and holds, and its expected time."""
+    lines = [f"  a sweep of {s['docs']} documents ({s['doc_tokens']} prompt tokens and {s['gen_tokens']} generated "
+             f"each; --ctx {s['ctx']}): {s['window']} at a time"]
+    where = f"in --scratch {s['scratch']}" if s["scratch"] else "in RAM"
+    lines.append(f"    the window's KV caches and prompt hidden states: {format_size(s['window_bytes'])} {where}")
+    if not s["fits"]:
+        return lines + [f"    does NOT fit: {s['why']}"]
+    lines.append(f"    expert cache {format_size(s['expert_cache_bytes'])}; reads {s['bytes_read'] / 1e9:.2f} GB from disk, "
+                 f"{format_size(s['bytes_per_generated_token'])} per generated token: {s['disk_s']:.1f} s")
+    if s["compute_s"] is None:
+        alone = f": the disk alone allows {s['docs'] * s['gen_tokens'] / s['disk_s']:.2f} tok/s generated" \
+            if s["disk_s"] else ""
+        lines.append(f"    compute not measured (--measure-speed times this model on this machine first){alone}")
+    else:
+        lines.append(f"    compute {s['compute_s']:.1f} s (this machine's measured costs) → expected {s['seconds']:.1f} s, "
+                     f"{s['tok_per_s']:.2f} tok/s generated ({s['bound_by']}-bound)")
+    scratch = f" --scratch {s['scratch']}" if s["scratch"] else ""
+    lines.append(f"    run: colibri run --model {model} --prompt-dir IN --out-dir OUT --sweep --parallel {s['window']} "
+                 f"--ctx {s['ctx']} --max-tokens {s['gen_tokens']} --ram-budget {format_size(s['ram_budget'])}{scratch}")
     return lines
 
 
@@ -239,8 +295,12 @@ def format_plan(p: dict, model) -> str:
                  f"{format_size(p['streamed_bytes_per_token'])} read from disk per token")
     disk = f"disk {p['disk_bandwidth'] / 1e9:.2f} GB/s" if p["disk_bandwidth"] else "disk speed not given (--disk-bw)"
     lines.append(f"  {disk}, memory {p['memory_bandwidth'] / 1e9:.1f} GB/s → decode ceiling "
-                 f"{p['ceiling_tok_per_s']:.2f} tok/s ({p['bound_by']}-bound)")
+                 f"{p['ceiling_tok_per_s']:.2f} tok/s ({p['bound_by']}-bound)"
+                 + (f"; expected {p['expected_tok_per_s']:.2f} tok/s from this machine's measured costs"
+                    if p["expected_tok_per_s"] else ""))
     lines += format_batches(p)
+    if "sweep" in p:
+        lines += format_sweep(p["sweep"], model)
     lines.append("  experts read with --io:")
     lines += [f"    {mode:<7} {text}" for mode, text in p["io"]["modes"].items()]
     lines.append(f"    here: --io {p['io']['recommended']} ({p['io']['why']})")
