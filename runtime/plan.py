@@ -42,6 +42,7 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32)  # sequences per step of the measured decode steps
 CALIBRATION_PROMPT = 8  # tokens of their prompts
 PROMPT_WINDOWS = (2, 2, 8)  # documents of the measured prompt passes (the first warms up)
+PROMPT_MOST_TOKENS = 1024  # their prompts' length at most, whatever the job's
 TRACE_MAX_BYTES = 1 << 30  # a routing trace read for the plan is at most this large
 UNION_DRAWS = 64  # random groups of B traced tokens averaged per batch size
 
@@ -90,12 +91,14 @@ def measure_costs(path, threads: int | None = None, ram_budget=None, doc_tokens:
     """This machine's compute seconds for the model, every speed the plan gives comes from:
     - a decode step: step_s + per_expert_s × distinct experts + per_row_s × rows, fitted to
       batch decode steps of 1 to 32 sequences at short contexts;
-    - with `doc_tokens`: a sweep's prompt pass of prompts that long, prompt_pass_s +
-      prompt_token_s × tokens, and a decode row's extra seconds per cached position beyond the
-      fit's (per_row_position_s), from sweeps of PROMPT_WINDOWS such prompts.
+    - with `doc_tokens`: a sweep's prompt pass of prompts that long (at most
+      PROMPT_MOST_TOKENS), prompt_pass_s + prompt_token_s × tokens, and a decode row's extra
+      seconds per cached position beyond the fit's (per_row_position_s), from sweeps of
+      PROMPT_WINDOWS such prompts.
     Expert read waits are left out: the plan adds the disk's time from its bytes."""
     from colibri.runtime import open_model
 
+    doc_tokens = min(doc_tokens, PROMPT_MOST_TOKENS) if doc_tokens else None
     ctx = max(64, (doc_tokens or 0) + steps + 2)
     model = open_model(path, threads=threads, ctx=ctx, ram_budget=ram_budget, parallel=max(CALIBRATION_BATCHES))
     try:
