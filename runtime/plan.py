@@ -77,11 +77,15 @@ def traced_choices(path, n_experts: int) -> dict[int, list[frozenset]]:
 
 
 def distinct_traced(layers: dict[int, list[frozenset]], batch: int, seed: int = 0) -> float:
-    """Mean distinct experts per step (summed over layers) of `batch` traced tokens at a time."""
+    """Mean distinct experts per step (summed over layers) of `batch` traced tokens at a time
+    (all of a layer's when the trace has no more)."""
     rng = np.random.default_rng(seed)
     total = 0.0
     for choices in layers.values():
-        draws = [rng.choice(len(choices), min(batch, len(choices)), replace=False) for _ in range(UNION_DRAWS)]
+        if batch >= len(choices):
+            total += len(frozenset().union(*choices))
+            continue
+        draws = [rng.choice(len(choices), batch, replace=False) for _ in range(UNION_DRAWS)]
         total += float(np.mean([len(frozenset().union(*(choices[i] for i in d))) for d in draws]))
     return total
 

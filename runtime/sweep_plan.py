@@ -6,7 +6,7 @@ compute costs. A window of n documents of T prompt tokens, each generating G, co
 - G − 1 decode steps of n rows: step_s + per_expert_s × distinct experts + n × (per_row_s +
   per_row_position_s × the positions cached beyond the calibration's);
 - and each pass reads the experts it touches that the expert cache does not hold.
-Routing is taken as uniform. The cache evicts the least recently used expert and every pass
+Distinct experts follow uniform routing, or a routing trace of an earlier run. The cache evicts the least recently used expert and every pass
 goes through the layers in order, so a pass finds experts in the cache only when it holds a
 whole pass's (`lru_hit_rate`). The disk's time is added to the compute's: reads overlap the
 compute only in part, so where both are large the estimate errs long.
@@ -21,7 +21,7 @@ from colibri.runtime.engine import BudgetError
 from colibri.runtime.expert_store import cache_bytes_for_all
 from colibri.runtime.model import Decoder
 from colibri.runtime.options import EngineOptions
-from colibri.runtime.plan import distinct_uniform, step_seconds
+from colibri.runtime.plan import distinct_traced, distinct_uniform, step_seconds
 from colibri.runtime.sweep import hidden_bytes, sweep_options, sweep_window
 
 
@@ -36,37 +36,43 @@ def lru_hit_rate(cache_share: float, touched: float) -> float:
     return 1 - (1 - touched) ** (cache_share / touched)
 
 
-def _touched(layout: ModelLayout, tokens: int) -> float:
-    """The share of a layer's experts that `tokens` tokens routed uniformly touch."""
+def _touched(layout: ModelLayout, tokens: int, trace: dict | None) -> float:
+    """The share of a layer's experts that `tokens` tokens touch: routed uniformly, or as in
+    `trace` (`plan.traced_choices`)."""
     c = layout.config
+    if trace:
+        return distinct_traced(trace, tokens) / (c.n_experts * len(trace))
     return distinct_uniform(c.n_experts, c.n_experts_used, tokens) / c.n_experts
 
 
-def window_reads(layout: ModelLayout, documents: int, doc_tokens: int, gen_tokens: int, cache_share: float) -> float:
+def window_reads(layout: ModelLayout, documents: int, doc_tokens: int, gen_tokens: int, cache_share: float,
+                 trace: dict | None = None) -> float:
     """Bytes one window of `documents` reads from disk once the cache is warm."""
     all_bytes = sum(t.expert_bytes * t.count for t in layout.expert_layers.values())
-    prompt, step = _touched(layout, documents * doc_tokens), _touched(layout, documents)
+    prompt, step = _touched(layout, documents * doc_tokens, trace), _touched(layout, documents, trace)
     return all_bytes * (prompt * (1 - lru_hit_rate(cache_share, prompt))
                         + max(gen_tokens - 1, 0) * step * (1 - lru_hit_rate(cache_share, step)))
 
 
-def window_compute(layout: ModelLayout, costs: dict, documents: int, doc_tokens: int, gen_tokens: int) -> float:
+def window_compute(layout: ModelLayout, costs: dict, documents: int, doc_tokens: int, gen_tokens: int,
+                   trace: dict | None = None) -> float:
     """Compute seconds of one window of `documents`: its prompt pass and its decode steps."""
-    distinct = _touched(layout, documents) * layout.config.n_experts * len(layout.expert_layers)
+    distinct = _touched(layout, documents, trace) * layout.config.n_experts * len(layout.expert_layers)
     step_s = step_seconds(costs, distinct, documents, doc_tokens + (gen_tokens - 2) / 2)
     return costs["prompt_pass_s"] + costs["prompt_token_s"] * documents * doc_tokens + max(gen_tokens - 1, 0) * step_s
 
 
 def sweep_estimate(layout: ModelLayout, costs: dict | None, docs: int, doc_tokens: int, gen_tokens: int, window: int,
-                   expert_cache: int, disk_bw: float) -> dict:
+                   expert_cache: int, disk_bw: float, trace: dict | None = None) -> dict:
     """Bytes read (all, and per generated token) and the disk's time for a sweep of `docs`
     documents, `window` at a time, through an expert cache of `expert_cache` bytes; with
-    `costs`, also its compute time, total time, tok/s and what bounds it (else None)."""
+    `costs`, also its compute time, total time, tok/s and what bounds it (else None);
+    with `trace`, the experts touched as in that routing trace."""
     cache_share = min(expert_cache / max(cache_bytes_for_all(layout), 1), 1.0)
     full, last = divmod(docs, window)
     windows = [(window, full)] + ([(last, 1)] if last else [])
-    read = sum(count * window_reads(layout, n, doc_tokens, gen_tokens, cache_share) for n, count in windows)
-    first = _touched(layout, min(window, docs) * doc_tokens)
+    read = sum(count * window_reads(layout, n, doc_tokens, gen_tokens, cache_share, trace) for n, count in windows)
+    first = _touched(layout, min(window, docs) * doc_tokens, trace)
     all_bytes = sum(t.expert_bytes * t.count for t in layout.expert_layers.values())
     read += all_bytes * first * lru_hit_rate(cache_share, first)  # the first pass finds the cache empty
     disk_s = read / disk_bw
@@ -75,7 +81,7 @@ def sweep_estimate(layout: ModelLayout, costs: dict | None, docs: int, doc_token
                 "bytes_read": read, "bytes_per_generated_token": read / generated, "disk_s": disk_s,
                 "compute_s": None, "seconds": None, "tok_per_s": None, "bound_by": None}
     if costs is not None:
-        compute = sum(count * window_compute(layout, costs, n, doc_tokens, gen_tokens) for n, count in windows)
+        compute = sum(count * window_compute(layout, costs, n, doc_tokens, gen_tokens, trace) for n, count in windows)
         estimate.update(compute_s=compute, seconds=compute + disk_s, tok_per_s=generated / (compute + disk_s),
                         bound_by="disk" if disk_s > compute else "compute")
     return estimate
@@ -83,11 +89,12 @@ def sweep_estimate(layout: ModelLayout, costs: dict | None, docs: int, doc_token
 
 def sweep_plan(layout: ModelLayout, costs: dict | None, disk_bw: float, docs: int, doc_tokens: int, gen_tokens: int,
                ram_budget: int, kv_quant: str, ctx: int | None = None, parallel: int | None = None,
-               scratch: Path | None = None) -> dict:
+               scratch: Path | None = None, trace: dict | None = None) -> dict:
     """The sweep `colibri run --sweep` would run for this job within `ram_budget` (its window,
     as `sweep_window` chooses it, or `parallel`; its expert cache, as `sweep_options` sizes it),
     with `sweep_estimate`'s figures and where its KV caches and hidden states go: RAM, or
-    `scratch`. Says `fits: False` and why when the budget cannot hold the window."""
+    `scratch`; distinct experts from `trace` when given. Says `fits: False` and why when the
+    budget cannot hold the window."""
     ctx = ctx or doc_tokens + gen_tokens
     options = EngineOptions(ctx=ctx, ram_budget=ram_budget, kv_quant=kv_quant, parallel=parallel)
     window = sweep_window(layout, options, docs, scratch)
@@ -99,5 +106,5 @@ def sweep_plan(layout: ModelLayout, costs: dict | None, disk_bw: float, docs: in
         opened = sweep_options(layout, options, window, scratch)
     except BudgetError as e:
         return {**held, "window": window, "fits": False, "why": str(e)}
-    return {**held, "fits": True, **sweep_estimate(layout, costs, docs, doc_tokens, gen_tokens, window,
-                                                   opened.expert_cache, disk_bw)}
+    return {**held, "fits": True, "routing": "trace" if trace else "uniform",
+            **sweep_estimate(layout, costs, docs, doc_tokens, gen_tokens, window, opened.expert_cache, disk_bw, trace)}

@@ -291,6 +291,9 @@ def test_plan_batch_table_from_uniform_routing_a_trace_and_measured_costs(model_
     assert all(r["expected_tok_per_s"] > 0 and r["expected_disk_tok_per_s"] <= r["expected_tok_per_s"] for r in rows)
     assert rows[-1]["expected_tok_per_s"] > rows[0]["expected_tok_per_s"]
     assert p["expected_tok_per_s"] == rows[0]["expected_disk_tok_per_s"]
+    code, out, err = run(["plan", "--model", str(model_dir), "--ram", "2G", "--disk-bw", "2", "--trace", str(trace),
+                          "--docs", "9", "--doc-tokens", "12", "--gen-tokens", "3"], capsys)
+    assert code == 0 and "experts from a routing trace" in out
     code, out, err = run(["plan", "--model", str(model_dir), "--ram", "2G"], capsys)
     assert code == 0 and "batches (--parallel B" in out and "ceilings only" in out
     (tmp_path / "bad.jsonl").write_text('{"layer": 0, "experts": [99999]}\n')

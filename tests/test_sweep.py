@@ -149,8 +149,9 @@ def test_an_lru_cache_serves_a_sweep_pass_only_when_it_holds_a_whole_pass():
 
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
 def test_the_plan_predicts_a_sweeps_disk_reads_and_scratch(models, arch, tmp_path, monkeypatch):
-    """What `colibri plan --docs` says a sweep reads through a quarter-size expert cache and
-    maps in --scratch is what the sweep then reads and maps."""
+    """What `colibri plan --docs` says a sweep reads through a quarter-size expert cache (from
+    uniform routing, or from the sweep's own routing trace) and maps in --scratch is what the
+    sweep then reads and maps."""
     from colibri.formats.layout import ModelLayout
     from colibri.runtime import open_model, sweep
     from colibri.runtime.expert_store import cache_bytes_for_all
@@ -175,6 +176,9 @@ def test_the_plan_predicts_a_sweeps_disk_reads_and_scratch(models, arch, tmp_pat
                            expert_cache=quarter)
         runner = sweep.Sweep(model, window, scratch)
         caches = len(mapped)  # the window's KV caches; then a prompt pass's hidden states per admission
+        trace = {}  # the run's own routing, as `colibri run --trace-routing` writes it
+        model.decoder.route_log = lambda layer, positions, ids, weights: \
+            trace.setdefault(layer, []).extend(frozenset(map(int, row)) for row in ids)
         for _ in range(docs):
             runner.add(rng.integers(3, 200, doc_tokens).tolist(), gen_tokens, ignore_eos=True)
         while runner.busy:
@@ -182,8 +186,10 @@ def test_the_plan_predicts_a_sweeps_disk_reads_and_scratch(models, arch, tmp_pat
         read = runner.stats()["expert_bytes_read"]
         model.close()
         if scratch is None:
-            predicted = sweep_estimate(layout, costs, docs, doc_tokens, gen_tokens, window, model.store.cache_bytes, 1e9)
-            assert 0.9 < read / predicted["bytes_read"] < 1.1
+            for routing in (None, trace):
+                predicted = sweep_estimate(layout, costs, docs, doc_tokens, gen_tokens, window, model.store.cache_bytes,
+                                           1e9, routing)
+                assert 0.9 < read / predicted["bytes_read"] < 1.1
     planned = sweep_plan(layout, costs, 1e9, docs, doc_tokens, gen_tokens, 8 << 30, "f16", parallel=window,
                          scratch=tmp_path)
     assert planned["fits"] and planned["window"] == window and len(mapped) == caches + 2

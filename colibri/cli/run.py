@@ -187,7 +187,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "batch table gives expected tok/s instead of ceilings only")
     p.add_argument("--trace", type=Path, metavar="FILE",
                    help="a `colibri run --trace-routing` file of an earlier run: distinct experts per step of a "
-                        "batch from its routing instead of uniform routing")
+                        "batch, and of a sweep's passes, from its routing instead of uniform routing")
     p.add_argument("--threads", type=int, default=None, help="compute threads for --measure-speed (default: all cores)")
     job = p.add_argument_group("a folder job as a sweep (`colibri run --prompt-dir --sweep`): its window, scratch, "
                                "disk reads and their time (--disk-bw; default: measure), and with --measure-speed "
@@ -219,7 +219,8 @@ def plan_command(args: argparse.Namespace) -> int:
         from colibri.runtime.sweep_plan import sweep_plan
 
         p["sweep"] = sweep_plan(layout, costs, disk_bw, args.docs, args.doc_tokens, args.gen_tokens,
-                                p["ram"] - p["os_reserve_bytes"], args.kv_quant, args.ctx, args.parallel, args.scratch)
+                                p["ram"] - p["os_reserve_bytes"], args.kv_quant, args.ctx, args.parallel, args.scratch,
+                                trace)
     print(json.dumps(p, indent=1) if args.json else format_plan(p, args.model))
     return 0 if p["fits"] and p.get("sweep", {}).get("fits", True) else 1
 
@@ -261,8 +262,9 @@ def format_batches(p: dict) -> list[str]:
 
 def format_sweep(s: dict, model) -> list[str]:
     """The sweep section: the job, its window, what it reads and holds, and its expected time."""
+    routing = "; experts from a routing trace" if s.get("routing") == "trace" else ""
     lines = [f"  a sweep of {s['docs']} documents ({s['doc_tokens']} prompt tokens and {s['gen_tokens']} generated "
-             f"each; --ctx {s['ctx']}): {s['window']} at a time"]
+             f"each; --ctx {s['ctx']}{routing}): {s['window']} at a time"]
     where = f"in --scratch {s['scratch']}" if s["scratch"] else "in RAM"
     lines.append(f"    the window's KV caches and prompt hidden states: {format_size(s['window_bytes'])} {where}")
     if not s["fits"]:
