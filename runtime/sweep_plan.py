@@ -6,9 +6,9 @@ compute costs. A window of n documents of T prompt tokens, each generating G, co
 - G − 1 decode steps of n rows: step_s + per_expert_s × distinct experts + n × (per_row_s +
   per_row_position_s × the positions cached beyond the calibration's);
 - and each pass reads the experts it touches that the expert cache does not hold.
-Distinct experts follow uniform routing, or a routing trace of an earlier run. The cache evicts the least recently used expert and every pass
-goes through the layers in order, so a pass finds experts in the cache only when it holds a
-whole pass's (`lru_hit_rate`). The disk's time is added to the compute's: reads overlap the
+Distinct experts follow uniform routing, or a routing trace of an earlier run. The cache
+evicts the least recently used expert and every pass goes through the layers in order, so a
+pass finds experts in the cache only when it holds a whole pass's (`lru_hit_rate`). The disk's time is added to the compute's: reads overlap the
 compute only in part, so where both are large the estimate errs long.
 """
 
