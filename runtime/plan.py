@@ -164,9 +164,9 @@ def _prompt_pass_costs(model, doc_tokens: int, decode: dict, steps: int) -> dict
             fitted = step_seconds(decode, distinct, window)
             extra.append((seconds - fitted) / (window * max(doc_tokens + step - decode["position"], 1)))
     (small, small_s), (large, large_s) = passes[-2:]  # the first pass warms up
-    token_s = max(large_s - small_s, 0.0) / (large - small)
+    token_s = (large_s - small_s) / (large - small)
     pass_s = small_s - token_s * small
-    if pass_s < 0:
+    if token_s <= 0 or pass_s < 0:  # noise: the larger pass's time per token instead
         pass_s, token_s = 0.0, large_s / large
     return {"doc_tokens": doc_tokens, "prompt_pass_s": pass_s, "prompt_token_s": token_s,
             "per_row_position_s": max(float(np.median(extra)), 0.0)}

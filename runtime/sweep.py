@@ -84,6 +84,11 @@ def ffn_block_bytes(c: ModelConfig, tokens: int) -> int:
     return min(FFN_BLOCK_BYTES, FFN_VALUE_BYTES * tokens * _token_values(c))
 
 
+def ffn_block_tokens(c: ModelConfig) -> int:
+    """The tokens of one FFN call of a prompt pass: its experts are read once per call."""
+    return max(1, FFN_BLOCK_BYTES // (FFN_VALUE_BYTES * _token_values(c)))
+
+
 def _token_values(c: ModelConfig) -> int:
     """The values of one token's hidden state: a stream of `hidden_size`, or `hyper_streams` of them."""
     return (c.hyper_streams or 1) * c.hidden_size
@@ -114,7 +119,7 @@ def read_prompts(decoder: Decoder, batch: list[tuple[list[int], KVCache]], alloc
     positions = np.concatenate([np.arange(cache.length, cache.length + len(ids)) for ids, cache in batch])
     x = allocate((tokens.size, c.hyper_streams, c.hidden_size) if c.hyper_streams else (tokens.size, c.hidden_size),
                  np.float32)
-    block = max(1, FFN_BLOCK_BYTES // (FFN_VALUE_BYTES * _token_values(c)))
+    block = ffn_block_tokens(c)
     for first in range(0, tokens.size, block):
         rows = np.concatenate([decoder.embed.rows_f32(int(t), 1) for t in tokens[first:first + block]])
         x[first:first + block] = decoder.hyper_streams(rows) if c.hyper_streams else rows

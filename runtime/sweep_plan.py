@@ -22,7 +22,7 @@ from colibri.runtime.expert_store import cache_bytes_for_all
 from colibri.runtime.model import Decoder
 from colibri.runtime.options import EngineOptions
 from colibri.runtime.plan import distinct_traced, distinct_uniform, step_seconds
-from colibri.runtime.sweep import hidden_bytes, sweep_options, sweep_window
+from colibri.runtime.sweep import ffn_block_tokens, hidden_bytes, sweep_options, sweep_window
 
 
 def lru_hit_rate(cache_share: float, touched: float) -> float:
@@ -47,10 +47,16 @@ def _touched(layout: ModelLayout, tokens: int, trace: dict | None) -> float:
 
 def window_reads(layout: ModelLayout, documents: int, doc_tokens: int, gen_tokens: int, cache_share: float,
                  trace: dict | None = None) -> float:
-    """Bytes one window of `documents` reads from disk once the cache is warm."""
+    """Bytes one window of `documents` reads from disk once the cache is warm. The prompt
+    pass's FFN runs in blocks of tokens (`sweep.ffn_block_tokens`); each block reads the layer's
+    experts again unless the cache holds one block's experts of a layer."""
     all_bytes = sum(t.expert_bytes * t.count for t in layout.expert_layers.values())
-    prompt, step = _touched(layout, documents * doc_tokens, trace), _touched(layout, documents, trace)
-    return all_bytes * (prompt * (1 - lru_hit_rate(cache_share, prompt))
+    tokens = documents * doc_tokens
+    block = ffn_block_tokens(layout.config)
+    prompt, step = _touched(layout, tokens, trace), _touched(layout, documents, trace)
+    blocks = 1 if cache_share * len(layout.expert_layers) >= _touched(layout, min(tokens, block), trace) \
+        else -(-tokens // block)
+    return all_bytes * (blocks * prompt * (1 - lru_hit_rate(cache_share, prompt))
                         + max(gen_tokens - 1, 0) * step * (1 - lru_hit_rate(cache_share, step)))
 
 
