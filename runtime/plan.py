@@ -92,7 +92,7 @@ def distinct_traced(layers: dict[int, list[frozenset]], batch: int, seed: int = 
 
 def measure_costs(path, threads: int | None = None, ram_budget=None, doc_tokens: int | None = None,
                   steps: int = 6) -> dict:
-    """This machine's compute seconds for the model, every speed the plan gives comes from:
+    """This machine's compute seconds for the model, from which the plan gives every speed:
     - a decode step: step_s + per_expert_s × distinct experts + per_row_s × rows, fitted to
       batch decode steps of 1 to 32 sequences at short contexts;
     - with `doc_tokens`: a sweep's prompt pass of prompts that long (at most
