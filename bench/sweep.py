@@ -14,6 +14,7 @@ Rows: the scheduler with --baseline slots, then a sweep of each --windows N. Bes
 - what `colibri plan --docs` predicts for each sweep (`runtime.sweep_plan.sweep_estimate`), from
   compute costs measured first (`plan.measure_costs` at the documents' mean prompt length) and
   the read rate above, and the measured time over it.
+Each row's peak RSS is its run's own (the last run's caches collected, VmHWM reset before it).
 Writes bench/out/sweep.json.
 
     python bench/sweep.py --model DIR [--docs 256] [--doc-tokens 100,400] [--gen-tokens 16]
@@ -23,6 +24,7 @@ Writes bench/out/sweep.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -35,7 +37,6 @@ import numpy as np
 from colibri.formats.layout import ModelLayout
 from colibri.runtime import open_model
 from colibri.runtime.expert_store import cache_bytes_for_all
-from colibri.runtime.memory import peak_rss
 from colibri.runtime.plan import measure_costs, measure_disk_bandwidth
 from colibri.runtime.sweep import Sweep
 from colibri.runtime.sweep_plan import sweep_estimate
@@ -50,10 +51,20 @@ def documents(vocab: int, count: int, shortest: int, longest: int, seed: int = 0
     return [[int(t) for t in rng.integers(3, vocab, int(n))] for n in rng.integers(shortest, longest + 1, count)]
 
 
+def run_peak_rss(reset: bool = False) -> int:
+    """This process's peak RSS since the last reset (VmHWM; writing 5 to clear_refs resets it)."""
+    if reset:
+        Path("/proc/self/clear_refs").write_text("5")
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) * 1024
+
+
 def run(path: Path, docs: list[list[int]], gen_tokens: int, sweep: bool, slots: int, cache: int, io: str,
         threads: int, scratch: Path | None = None) -> dict:
     """One folder job: the scheduler over `slots` KV slots, or a sweep of a window of `slots`
     (its caches mapped in `scratch`, when given)."""
+    gc.collect()  # the last run's caches, before this run's peak is counted
+    run_peak_rss(reset=True)
     evict_experts(ModelLayout(path))
     model = open_model(path, threads=threads, ctx=max(map(len, docs)) + gen_tokens, io=io, expert_cache=cache,
                        parallel=1 if sweep and scratch else slots)
@@ -70,7 +81,7 @@ def run(path: Path, docs: list[list[int]], gen_tokens: int, sweep: bool, slots: 
             "seconds": seconds, "tok_per_s": stats["generated_tokens"] / seconds,
             "prompt_tokens": stats["prompt_tokens"], "generated_tokens": stats["generated_tokens"],
             "expert_misses": stats["expert_misses"], "expert_bytes_read": stats["expert_bytes_read"],
-            "read_seconds": stats["read_seconds"], "peak_rss": peak_rss()}
+            "read_seconds": stats["read_seconds"], "peak_rss": run_peak_rss()}
 
 
 def main() -> None:
