@@ -321,7 +321,7 @@ def test_plan_of_a_sweep_gives_its_window_time_reads_and_scratch(model_dir, tmp_
     assert "--sweep --parallel" in out and f"--scratch {tmp_path}" in out
     code, out, err = run(job[:-6] + ["--ram", "300M", "--docs", "4", "--doc-tokens", "30", "--gen-tokens", "6",
                                      "--parallel", "4000"], capsys)
-    assert code == 1 and "does NOT fit" in out
+    assert code == 1 and "    does NOT fit: --ram-budget" in out  # the sweep's line, with the budget's numbers
     for extra, line in ((["--gen-tokens", "6"], "--gen-tokens needs --docs"),
                         (["--docs", "3", "--gen-tokens", "6"], "--docs needs --doc-tokens"),
                         (["--docs", "0", "--doc-tokens", "3", "--gen-tokens", "6"], "--docs must be at least 1, got 0"),
