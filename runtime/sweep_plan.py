@@ -19,9 +19,10 @@ from pathlib import Path
 from colibri.formats.layout import ModelLayout
 from colibri.runtime.engine import BudgetError
 from colibri.runtime.expert_store import cache_bytes_for_all
+from colibri.runtime.memory import current_rss
 from colibri.runtime.model import Decoder
 from colibri.runtime.options import EngineOptions
-from colibri.runtime.plan import distinct_traced, distinct_uniform, step_seconds
+from colibri.runtime.plan import RUNTIME_BYTES, distinct_traced, distinct_uniform, step_seconds
 from colibri.runtime.sweep import ffn_block_tokens, hidden_bytes, sweep_options, sweep_window
 
 
@@ -102,7 +103,9 @@ def sweep_plan(layout: ModelLayout, costs: dict | None, disk_bw: float, docs: in
     `scratch`; distinct experts from `trace` when given. Says `fits: False` and why when the
     budget cannot hold the window."""
     ctx = ctx or doc_tokens + gen_tokens
-    options = EngineOptions(ctx=ctx, ram_budget=ram_budget, kv_quant=kv_quant, parallel=parallel)
+    # sweep_window and sweep_options count this process's footprint as the runtime's; the run's is RUNTIME_BYTES
+    options = EngineOptions(ctx=ctx, ram_budget=ram_budget - RUNTIME_BYTES + current_rss(), kv_quant=kv_quant,
+                            parallel=parallel)
     window = sweep_window(layout, options, docs, scratch)
     per_document = Decoder.cache_shape_for(layout.config).nbytes(ctx, kv_quant) + hidden_bytes(layout.config, doc_tokens)
     held = {"docs": docs, "doc_tokens": doc_tokens, "gen_tokens": gen_tokens, "ctx": ctx, "ram_budget": ram_budget,

@@ -303,7 +303,9 @@ def test_plan_batch_table_from_uniform_routing_a_trace_and_measured_costs(model_
 
 def test_plan_of_a_sweep_gives_its_window_time_reads_and_scratch(model_dir, tmp_path, capsys):
     """`colibri plan --docs`: the sweep `colibri run --sweep` would run, its time from costs
-    measured here with --measure-speed; its flags are checked in one line each."""
+    measured here with --measure-speed, whatever this process holds besides (a plan counts
+    the run's runtime, not its own footprint); its flags are checked in one line each."""
+    held = np.ones(3 << 27)  # 3 GiB, more than the 2G plan's budget
     job = ["plan", "--model", str(model_dir), "--ram", "2G", "--disk-bw", "1", "--docs", "40", "--doc-tokens", "30",
            "--gen-tokens", "6"]
     code, out, err = run(job + ["--parallel", "16", "--measure-speed", "--json"], capsys)
@@ -330,6 +332,7 @@ def test_plan_of_a_sweep_gives_its_window_time_reads_and_scratch(model_dir, tmp_
         with pytest.raises(SystemExit) as refused:
             run(["plan", "--model", str(model_dir), "--ram", "2G"] + extra, capsys)
         assert str(refused.value) == f"colibri plan: error: {line}"
+    del held
 
 
 def test_prompt_dir_json_gives_each_document_and_the_batch_numbers(model_dir, tmp_path, capsys):
