@@ -63,12 +63,15 @@ def default_ram_budget() -> int:
     return int(total_ram() * 0.8)
 
 
-def plan_budget(layout: ModelLayout, ctx: int, kv_quant: str, ram_budget, expert_cache, parallel: int = 1) -> Budget:
+def plan_budget(layout: ModelLayout, ctx: int, kv_quant: str, ram_budget, expert_cache, parallel: int = 1,
+                baseline: int | None = None) -> Budget:
+    """The budget of a model opened in this process, or with `baseline`, in a process that
+    holds that much before the model (a plan made for another run)."""
     ram = parse_size(ram_budget) if ram_budget is not None else default_ram_budget()
     resident = Decoder.resident_bytes(layout)
     kv = parallel * Decoder.cache_shape_for(layout.config).nbytes(ctx, kv_quant)
     scratch = scratch_bytes(layout)
-    budget = Budget(ram, current_rss(), resident, kv, scratch, 0)
+    budget = Budget(ram, current_rss() if baseline is None else baseline, resident, kv, scratch, 0)
     if budget.fixed > ram:
         raise BudgetError(
             f"--ram-budget {format_size(ram)} cannot hold the resident weights ({format_size(resident)}) + KV cache "
@@ -89,12 +92,13 @@ def plan_budget(layout: ModelLayout, ctx: int, kv_quant: str, ram_budget, expert
 
 
 def fitting_parallel(layout: ModelLayout, ctx: int, kv_quant: str, ram_budget=None, most: int = MOST_PARALLEL,
-                     extra_per_slot: int = 0, reserved: int = 0) -> int:
+                     extra_per_slot: int = 0, reserved: int = 0, baseline: int | None = None) -> int:
     """The most KV slots (at most `most`) whose cache, and `extra_per_slot` bytes each, take at
     most a quarter of what the RAM budget leaves after resident weights, scratch, the runtime
-    and `reserved` bytes: the rest stays for experts."""
+    (this process, or `baseline` bytes) and `reserved` bytes: the rest stays for experts."""
     ram = parse_size(ram_budget) if ram_budget is not None else default_ram_budget()
-    room = ram - current_rss() - Decoder.resident_bytes(layout) - scratch_bytes(layout) - reserved
+    runtime = current_rss() if baseline is None else baseline
+    room = ram - runtime - Decoder.resident_bytes(layout) - scratch_bytes(layout) - reserved
     per_slot = Decoder.cache_shape_for(layout.config).nbytes(ctx, kv_quant) + extra_per_slot
     return max(1, min(most, room // 4 // max(per_slot, 1)))
 

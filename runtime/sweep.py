@@ -39,31 +39,34 @@ FFN_BLOCK_BYTES = 1 << 30  # hidden states of one FFN call of a prompt pass (its
 FFN_VALUE_BYTES = 17  # bytes a hidden value takes in an FFN call: the input, its norm, int8 copy, output, sum
 
 
-def sweep_window(layout: ModelLayout, options: EngineOptions, documents: int, scratch: Path | None) -> int:
+def sweep_window(layout: ModelLayout, options: EngineOptions, documents: int, scratch: Path | None,
+                 baseline: int | None = None) -> int:
     """The documents a sweep holds at once: `options.parallel`, else as many as `documents` and
     SWEEP_MOST allow whose KV caches and prompt hidden states (--ctx positions each) fit in a
     quarter of the RAM the budget leaves after the resident weights and a prompt pass's FFN
-    call, or with `scratch`, in half the folder's free space."""
+    call, or with `scratch`, in half the folder's free space. `baseline`: as `fitting_parallel`."""
     most = max(1, min(documents, SWEEP_MOST))
     if options.parallel is not None:
         return options.parallel
     hidden = hidden_bytes(layout.config, options.ctx)
     if scratch is None:
         return fitting_parallel(layout, options.ctx, options.kv_quant, options.ram_budget, most, hidden,
-                                reserved=ffn_block_bytes(layout.config, most * options.ctx))
+                                reserved=ffn_block_bytes(layout.config, most * options.ctx), baseline=baseline)
     per_document = Decoder.cache_shape_for(layout.config).nbytes(options.ctx, options.kv_quant) + hidden
     return max(1, min(most, shutil.disk_usage(scratch).free // 2 // per_document))
 
 
-def sweep_options(layout: ModelLayout, options: EngineOptions, window: int, scratch: Path | None) -> EngineOptions:
+def sweep_options(layout: ModelLayout, options: EngineOptions, window: int, scratch: Path | None,
+                  baseline: int | None = None) -> EngineOptions:
     """The options to open the model with for a sweep of `window` documents: with `scratch`, one
     KV slot of its own (the window's are mapped there), else the window's slots; and unless
     --expert-cache is given, an expert cache that leaves the budget room for a prompt pass's
-    FFN call and, without `scratch`, its hidden states. Raises BudgetError when there is none."""
+    FFN call and, without `scratch`, its hidden states. Raises BudgetError when there is none.
+    `baseline`: as `engine.plan_budget`."""
     options = options.replace(parallel=1 if scratch else window)
     if options.expert_cache is not None:
         return options
-    budget = plan_budget(layout, options.ctx, options.kv_quant, options.ram_budget, None, options.parallel)
+    budget = plan_budget(layout, options.ctx, options.kv_quant, options.ram_budget, None, options.parallel, baseline)
     held = ffn_block_bytes(layout.config, window * options.ctx) + \
         (0 if scratch else window * hidden_bytes(layout.config, options.ctx))
     room = budget.ram - budget.fixed - held

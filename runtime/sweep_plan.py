@@ -19,7 +19,6 @@ from pathlib import Path
 from colibri.formats.layout import ModelLayout
 from colibri.runtime.engine import BudgetError
 from colibri.runtime.expert_store import cache_bytes_for_all
-from colibri.runtime.memory import current_rss
 from colibri.runtime.model import Decoder
 from colibri.runtime.options import EngineOptions
 from colibri.runtime.plan import RUNTIME_BYTES, distinct_traced, distinct_uniform, step_seconds
@@ -37,6 +36,11 @@ def lru_hit_rate(cache_share: float, touched: float) -> float:
     return 1 - (1 - touched) ** (cache_share / touched)
 
 
+def _expert_bytes(layout: ModelLayout) -> int:
+    """The bytes a read of every routed expert of the model takes."""
+    return sum(t.expert_bytes * t.count for t in layout.expert_layers.values())
+
+
 def _touched(layout: ModelLayout, tokens: int, trace: dict | None) -> float:
     """The share of a layer's experts that `tokens` tokens touch: routed uniformly, or as in
     `trace` (`plan.traced_choices`)."""
@@ -51,7 +55,7 @@ def window_reads(layout: ModelLayout, documents: int, doc_tokens: int, gen_token
     """Bytes one window of `documents` reads from disk once the cache is warm. The prompt
     pass's FFN runs in blocks of tokens (`sweep.ffn_block_tokens`); each block reads the layer's
     experts again unless the cache holds one block's experts of a layer."""
-    all_bytes = sum(t.expert_bytes * t.count for t in layout.expert_layers.values())
+    all_bytes = _expert_bytes(layout)
     tokens = documents * doc_tokens
     block = ffn_block_tokens(layout.config)
     prompt, step = _touched(layout, tokens, trace), _touched(layout, documents, trace)
@@ -80,7 +84,7 @@ def sweep_estimate(layout: ModelLayout, costs: dict | None, docs: int, doc_token
     windows = [(window, full)] + ([(last, 1)] if last else [])
     read = sum(count * window_reads(layout, n, doc_tokens, gen_tokens, cache_share, trace) for n, count in windows)
     first = _touched(layout, min(window, docs) * doc_tokens, trace)
-    all_bytes = sum(t.expert_bytes * t.count for t in layout.expert_layers.values())
+    all_bytes = _expert_bytes(layout)
     read += all_bytes * first * lru_hit_rate(cache_share, first)  # the first pass finds the cache empty
     disk_s = read / disk_bw
     generated = docs * gen_tokens
@@ -103,16 +107,14 @@ def sweep_plan(layout: ModelLayout, costs: dict | None, disk_bw: float, docs: in
     `scratch`; distinct experts from `trace` when given. Says `fits: False` and why when the
     budget cannot hold the window."""
     ctx = ctx or doc_tokens + gen_tokens
-    # sweep_window and sweep_options count this process's footprint as the runtime's; the run's is RUNTIME_BYTES
-    options = EngineOptions(ctx=ctx, ram_budget=ram_budget - RUNTIME_BYTES + current_rss(), kv_quant=kv_quant,
-                            parallel=parallel)
-    window = sweep_window(layout, options, docs, scratch)
+    options = EngineOptions(ctx=ctx, ram_budget=ram_budget, kv_quant=kv_quant, parallel=parallel)
+    window = sweep_window(layout, options, docs, scratch, baseline=RUNTIME_BYTES)  # the run's runtime, not this process
     per_document = Decoder.cache_shape_for(layout.config).nbytes(ctx, kv_quant) + hidden_bytes(layout.config, doc_tokens)
     held = {"docs": docs, "doc_tokens": doc_tokens, "gen_tokens": gen_tokens, "ctx": ctx, "ram_budget": ram_budget,
             "window_bytes": window * per_document, "scratch_bytes": window * per_document if scratch else 0,
             "scratch": str(scratch) if scratch else None}
     try:
-        opened = sweep_options(layout, options, window, scratch)
+        opened = sweep_options(layout, options, window, scratch, baseline=RUNTIME_BYTES)
     except BudgetError as e:
         return {**held, "window": window, "fits": False, "why": str(e)}
     return {**held, "fits": True, "routing": "trace" if trace else "uniform",
