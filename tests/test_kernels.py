@@ -334,7 +334,8 @@ print(kernels.kernel_paths()["k_quant_dot"])
 # each target and the K-quant dot its kernels must use there (so that the target took effect)
 TARGET_DOTS = {"generic": "portable vector IR", "avx2": "vpmaddubsw + vpmaddwd, 32 bytes",
                "avx2-vnni": "vpmaddubsw + vpdpwssd, 32 bytes"}
-OTHER_CPU_ENCODINGS = ("Q4_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0", "IQ2_XXS", "IQ2_S", "IQ3_S", "IQ1_M")
+OTHER_CPU_ENCODINGS = ("Q4_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4", "TQ1_0", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+                       "IQ3_S", "IQ1_S", "IQ1_M")
 
 
 def runs_here(target):

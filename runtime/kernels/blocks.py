@@ -243,7 +243,7 @@ def _unpack_iq4_xs(e, block):
     d = e.half(block, 0)
     levels = [e.lookup16(IQ4_VALUES, _q4_levels(e, block, 8 + 16 * i)) for i in range(8)]
     return Block(levels, b.fmul(e.splat(d, 8), b.sitofp(int_scales, vec(FLOAT, 8))), signed=True,
-                  d=d, int_scales=int_scales, pairs_per_scale=16)
+                  d=d, int_scales=int_scales, pairs_per_scale=16, signs=levels)  # no IQ4 value is zero
 
 
 def _ternary_block(e, levels, d):
@@ -342,17 +342,26 @@ def k_int8_dots(e, block, activations, totals):
     b, width = e.b, e.multiply_bytes
     per, lanes = width // 32, width // 4  # sub-blocks per multiply, int32 lanes of the sum
     accs = [e.const(I32, lanes, 0) for _ in activations]
+
+    def taken(vectors, c):  # sub-blocks c*per.. of `vectors`, one multiply's width
+        return vectors[per * c] if per == 1 else e.shuffle(vectors[per * c], vectors[per * c + 1], range(64))
+
     for c in range(len(block.levels) // per):
-        levels = block.levels[per * c]
-        if per == 2:
-            levels = e.shuffle(levels, block.levels[per * c + 1], range(64))
         scales = e.spread_words(block.int_scales, [(c * width // 2 + m) // block.pairs_per_scale
                                                    for m in range(width // 2)])
-        weights = e.abs_bytes(levels) if block.signed else levels  # vpmaddubsw takes unsigned weights
+        # vpmaddubsw takes unsigned weights: their signs move to the activations
+        if block.signs is not None:
+            signs = taken(block.signs, c)
+            weights = taken(block.magnitudes, c) if block.magnitudes else e.abs_bytes(signs)
+        else:
+            signs = taken(block.levels, c)
+            weights = e.abs_bytes(signs) if block.signed else signs
         for k, (xq, _, _) in enumerate(activations):
             x = e.load(xq, width * c, I8, width)
-            if block.signed:  # the weights' signs moved to the activations
-                x = e.signed_like(x, levels)
+            if block.signs is not None:
+                x = e.signed_by(x, signs)
+            elif block.signed:
+                x = e.signed_like(x, signs)
             accs[k] = e.add_pair_products(accs[k], e.pair_products(weights, x), scales)
         if e.avx2 and not e.avx512 and len(accs) > 1:
             accs = e.pinned(accs)

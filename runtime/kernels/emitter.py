@@ -122,6 +122,17 @@ class Emitter:
         kind = element if n is None else vec(element, n)
         return self.b.load(self.b.bitcast(self.at(base, offset), kind.as_pointer()), align=1)
 
+    def lanes(self, vector):
+        """The lanes of an integer vector as IR scalars, read back from a stack slot that the
+        compiler cannot see through: a load each, where LLVM would extract each lane with a
+        shuffle-port instruction (vpextrw) that the unpackers' shuffles also need."""
+        slot = cgutils.alloca_once(self.b, vector.type)
+        self.b.store(vector, slot)
+        opaque = self.b.asm(ir.FunctionType(slot.type, [slot.type]), "", "=r,0,~{memory}", [slot], True)
+        element = vector.type.element
+        base = self.b.bitcast(opaque, _BYTE_PTR)
+        return [self.load(base, k * element.width // 8, element) for k in range(vector.type.count)]
+
     def prefetch(self, address):
         fn = cgutils.get_or_insert_function(
             self.b.module, ir.FunctionType(ir.VoidType(), [_BYTE_PTR, I32, I32, I32]), "llvm.prefetch.p0")
@@ -295,6 +306,14 @@ class Emitter:
         b, zero = self.b, ir.Constant(values.type, None)
         negated = b.select(b.icmp_signed("<", signs, zero), b.sub(zero, values), values)
         return b.select(b.icmp_signed("==", signs, zero), zero, negated)
+
+    def signed_by(self, values, signs):
+        """values negated where `signs` is negative, for `signs` never zero: vpsignb with AVX2,
+        a masked subtract with AVX-512. |values| <= 127."""
+        if self.avx2 and values.type.count == 32:
+            return self.call("llvm.x86.avx2.psign.b", values.type, values, signs)
+        b, zero = self.b, ir.Constant(values.type, None)
+        return b.select(b.icmp_signed("<", signs, zero), b.sub(zero, values), values)
 
     def abs_bytes(self, values):
         return self.call(f"llvm.abs.v{values.type.count}i8", values.type, values, ir.Constant(I1, 0))

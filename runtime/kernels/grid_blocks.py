@@ -2,9 +2,12 @@
 
 A block of 256 weights names, per 8 (or 4) weights, an entry of its type's grid
 (`formats.iq_grids`), and per 8 weights their signs; each entry is loaded from a constant
-table in the module, as ggml's own kernels do. An unpacker returns the 8 sub-blocks of 32 as
-signed int8 levels (grid value times sign) with their float scales, and the integer form for
-the dot with Q8_K activations (`blocks.k_int8_dot`): odd integer scales and a power-of-two `d`.
+table in the module, as ggml's own kernels do. The indices, signs and scales of a whole block
+are taken apart in vectors: signs given as KSIGNS indices become KSIGNS bytes by adding each
+index's parity (as ggml's AVX2 kernels do), and an index made of several fields is read back
+lane by lane (`Emitter.lanes`). An unpacker returns the 8 sub-blocks of 32 as int8 grid values
+and ±1 signs, with their float scales, and the integer form for the dot with Q8_K activations
+(`blocks.k_int8_dot`): odd integer scales and a power-of-two `d`.
 IQ1_S and IQ1_M add ±1/8 to each grid value; their levels are 8 (value ± 1/8), their scales a
 1/8 of ggml's, which gives the same float32 weights.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from colibri.formats.iq_grids import KSIGNS, grid
+from colibri.formats.iq_grids import grid
 from colibri.runtime.kernels.emitter import FLOAT, I8, I16, I32, vec
 from colibri.runtime.kernels.unpacked import Block
 
@@ -24,18 +27,6 @@ _DELTA_BITS = ir.Constant(vec(I8, 32), [ir.Constant(I8, 0x08 if l % 2 == 0 else 
 
 def _table(e, encoding):
     return e.table(f"colibri_grid_{encoding.lower()}", grid(encoding).tobytes())
-
-
-def _ksigns(e):
-    return e.table("colibri_ksigns_iq2xs", KSIGNS.tobytes())
-
-
-def _vector(e, scalars, element):
-    """A vector of IR scalars (each widened or narrowed to `element`, as `_u`)."""
-    v = ir.Constant(vec(element, len(scalars)), None)
-    for i, s in enumerate(scalars):
-        v = e.b.insert_element(v, _u(e, s, element), ir.Constant(I32, i))
-    return v
 
 
 def _u(e, value, element=I32):
@@ -49,104 +40,144 @@ def _c(value, element=I32):
     return ir.Constant(element, value)
 
 
-def _signed(e, values, sign_bytes):
-    """values (<32 x i8>) negated where bit j of sign_bytes[g] (<4 x i8>) is set, for weight j of group g."""
+def _bit_signs(e, sign_bytes, first=0):
+    """The ±1 signs (<32 x i8>) of 4 groups of 8 weights: -1 where bit j of sign_bytes[first
+    + g] (a byte vector) is set, for weight j of group g."""
     b = e.b
-    spread = e.pick(sign_bytes, [g for g in range(4) for _ in range(8)])
+    spread = e.pick(sign_bytes, [first + g for g in range(4) for _ in range(8)])
     masks = ir.Constant(vec(I8, 32), [ir.Constant(I8, m) for m in _BIT_MASKS])
     negative = b.icmp_unsigned("!=", b.and_(spread, masks), ir.Constant(vec(I8, 32), None))
-    return b.select(negative, b.sub(ir.Constant(vec(I8, 32), None), values), values)
+    return b.select(negative, e.const(I8, 32, -1), e.const(I8, 32, 1))
 
 
-def _grid_block(e, levels, d, int_scales, scale_unit, per16=False):
+def _ksigns_of(e, indices):
+    """KSIGNS[i] of 7-bit indices (a byte vector): i with its parity in bit 7, as ggml's
+    AVX2 kernels compute it."""
+    b, n = e.b, indices.type.count
+    parity = b.and_(e.call(f"llvm.ctpop.v{n}i8", indices.type, indices), e.const(I8, n, 1))
+    return b.or_(indices, b.shl(parity, e.const(I8, n, 7)))
+
+
+def _grid_block(e, d, int_scales, scale_unit, per16=False, *, magnitudes=None, signs=None, levels=None):
     """A block whose weights are d * scale_unit * int_scales * level: float scales as ggml
-    computes them (d times the odd integer, then the power of two), d * scale_unit for the dot."""
+    computes them (d times the odd integer, then the power of two), d * scale_unit for the dot.
+    The levels come as grid `magnitudes` and their ±1 `signs`, or (IQ1) as `levels` never zero."""
     b, n = e.b, int_scales.type.count
     odd = b.sitofp(int_scales, vec(FLOAT, n))
     scales = b.fmul(b.fmul(e.splat(d, n), odd), e.splat(ir.Constant(FLOAT, scale_unit), n))
+    if levels is None:
+        levels = [e.signed_by(m, s) for m, s in zip(magnitudes, signs)]
     return Block(levels, scales, signed=True, per16=per16, d=b.fmul(d, ir.Constant(FLOAT, scale_unit)),
-                 int_scales=int_scales, pairs_per_scale=8 if per16 else 16)
+                 int_scales=int_scales, pairs_per_scale=8 if per16 else 16,
+                 signs=signs if signs is not None else levels, magnitudes=magnitudes)
 
 
 def _half_odd(e, four_bits):
-    """2 s + 1 of a 4-bit scale s (the IQ2/IQ3_XXS scales, 0.5 + s halved)."""
-    return e.b.add(e.b.shl(four_bits, _c(1, four_bits.type)), _c(1, four_bits.type))
+    """2 s + 1 of 4-bit scales s (an integer vector; the IQ2/IQ3_XXS scales, 0.5 + s halved)."""
+    kind = four_bits.type
+    one = e.const(kind.element, kind.count, 1)
+    return e.b.add(e.b.shl(four_bits, one), one)
+
+
+def _lanes(element, values):
+    """A constant vector of `values`."""
+    return ir.Constant(vec(element, len(values)), [ir.Constant(element, v) for v in values])
+
+
+def _bits(e, words, shifts, mask, element=None):
+    """(words >> shifts) & mask, lane by lane (`shifts` a list as long as `words`), narrowed to
+    `element` when given."""
+    kind = words.type
+    bits = e.b.and_(e.b.lshr(words, _lanes(kind.element, shifts)), e.const(kind.element, kind.count, mask))
+    return bits if element is None else e.b.trunc(bits, vec(element, kind.count))
+
+
+def _nibble_scales(e, block, offset, count):
+    """2 s + 1 of the 2 * count 4-bit scales s in the `count` bytes at `offset`, each byte's
+    low nibble first (<2 count x i16>)."""
+    low, high = e.nibbles(e.load(block, offset, I8, count))
+    both = e.shuffle(low, high, [k // 2 + (count if k % 2 else 0) for k in range(2 * count)])
+    return _half_odd(e, e.b.zext(both, vec(I16, 2 * count)))
+
+
+def _ksign_aux(e, aux):
+    """The KSIGNS bytes of the 32 groups (<32 x i8>) and 2 s + 1 per sub-block (<8 x i16>) of
+    the 8 sub-blocks' u32 words (<8 x i32>): 4 x 7 sign bits (KSIGNS indices), the 4-bit s on top."""
+    indices = _bits(e, e.pick(aux, [ib for ib in range(8) for _ in range(4)]), [7 * l for _ in range(8) for l in range(4)],
+                    127, I8)
+    return _ksigns_of(e, indices), _half_odd(e, e.b.trunc(e.b.lshr(aux, e.const(I32, 8, 28)), vec(I16, 8)))
+
+
+def _gathered(e, table, indices, width):
+    """The 8 sub-blocks' grid values: the entries `width` bytes wide of `table` at `indices`
+    (IR integers, 32 / width a sub-block)."""
+    per = 32 // width
+    return [e.gather(table, indices[per * ib:per * (ib + 1)], width) for ib in range(8)]
+
+
+def _bytes_at(e, block, offset, count):
+    """`count` bytes of the block from `offset`, as IR scalars (loaded one by one: an index
+    that is a byte of the block is cheapest read from memory)."""
+    return [e.load(block, offset + k, I8) for k in range(count)]
 
 
 def _unpack_iq2_xxs(e, block):
     """IQ2_XXS (66 bytes): d (f16); per sub-block of 32, 4 grid indices (bytes, 8 weights
     each) and a u32 of 4 x 7 sign bits (KSIGNS indices) with the 4-bit scale s on top.
     Weight = d * (0.5 + s) / 4 * grid * sign."""
-    b, table, ksigns = e.b, _table(e, "IQ2_XXS"), _ksigns(e)
-    levels, scales = [], []
-    for ib in range(8):
-        base = 2 + 8 * ib
-        values = e.gather(table, [e.load(block, base + l, I8) for l in range(4)], 8)
-        aux = e.load(block, base + 4, I32)
-        signs = e.gather(ksigns, [b.and_(b.lshr(aux, _c(7 * l)), _c(127)) for l in range(4)], 1)
-        levels.append(_signed(e, values, signs))
-        scales.append(_half_odd(e, b.lshr(aux, _c(28))))
-    return _grid_block(e, levels, e.half(block, 0), _vector(e, scales, I16), 0.125)
+    sign_bytes, scales = _ksign_aux(e, e.pick(e.load(block, 2, I32, 16), range(1, 16, 2)))
+    indices = [index for ib in range(8) for index in _bytes_at(e, block, 2 + 8 * ib, 4)]
+    return _grid_block(e, e.half(block, 0), scales, 0.125, magnitudes=_gathered(e, _table(e, "IQ2_XXS"), indices, 8),
+                       signs=[_bit_signs(e, sign_bytes, 4 * ib) for ib in range(8)])
 
 
 def _unpack_iq2_xs(e, block):
     """IQ2_XS (74 bytes): d (f16), 32 u16 (9-bit grid index, 7-bit KSIGNS index; 8 weights
     each), 8 bytes of two 4-bit scales per sub-block (one per 16 weights)."""
-    b, table, ksigns = e.b, _table(e, "IQ2_XS"), _ksigns(e)
-    levels, scales = [], []
-    for ib in range(8):
-        words = [_u(e, e.load(block, 2 + 2 * (4 * ib + l), I16)) for l in range(4)]
-        values = e.gather(table, [b.and_(w, _c(511)) for w in words], 8)
-        levels.append(_signed(e, values, e.gather(ksigns, [b.lshr(w, _c(9)) for w in words], 1)))
-        packed = _u(e, e.load(block, 66 + ib, I8))
-        scales += [_half_odd(e, b.and_(packed, _c(15))), _half_odd(e, b.lshr(packed, _c(4)))]
-    return _grid_block(e, levels, e.half(block, 0), _vector(e, scales, I16), 0.125, per16=True)
+    b = e.b
+    words = e.load(block, 2, I16, 32)
+    sign_bytes = _ksigns_of(e, b.trunc(b.lshr(words, e.const(I16, 32, 9)), vec(I8, 32)))
+    indices = b.and_(words, e.const(I16, 32, 511))
+    return _grid_block(e, e.half(block, 0), _nibble_scales(e, block, 66, 8), 0.125, per16=True,
+                       magnitudes=_gathered(e, _table(e, "IQ2_XS"), e.lanes(indices), 8),
+                       signs=[_bit_signs(e, sign_bytes, 4 * ib) for ib in range(8)])
 
 
 def _unpack_iq2_s(e, block):
     """IQ2_S (82 bytes): d (f16); 32 low bytes of 10-bit grid indices, then 32 sign bytes (8
     weights each); 8 bytes of the indices' top 2 bits (2 per group); scales as IQ2_XS."""
-    b, table = e.b, _table(e, "IQ2_S")
-    levels, scales = [], []
-    for ib in range(8):
-        high = _u(e, e.load(block, 66 + ib, I8))
-        indices = [b.or_(_u(e, e.load(block, 2 + 4 * ib + l, I8)), b.and_(b.shl(high, _c(8 - 2 * l)), _c(0x300)))
-                   for l in range(4)]
-        levels.append(_signed(e, e.gather(table, indices, 8), e.load(block, 34 + 4 * ib, I8, 4)))
-        packed = _u(e, e.load(block, 74 + ib, I8))
-        scales += [_half_odd(e, b.and_(packed, _c(15))), _half_odd(e, b.lshr(packed, _c(4)))]
-    return _grid_block(e, levels, e.half(block, 0), _vector(e, scales, I16), 0.125, per16=True)
+    b = e.b
+    high = b.zext(e.pick(e.load(block, 66, I8, 8), [k // 4 for k in range(32)]), vec(I16, 32))
+    top = b.and_(b.shl(high, _lanes(I16, [8 - 2 * (k % 4) for k in range(32)])), e.const(I16, 32, 0x300))
+    indices = b.or_(b.zext(e.load(block, 2, I8, 32), vec(I16, 32)), top)
+    sign_bytes = e.load(block, 34, I8, 32)
+    return _grid_block(e, e.half(block, 0), _nibble_scales(e, block, 74, 8), 0.125, per16=True,
+                       magnitudes=_gathered(e, _table(e, "IQ2_S"), e.lanes(indices), 8),
+                       signs=[_bit_signs(e, sign_bytes, 4 * ib) for ib in range(8)])
 
 
 def _unpack_iq3_xxs(e, block):
     """IQ3_XXS (98 bytes): d (f16), 64 grid indices (bytes, 4 weights each), then per
     sub-block a u32 of 4 x 7 sign bits (KSIGNS indices) and the 4-bit scale s on top.
     Weight = d * (0.5 + s) / 2 * grid * sign."""
-    b, table, ksigns = e.b, _table(e, "IQ3_XXS"), _ksigns(e)
-    levels, scales = [], []
-    for ib in range(8):
-        values = e.gather(table, [e.load(block, 2 + 8 * ib + l, I8) for l in range(8)], 4)
-        aux = e.load(block, 66 + 4 * ib, I32)
-        signs = e.gather(ksigns, [b.and_(b.lshr(aux, _c(7 * l)), _c(127)) for l in range(4)], 1)
-        levels.append(_signed(e, values, signs))
-        scales.append(_half_odd(e, b.lshr(aux, _c(28))))
-    return _grid_block(e, levels, e.half(block, 0), _vector(e, scales, I16), 0.25)
+    sign_bytes, scales = _ksign_aux(e, e.load(block, 66, I32, 8))
+    return _grid_block(e, e.half(block, 0), scales, 0.25,
+                       magnitudes=_gathered(e, _table(e, "IQ3_XXS"), _bytes_at(e, block, 2, 64), 4),
+                       signs=[_bit_signs(e, sign_bytes, 4 * ib) for ib in range(8)])
 
 
 def _unpack_iq3_s(e, block):
     """IQ3_S (110 bytes): d (f16); 64 low bytes of 9-bit grid indices (4 weights each); 8
     bytes of their top bits (one per index); 32 sign bytes (8 weights each); 4 bytes of two
     4-bit scales s. Weight = d * (1 + 2 s) * grid * sign."""
-    b, table = e.b, _table(e, "IQ3_S")
-    levels, scales = [], []
-    for ib in range(8):
-        high = _u(e, e.load(block, 66 + ib, I8))
-        indices = [b.or_(_u(e, e.load(block, 2 + 8 * ib + k, I8)), b.and_(b.shl(high, _c(8 - k)), _c(256)))
-                   for k in range(8)]
-        levels.append(_signed(e, e.gather(table, indices, 4), e.load(block, 74 + 4 * ib, I8, 4)))
-        packed = _u(e, e.load(block, 106 + ib // 2, I8))
-        scales.append(_half_odd(e, b.and_(b.lshr(packed, _c(4 * (ib % 2))), _c(15))))
-    return _grid_block(e, levels, e.half(block, 0), _vector(e, scales, I16), 1.0)
+    b = e.b
+    high = b.zext(e.pick(e.load(block, 66, I8, 8), [k // 8 for k in range(64)]), vec(I16, 64))
+    top = b.and_(b.shl(high, _lanes(I16, [8 - k % 8 for k in range(64)])), e.const(I16, 64, 256))
+    indices = b.or_(b.zext(e.load(block, 2, I8, 64), vec(I16, 64)), top)
+    sign_bytes = e.load(block, 74, I8, 32)
+    return _grid_block(e, e.half(block, 0), _nibble_scales(e, block, 106, 4), 1.0,
+                       magnitudes=_gathered(e, _table(e, "IQ3_S"), e.lanes(indices), 4),
+                       signs=[_bit_signs(e, sign_bytes, 4 * ib) for ib in range(8)])
 
 
 def _iq1_levels(e, table, indices, deltas):
@@ -160,15 +191,14 @@ def _unpack_iq1_s(e, block):
     each), per sub-block a u16: 3 high index bits per group, the 3-bit scale s at bit 12 and
     the delta's sign at bit 15. Weight = d * (2 s + 1) * (grid + delta), delta = ±1/8."""
     b, table = e.b, _table(e, "IQ1_S")
-    levels, scales = [], []
-    for ib in range(8):
-        qh = _u(e, e.load(block, 34 + 2 * ib, I16))
-        indices = [b.or_(_u(e, e.load(block, 2 + 4 * ib + l, I8)), b.shl(b.and_(b.lshr(qh, _c(3 * l)), _c(7)), _c(8)))
-                   for l in range(4)]
-        negative = b.icmp_unsigned("!=", b.and_(qh, _c(0x8000)), _c(0))
-        levels.append(_iq1_levels(e, table, indices, e.splat(b.select(negative, _c(-1, I8), _c(1, I8)), 32)))
-        scales.append(_half_odd(e, b.and_(b.lshr(qh, _c(12)), _c(7))))
-    return _grid_block(e, levels, e.half(block, 0), _vector(e, scales, I16), 0.125)
+    qh = e.load(block, 34, I16, 8)
+    top = b.shl(_bits(e, e.pick(qh, [k // 4 for k in range(32)]), [3 * (k % 4) for k in range(32)], 7),
+                e.const(I16, 32, 8))
+    indices = e.lanes(b.or_(b.zext(e.load(block, 2, I8, 32), vec(I16, 32)), top))
+    # 8 * delta of each sub-block: -1 where bit 15 of its qh is set (the sign bit), else 1
+    deltas = b.or_(b.trunc(b.ashr(qh, e.const(I16, 8, 15)), vec(I8, 8)), e.const(I8, 8, 1))
+    levels = [_iq1_levels(e, table, indices[4 * ib:4 * ib + 4], e.pick(deltas, [ib] * 32)) for ib in range(8)]
+    return _grid_block(e, e.half(block, 0), _half_odd(e, _bits(e, qh, [12] * 8, 7)), 0.125, levels=levels)
 
 
 def _unpack_iq1_m(e, block):
@@ -179,19 +209,21 @@ def _unpack_iq1_m(e, block):
     words = [_u(e, e.load(block, 48 + 2 * k, I16)) for k in range(4)]
     d_bits = b.or_(b.or_(b.lshr(words[0], _c(12)), b.and_(b.lshr(words[1], _c(8)), _c(0x00F0))),
                    b.or_(b.and_(b.lshr(words[2], _c(4)), _c(0x0F00)), b.and_(words[3], _c(0xF000))))
-    levels, scales = [], []
+    qh = e.load(block, 32, I8, 16)
+    wide = b.zext(e.pick(qh, [k // 2 for k in range(32)]), vec(I16, 32))
+    top = b.and_(b.shl(wide, _lanes(I16, [8 if k % 2 == 0 else 4 for k in range(32)])), e.const(I16, 32, 0x700))
+    indices = e.lanes(b.or_(b.zext(e.load(block, 0, I8, 32), vec(I16, 32)), top))
+    levels = []
     for ib in range(8):
-        qh = [_u(e, e.load(block, 32 + 2 * ib + k, I8)) for k in range(2)]
-        indices = [b.or_(_u(e, e.load(block, 4 * ib + l, I8)), b.and_(b.shl(qh[l // 2], _c(8 if l % 2 == 0 else 4)), _c(0x700)))
-                   for l in range(4)]
         # each weight's delta sign: bit 3 (even groups) or 7 (odd) of its pair's qh byte, all lanes at once
-        spread = e.pick(e.load(block, 32 + 2 * ib, I8, 2), [l // 2 for l in range(4) for _ in range(8)])
+        spread = e.pick(qh, [2 * ib + l // 2 for l in range(4) for _ in range(8)])
         minus = b.icmp_unsigned("!=", b.and_(spread, _DELTA_BITS), e.const(I8, 32, 0))
-        levels.append(_iq1_levels(e, table, indices, b.select(minus, e.const(I8, 32, -1), e.const(I8, 32, 1))))
-        word = words[ib // 2]
-        scales += [_half_odd(e, b.and_(b.lshr(word, _c(6 * (ib % 2) + shift)), _c(7))) for shift in (0, 3)]
+        levels.append(_iq1_levels(e, table, indices[4 * ib:4 * ib + 4],
+                                  b.select(minus, e.const(I8, 32, -1), e.const(I8, 32, 1))))
+    scale_words = e.load(block, 48, I16, 4)
+    scales = _half_odd(e, _bits(e, e.pick(scale_words, [k // 4 for k in range(16)]), [3 * (k % 4) for k in range(16)], 7))
     d = e.half_to_float(b.trunc(d_bits, I16))
-    return _grid_block(e, levels, d, _vector(e, scales, I16), 0.125, per16=True)
+    return _grid_block(e, d, scales, 0.125, per16=True, levels=levels)
 
 
 GRID_UNPACKERS = {"IQ2_XXS": _unpack_iq2_xxs, "IQ2_XS": _unpack_iq2_xs, "IQ2_S": _unpack_iq2_s,

@@ -12,10 +12,16 @@ class Block:
     (`k_int8_dot`): `d * sum_m int_scales[m // pairs_per_scale] * (level_2m x_2m + level_2m+1
     x_2m+1)` over the 128 pairs of weights, plus `offsets16 . (the sum of x over each 16)`
     (when not None); `int_scales` is a <16 x i16> (<8 x i16> for one scale per 32),
-    `offsets16` a <16 x float>."""
+    `offsets16` a <16 x float>.
+
+    Signed levels that are never zero may come as sign and magnitude: `signs[j]` a <32 x i8>
+    whose lanes are never zero and have the weights' signs, `magnitudes[j]` their absolute
+    values (None: the levels' own). The int8 dot then moves the signs to the activations
+    without testing for zero, and never needs the signed levels."""
 
     def __init__(self, levels, scales, signed=False, bias=0, offsets=None, per16=False,
-                 d=None, int_scales=None, pairs_per_scale=None, offsets16=None):
+                 d=None, int_scales=None, pairs_per_scale=None, offsets16=None, signs=None, magnitudes=None):
         self.levels, self.scales, self.signed, self.bias = levels, scales, signed, bias
+        self.signs, self.magnitudes = signs, magnitudes
         self.offsets, self.per16 = offsets, per16
         self.d, self.int_scales, self.pairs_per_scale, self.offsets16 = d, int_scales, pairs_per_scale, offsets16
