@@ -2,10 +2,13 @@
 
 A block of 256 weights names, per 8 (or 4) weights, an entry of its type's grid
 (`formats.iq_grids`), and per 8 weights their signs; each entry is loaded from a constant
-table in the module, as ggml's own kernels do. The indices, signs and scales of a whole block
-are taken apart in vectors: signs given as KSIGNS indices become KSIGNS bytes by adding each
-index's parity (as ggml's AVX2 kernels do), and an index made of several fields is read back
-lane by lane (`Emitter.lanes`). An unpacker returns the 8 sub-blocks of 32 as int8 grid values
+table in the module, as ggml's own kernels do. With AVX-512 (byte permutes, 16-bit variable
+shifts, byte popcounts) the indices, signs and scales of a whole block are taken apart in
+vectors: signs given as KSIGNS indices become KSIGNS bytes by adding each index's parity (as
+ggml's AVX2 kernels do), and an index made of several fields is read back lane by lane
+(`Emitter.lanes`). With AVX2 or less, which lack those, scalar code takes each field and the
+KSIGNS signs come from a table of 8 bytes of ±1 per index (ggml's keven_signs): each way
+measured faster on its own target (`bench/kernel_speed.py`). An unpacker returns the 8 sub-blocks of 32 as int8 grid values
 and ±1 signs, with their float scales, and the integer form for the dot with Q8_K activations
 (`blocks.k_int8_dot`): odd integer scales and a power-of-two `d`.
 IQ1_S and IQ1_M add ±1/8 to each grid value; their levels are 8 (value ± 1/8), their scales a
@@ -14,15 +17,18 @@ IQ1_S and IQ1_M add ±1/8 to each grid value; their levels are 8 (value ± 1/8),
 
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 
-from colibri.formats.iq_grids import grid
+from colibri.formats.iq_grids import KSIGNS, grid
 from colibri.runtime.kernels.emitter import FLOAT, I8, I16, I32, vec
 from colibri.runtime.kernels.unpacked import Block
 
 _BIT_MASKS = [1 << j for j in range(8)] * 4  # weight j of a group of 8 has sign bit j
 # IQ1_M: the bit of its pair's qh byte that gives each weight's delta sign (group l: 3, or 7 for odd l)
 _DELTA_BITS = ir.Constant(vec(I8, 32), [ir.Constant(I8, 0x08 if l % 2 == 0 else 0x80) for l in range(4) for _ in range(8)])
+# KSIGNS index i -> the signs of its 8 weights as bytes: -1 where bit j of KSIGNS[i] is set, else 1 (ggml's keven_signs)
+_KSIGN_BYTES = np.where((KSIGNS[:, None] >> np.arange(8)) & 1, -1, 1).astype(np.int8).tobytes()
 
 
 def _table(e, encoding):
@@ -73,9 +79,9 @@ def _grid_block(e, d, int_scales, scale_unit, per16=False, *, magnitudes=None, s
 
 
 def _half_odd(e, four_bits):
-    """2 s + 1 of 4-bit scales s (an integer vector; the IQ2/IQ3_XXS scales, 0.5 + s halved)."""
+    """2 s + 1 of 4-bit scales s (an IR integer or integer vector; the IQ2/IQ3_XXS scales, 0.5 + s halved)."""
     kind = four_bits.type
-    one = e.const(kind.element, kind.count, 1)
+    one = e.const(kind.element, kind.count, 1) if isinstance(kind, ir.VectorType) else _c(1, kind)
     return e.b.add(e.b.shl(four_bits, one), one)
 
 
@@ -206,25 +212,154 @@ def _unpack_iq1_m(e, block):
     groups: the 3 high bits of each index (bits 0-2, 4-6) and the sign of each one's delta (bits
     3, 7); 4 u16 of 3-bit scales (4 per u16, one per 16 weights) whose top nibbles make the f16 d."""
     b, table = e.b, _table(e, "IQ1_M")
-    words = [_u(e, e.load(block, 48 + 2 * k, I16)) for k in range(4)]
-    d_bits = b.or_(b.or_(b.lshr(words[0], _c(12)), b.and_(b.lshr(words[1], _c(8)), _c(0x00F0))),
-                   b.or_(b.and_(b.lshr(words[2], _c(4)), _c(0x0F00)), b.and_(words[3], _c(0xF000))))
+    d = _iq1_m_d(e, [_u(e, e.load(block, 48 + 2 * k, I16)) for k in range(4)])
     qh = e.load(block, 32, I8, 16)
     wide = b.zext(e.pick(qh, [k // 2 for k in range(32)]), vec(I16, 32))
     top = b.and_(b.shl(wide, _lanes(I16, [8 if k % 2 == 0 else 4 for k in range(32)])), e.const(I16, 32, 0x700))
     indices = e.lanes(b.or_(b.zext(e.load(block, 0, I8, 32), vec(I16, 32)), top))
-    levels = []
-    for ib in range(8):
-        # each weight's delta sign: bit 3 (even groups) or 7 (odd) of its pair's qh byte, all lanes at once
-        spread = e.pick(qh, [2 * ib + l // 2 for l in range(4) for _ in range(8)])
-        minus = b.icmp_unsigned("!=", b.and_(spread, _DELTA_BITS), e.const(I8, 32, 0))
-        levels.append(_iq1_levels(e, table, indices[4 * ib:4 * ib + 4],
-                                  b.select(minus, e.const(I8, 32, -1), e.const(I8, 32, 1))))
+    levels = [_iq1_levels(e, table, indices[4 * ib:4 * ib + 4], _iq1_m_deltas(e, qh, 2 * ib)) for ib in range(8)]
     scale_words = e.load(block, 48, I16, 4)
     scales = _half_odd(e, _bits(e, e.pick(scale_words, [k // 4 for k in range(16)]), [3 * (k % 4) for k in range(16)], 7))
-    d = e.half_to_float(b.trunc(d_bits, I16))
     return _grid_block(e, d, scales, 0.125, per16=True, levels=levels)
 
 
-GRID_UNPACKERS = {"IQ2_XXS": _unpack_iq2_xxs, "IQ2_XS": _unpack_iq2_xs, "IQ2_S": _unpack_iq2_s,
-                  "IQ3_XXS": _unpack_iq3_xxs, "IQ3_S": _unpack_iq3_s, "IQ1_S": _unpack_iq1_s, "IQ1_M": _unpack_iq1_m}
+def _iq1_m_deltas(e, qh, first):
+    """8 * delta (-1 or +1) of each weight of the IQ1_M sub-block whose qh bytes are qh[first],
+    qh[first + 1] (a byte vector): bit 3 (even groups) or 7 (odd) of its pair's byte, all lanes at once."""
+    b = e.b
+    spread = e.pick(qh, [first + l // 2 for l in range(4) for _ in range(8)])
+    minus = b.icmp_unsigned("!=", b.and_(spread, _DELTA_BITS), e.const(I8, 32, 0))
+    return b.select(minus, e.const(I8, 32, -1), e.const(I8, 32, 1))
+
+
+def _iq1_m_d(e, words):
+    """IQ1_M's f16 d, as float32, from the top nibbles of its 4 scale words (IR integers)."""
+    b = e.b
+    d_bits = b.or_(b.or_(b.lshr(words[0], _c(12)), b.and_(b.lshr(words[1], _c(8)), _c(0x00F0))),
+                   b.or_(b.and_(b.lshr(words[2], _c(4)), _c(0x0F00)), b.and_(words[3], _c(0xF000))))
+    return e.half_to_float(b.trunc(d_bits, I16))
+
+
+def _ksign_bytes(e, indices):
+    """The ±1 signs (<32 x i8>) of 4 groups of 8 weights from their KSIGNS indices (IR integers)."""
+    return e.gather(e.table("colibri_ksign_bytes", _KSIGN_BYTES), indices, 8)
+
+
+def _scalars(e, values):
+    """A <n x i16> of IR integers."""
+    v = ir.Constant(vec(I16, len(values)), None)
+    for i, value in enumerate(values):
+        v = e.b.insert_element(v, _u(e, value, I16), _c(i))
+    return v
+
+
+def _nibble_pair(e, block, offset):
+    """2 s + 1 of the two 4-bit scales in the byte at `offset`, low nibble first."""
+    packed = _u(e, e.load(block, offset, I8))
+    return [_half_odd(e, e.b.and_(packed, _c(15))), _half_odd(e, e.b.lshr(packed, _c(4)))]
+
+
+def _scalar_iq2_xxs(e, block):
+    """IQ2_XXS as `_unpack_iq2_xxs`, a field at a time."""
+    b = e.b
+    magnitudes, signs, scales = [], [], []
+    for ib in range(8):
+        base = 2 + 8 * ib
+        magnitudes.append(e.gather(_table(e, "IQ2_XXS"), _bytes_at(e, block, base, 4), 8))
+        aux = e.load(block, base + 4, I32)
+        signs.append(_ksign_bytes(e, [b.and_(b.lshr(aux, _c(7 * l)), _c(127)) for l in range(4)]))
+        scales.append(_half_odd(e, b.lshr(aux, _c(28))))
+    return _grid_block(e, e.half(block, 0), _scalars(e, scales), 0.125, magnitudes=magnitudes, signs=signs)
+
+
+def _scalar_iq2_xs(e, block):
+    """IQ2_XS as `_unpack_iq2_xs`, a field at a time."""
+    b = e.b
+    magnitudes, signs, scales = [], [], []
+    for ib in range(8):
+        words = [_u(e, e.load(block, 2 + 2 * (4 * ib + l), I16)) for l in range(4)]
+        magnitudes.append(e.gather(_table(e, "IQ2_XS"), [b.and_(w, _c(511)) for w in words], 8))
+        signs.append(_ksign_bytes(e, [b.lshr(w, _c(9)) for w in words]))
+        scales += _nibble_pair(e, block, 66 + ib)
+    return _grid_block(e, e.half(block, 0), _scalars(e, scales), 0.125, per16=True, magnitudes=magnitudes, signs=signs)
+
+
+def _scalar_iq2_s(e, block):
+    """IQ2_S as `_unpack_iq2_s`, a field at a time."""
+    b = e.b
+    magnitudes, signs, scales = [], [], []
+    for ib in range(8):
+        high = _u(e, e.load(block, 66 + ib, I8))
+        indices = [b.or_(_u(e, e.load(block, 2 + 4 * ib + l, I8)), b.and_(b.shl(high, _c(8 - 2 * l)), _c(0x300)))
+                   for l in range(4)]
+        magnitudes.append(e.gather(_table(e, "IQ2_S"), indices, 8))
+        signs.append(_bit_signs(e, e.load(block, 34 + 4 * ib, I8, 4)))
+        scales += _nibble_pair(e, block, 74 + ib)
+    return _grid_block(e, e.half(block, 0), _scalars(e, scales), 0.125, per16=True, magnitudes=magnitudes, signs=signs)
+
+
+def _scalar_iq3_xxs(e, block):
+    """IQ3_XXS as `_unpack_iq3_xxs`, a field at a time."""
+    b = e.b
+    magnitudes, signs, scales = [], [], []
+    for ib in range(8):
+        magnitudes.append(e.gather(_table(e, "IQ3_XXS"), _bytes_at(e, block, 2 + 8 * ib, 8), 4))
+        aux = e.load(block, 66 + 4 * ib, I32)
+        signs.append(_ksign_bytes(e, [b.and_(b.lshr(aux, _c(7 * l)), _c(127)) for l in range(4)]))
+        scales.append(_half_odd(e, b.lshr(aux, _c(28))))
+    return _grid_block(e, e.half(block, 0), _scalars(e, scales), 0.25, magnitudes=magnitudes, signs=signs)
+
+
+def _scalar_iq3_s(e, block):
+    """IQ3_S as `_unpack_iq3_s`, a field at a time."""
+    b = e.b
+    magnitudes, signs, scales = [], [], []
+    for ib in range(8):
+        high = _u(e, e.load(block, 66 + ib, I8))
+        indices = [b.or_(_u(e, e.load(block, 2 + 8 * ib + k, I8)), b.and_(b.shl(high, _c(8 - k)), _c(256)))
+                   for k in range(8)]
+        magnitudes.append(e.gather(_table(e, "IQ3_S"), indices, 4))
+        signs.append(_bit_signs(e, e.load(block, 74 + 4 * ib, I8, 4)))
+        packed = _u(e, e.load(block, 106 + ib // 2, I8))
+        scales.append(_half_odd(e, b.and_(b.lshr(packed, _c(4 * (ib % 2))), _c(15))))
+    return _grid_block(e, e.half(block, 0), _scalars(e, scales), 1.0, magnitudes=magnitudes, signs=signs)
+
+
+def _scalar_iq1_s(e, block):
+    """IQ1_S as `_unpack_iq1_s`, a field at a time."""
+    b, table = e.b, _table(e, "IQ1_S")
+    levels, scales = [], []
+    for ib in range(8):
+        qh = _u(e, e.load(block, 34 + 2 * ib, I16))
+        indices = [b.or_(_u(e, e.load(block, 2 + 4 * ib + l, I8)), b.shl(b.and_(b.lshr(qh, _c(3 * l)), _c(7)), _c(8)))
+                   for l in range(4)]
+        negative = b.icmp_unsigned("!=", b.and_(qh, _c(0x8000)), _c(0))
+        levels.append(_iq1_levels(e, table, indices, e.splat(b.select(negative, _c(-1, I8), _c(1, I8)), 32)))
+        scales.append(_half_odd(e, b.and_(b.lshr(qh, _c(12)), _c(7))))
+    return _grid_block(e, e.half(block, 0), _scalars(e, scales), 0.125, levels=levels)
+
+
+def _scalar_iq1_m(e, block):
+    """IQ1_M as `_unpack_iq1_m`, a field at a time."""
+    b, table = e.b, _table(e, "IQ1_M")
+    words = [_u(e, e.load(block, 48 + 2 * k, I16)) for k in range(4)]
+    levels, scales = [], []
+    for ib in range(8):
+        qh = [_u(e, e.load(block, 32 + 2 * ib + k, I8)) for k in range(2)]
+        indices = [b.or_(_u(e, e.load(block, 4 * ib + l, I8)), b.and_(b.shl(qh[l // 2], _c(8 if l % 2 == 0 else 4)), _c(0x700)))
+                   for l in range(4)]
+        levels.append(_iq1_levels(e, table, indices, _iq1_m_deltas(e, e.load(block, 32 + 2 * ib, I8, 2), 0)))
+        word = words[ib // 2]
+        scales += [_half_odd(e, b.and_(b.lshr(word, _c(6 * (ib % 2) + shift)), _c(7))) for shift in (0, 3)]
+    return _grid_block(e, _iq1_m_d(e, words), _scalars(e, scales), 0.125, per16=True, levels=levels)
+
+
+def _by_isa(vectors, scalars):
+    """An unpacker that takes a block apart in vectors with AVX-512, a field at a time otherwise."""
+    return lambda e, block: (vectors if e.avx512 else scalars)(e, block)
+
+
+GRID_UNPACKERS = {"IQ2_XXS": _by_isa(_unpack_iq2_xxs, _scalar_iq2_xxs), "IQ2_XS": _by_isa(_unpack_iq2_xs, _scalar_iq2_xs),
+                  "IQ2_S": _by_isa(_unpack_iq2_s, _scalar_iq2_s), "IQ3_XXS": _by_isa(_unpack_iq3_xxs, _scalar_iq3_xxs),
+                  "IQ3_S": _by_isa(_unpack_iq3_s, _scalar_iq3_s), "IQ1_S": _by_isa(_unpack_iq1_s, _scalar_iq1_s),
+                  "IQ1_M": _by_isa(_unpack_iq1_m, _scalar_iq1_m)}
