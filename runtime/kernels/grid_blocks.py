@@ -8,9 +8,10 @@ vectors: signs given as KSIGNS indices become KSIGNS bytes by adding each index'
 ggml's AVX2 kernels do), and an index made of several fields is read back lane by lane
 (`Emitter.lanes`). With AVX2 or less, which lack those, scalar code takes each field and the
 KSIGNS signs come from a table of 8 bytes of ±1 per index (ggml's keven_signs): each way
-measured faster on its own target (`bench/kernel_speed.py`). An unpacker returns the 8 sub-blocks of 32 as int8 grid values
-and ±1 signs, with their float scales, and the integer form for the dot with Q8_K activations
-(`blocks.k_int8_dot`): odd integer scales and a power-of-two `d`.
+measured faster on its own target (`bench/kernel_speed.py`). An unpacker returns the 8
+sub-blocks of 32 as int8 grid values and ±1 signs, with their float scales, and the integer
+form for the dot with Q8_K activations (`blocks.k_int8_dot`): odd integer scales and a
+power-of-two `d`.
 IQ1_S and IQ1_M add ±1/8 to each grid value; their levels are 8 (value ± 1/8), their scales a
 1/8 of ggml's, which gives the same float32 weights.
 """
