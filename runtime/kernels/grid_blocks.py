@@ -7,8 +7,11 @@ shifts, byte popcounts) the indices, signs and scales of a whole block are taken
 vectors: signs given as KSIGNS indices become KSIGNS bytes by adding each index's parity (as
 ggml's AVX2 kernels do), and an index made of several fields is read back lane by lane
 (`Emitter.lanes`). With AVX2 or less, which lack those, scalar code takes each field and the
-KSIGNS signs come from a table of 8 bytes of ±1 per index (ggml's keven_signs): each way
-measured faster on its own target (`bench/kernel_speed.py`). An unpacker returns the 8
+KSIGNS signs come from a table of 8 bytes of ±1 per index (ggml's keven_signs), or for IQ2_XS
+from its words a 128-bit lane at a time (the parity by a nibble lookup); IQ2_XS, IQ2_S and
+IQ3_S emit each sub-block's values where the dot uses them (`PerSubBlock`: unpacked whole,
+their blocks did not fit AVX2's 16 registers). Each choice measured faster on its own target
+than the other (`bench/kernel_speed.py`). An unpacker returns the 8
 sub-blocks of 32 as int8 grid values and ±1 signs, with their float scales, and the integer
 form for the dot with Q8_K activations (`blocks.k_int8_dot`): odd integer scales and a
 power-of-two `d`.
@@ -23,12 +26,13 @@ from llvmlite import ir
 
 from colibri.formats.iq_grids import KSIGNS, grid
 from colibri.runtime.kernels.emitter import FLOAT, I8, I16, I32, vec
-from colibri.runtime.kernels.unpacked import Block
+from colibri.runtime.kernels.unpacked import Block, PerSubBlock
 
 _BIT_MASKS = [1 << j for j in range(8)] * 4  # weight j of a group of 8 has sign bit j
 # IQ1_M: the bit of its pair's qh byte that gives each weight's delta sign (group l: 3, or 7 for odd l)
 _DELTA_BITS = ir.Constant(vec(I8, 32), [ir.Constant(I8, 0x08 if l % 2 == 0 else 0x80) for l in range(4) for _ in range(8)])
 # KSIGNS index i -> the signs of its 8 weights as bytes: -1 where bit j of KSIGNS[i] is set, else 1 (ggml's keven_signs)
+_NIBBLE_PARITY = [0x80 * (bin(i).count("1") % 2) for i in range(16)]  # bit 7 set for a nibble of odd parity
 _KSIGN_BYTES = np.where((KSIGNS[:, None] >> np.arange(8)) & 1, -1, 1).astype(np.int8).tobytes()
 
 
@@ -47,11 +51,11 @@ def _c(value, element=I32):
     return ir.Constant(element, value)
 
 
-def _bit_signs(e, sign_bytes, first=0):
+def _bit_signs(e, sign_bytes, first=0, step=1):
     """The ±1 signs (<32 x i8>) of 4 groups of 8 weights: -1 where bit j of sign_bytes[first
-    + g] (a byte vector) is set, for weight j of group g."""
+    + step * g] (a byte vector) is set, for weight j of group g."""
     b = e.b
-    spread = e.pick(sign_bytes, [first + g for g in range(4) for _ in range(8)])
+    spread = e.pick(sign_bytes, [first + step * g for g in range(4) for _ in range(8)])
     masks = ir.Constant(vec(I8, 32), [ir.Constant(I8, m) for m in _BIT_MASKS])
     negative = b.icmp_unsigned("!=", b.and_(spread, masks), ir.Constant(vec(I8, 32), None))
     return b.select(negative, e.const(I8, 32, -1), e.const(I8, 32, 1))
@@ -73,7 +77,7 @@ def _grid_block(e, d, int_scales, scale_unit, per16=False, *, magnitudes=None, s
     odd = b.sitofp(int_scales, vec(FLOAT, n))
     scales = b.fmul(b.fmul(e.splat(d, n), odd), e.splat(ir.Constant(FLOAT, scale_unit), n))
     if levels is None:
-        levels = [e.signed_by(m, s) for m, s in zip(magnitudes, signs)]
+        levels = PerSubBlock(len(magnitudes), lambda j: e.signed_by(magnitudes[j], signs[j]))
     return Block(levels, scales, signed=True, per16=per16, d=b.fmul(d, ir.Constant(FLOAT, scale_unit)),
                  int_scales=int_scales, pairs_per_scale=8 if per16 else 16,
                  signs=signs if signs is not None else levels, magnitudes=magnitudes)
@@ -241,6 +245,17 @@ def _iq1_m_d(e, words):
     return e.half_to_float(b.trunc(d_bits, I16))
 
 
+def _ksigns_in_words(e, words):
+    """The KSIGNS byte of each u16 word's top 7 bits (IQ2_XS), in the word's low byte (a byte
+    vector twice as long): the index plus its parity, found as ggml's AVX2 kernel finds it,
+    by a 16-entry lookup of the index folded to 4 bits (no byte popcount in AVX2)."""
+    b, n = e.b, words.type.count
+    indices = b.lshr(words, e.const(I16, n, 9))
+    folded = b.and_(b.xor(indices, b.lshr(words, e.const(I16, n, 13))), e.const(I16, n, 0x0F))
+    parity = e.lookup16(_NIBBLE_PARITY, b.bitcast(folded, vec(I8, 2 * n)))
+    return b.or_(b.bitcast(indices, vec(I8, 2 * n)), parity)
+
+
 def _ksign_bytes(e, indices):
     """The ±1 signs (<32 x i8>) of 4 groups of 8 weights from their KSIGNS indices (IR integers)."""
     return e.gather(e.table("colibri_ksign_bytes", _KSIGN_BYTES), indices, 8)
@@ -252,12 +267,6 @@ def _scalars(e, values):
     for i, value in enumerate(values):
         v = e.b.insert_element(v, _u(e, value, I16), _c(i))
     return v
-
-
-def _nibble_pair(e, block, offset):
-    """2 s + 1 of the two 4-bit scales in the byte at `offset`, low nibble first."""
-    packed = _u(e, e.load(block, offset, I8))
-    return [_half_odd(e, e.b.and_(packed, _c(15))), _half_odd(e, e.b.lshr(packed, _c(4)))]
 
 
 def _scalar_iq2_xxs(e, block):
@@ -276,27 +285,30 @@ def _scalar_iq2_xxs(e, block):
 def _scalar_iq2_xs(e, block):
     """IQ2_XS as `_unpack_iq2_xs`, a field at a time."""
     b = e.b
-    magnitudes, signs, scales = [], [], []
-    for ib in range(8):
+    halves = [_ksigns_in_words(e, e.load(block, 2 + 32 * h, I16, 16)) for h in range(2)]
+
+    def magnitude(ib):
         words = [_u(e, e.load(block, 2 + 2 * (4 * ib + l), I16)) for l in range(4)]
-        magnitudes.append(e.gather(_table(e, "IQ2_XS"), [b.and_(w, _c(511)) for w in words], 8))
-        signs.append(_ksign_bytes(e, [b.lshr(w, _c(9)) for w in words]))
-        scales += _nibble_pair(e, block, 66 + ib)
-    return _grid_block(e, e.half(block, 0), _scalars(e, scales), 0.125, per16=True, magnitudes=magnitudes, signs=signs)
+        return e.gather(_table(e, "IQ2_XS"), [b.and_(w, _c(511)) for w in words], 8)
+
+    return _grid_block(e, e.half(block, 0), _nibble_scales(e, block, 66, 8), 0.125, per16=True,
+                       magnitudes=PerSubBlock(8, magnitude),
+                       signs=PerSubBlock(8, lambda ib: _bit_signs(e, halves[ib // 4], 8 * (ib % 4), 2)))
 
 
 def _scalar_iq2_s(e, block):
     """IQ2_S as `_unpack_iq2_s`, a field at a time."""
     b = e.b
-    magnitudes, signs, scales = [], [], []
-    for ib in range(8):
+
+    def magnitude(ib):
         high = _u(e, e.load(block, 66 + ib, I8))
         indices = [b.or_(_u(e, e.load(block, 2 + 4 * ib + l, I8)), b.and_(b.shl(high, _c(8 - 2 * l)), _c(0x300)))
                    for l in range(4)]
-        magnitudes.append(e.gather(_table(e, "IQ2_S"), indices, 8))
-        signs.append(_bit_signs(e, e.load(block, 34 + 4 * ib, I8, 4)))
-        scales += _nibble_pair(e, block, 74 + ib)
-    return _grid_block(e, e.half(block, 0), _scalars(e, scales), 0.125, per16=True, magnitudes=magnitudes, signs=signs)
+        return e.gather(_table(e, "IQ2_S"), indices, 8)
+
+    return _grid_block(e, e.half(block, 0), _nibble_scales(e, block, 74, 8), 0.125, per16=True,
+                       magnitudes=PerSubBlock(8, magnitude),
+                       signs=PerSubBlock(8, lambda ib: _bit_signs(e, e.load(block, 34 + 4 * ib, I8, 4))))
 
 
 def _scalar_iq3_xxs(e, block):
@@ -314,16 +326,15 @@ def _scalar_iq3_xxs(e, block):
 def _scalar_iq3_s(e, block):
     """IQ3_S as `_unpack_iq3_s`, a field at a time."""
     b = e.b
-    magnitudes, signs, scales = [], [], []
-    for ib in range(8):
+
+    def magnitude(ib):
         high = _u(e, e.load(block, 66 + ib, I8))
         indices = [b.or_(_u(e, e.load(block, 2 + 8 * ib + k, I8)), b.and_(b.shl(high, _c(8 - k)), _c(256)))
                    for k in range(8)]
-        magnitudes.append(e.gather(_table(e, "IQ3_S"), indices, 4))
-        signs.append(_bit_signs(e, e.load(block, 74 + 4 * ib, I8, 4)))
-        packed = _u(e, e.load(block, 106 + ib // 2, I8))
-        scales.append(_half_odd(e, b.and_(b.lshr(packed, _c(4 * (ib % 2))), _c(15))))
-    return _grid_block(e, e.half(block, 0), _scalars(e, scales), 1.0, magnitudes=magnitudes, signs=signs)
+        return e.gather(_table(e, "IQ3_S"), indices, 4)
+
+    return _grid_block(e, e.half(block, 0), _nibble_scales(e, block, 106, 4), 1.0, magnitudes=PerSubBlock(8, magnitude),
+                       signs=PerSubBlock(8, lambda ib: _bit_signs(e, e.load(block, 74 + 4 * ib, I8, 4))))
 
 
 def _scalar_iq1_s(e, block):

@@ -25,3 +25,20 @@ class Block:
         self.signs, self.magnitudes = signs, magnitudes
         self.offsets, self.per16 = offsets, per16
         self.d, self.int_scales, self.pairs_per_scale, self.offsets16 = d, int_scales, pairs_per_scale, offsets16
+
+
+class PerSubBlock:
+    """A block's per-sub-block IR values, each emitted when first asked for: a dot that takes
+    sub-block j's values just before its products gets them built there, rather than a whole
+    block unpacked first (more than AVX2's 16 vector registers hold, so spilled)."""
+
+    def __init__(self, count, make):
+        self._make, self._values = make, [None] * count
+
+    def __len__(self):
+        return len(self._values)
+
+    def __getitem__(self, j):
+        if self._values[j] is None:
+            self._values[j] = self._make(j)
+        return self._values[j]
