@@ -300,12 +300,13 @@ class Emitter:
 
     def signed_like(self, values, signs):
         """values with the sign of `signs` (zero where `signs` is zero): vpsignb with AVX2,
-        a select otherwise (AVX-512 has no 64-byte vpsignb). |values| <= 127."""
+        `signed_by` and a select of the zeros otherwise (AVX-512 has no 64-byte vpsignb).
+        |values| <= 127."""
+        negated = self.signed_by(values, signs)
         if self.avx2 and values.type.count == 32:
-            return self.call("llvm.x86.avx2.psign.b", values.type, values, signs)
-        b, zero = self.b, ir.Constant(values.type, None)
-        negated = b.select(b.icmp_signed("<", signs, zero), b.sub(zero, values), values)
-        return b.select(b.icmp_signed("==", signs, zero), zero, negated)
+            return negated  # vpsignb zeroes them itself
+        zero = ir.Constant(values.type, None)
+        return self.b.select(self.b.icmp_signed("==", signs, zero), zero, negated)
 
     def signed_by(self, values, signs):
         """values negated where `signs` is negative, for `signs` never zero: vpsignb with AVX2,

@@ -31,8 +31,8 @@ from colibri.runtime.kernels.unpacked import Block, PerSubBlock
 _BIT_MASKS = [1 << j for j in range(8)] * 4  # weight j of a group of 8 has sign bit j
 # IQ1_M: the bit of its pair's qh byte that gives each weight's delta sign (group l: 3, or 7 for odd l)
 _DELTA_BITS = ir.Constant(vec(I8, 32), [ir.Constant(I8, 0x08 if l % 2 == 0 else 0x80) for l in range(4) for _ in range(8)])
-# KSIGNS index i -> the signs of its 8 weights as bytes: -1 where bit j of KSIGNS[i] is set, else 1 (ggml's keven_signs)
 _NIBBLE_PARITY = [0x80 * (bin(i).count("1") % 2) for i in range(16)]  # bit 7 set for a nibble of odd parity
+# KSIGNS index i -> the signs of its 8 weights as bytes: -1 where bit j of KSIGNS[i] is set, else 1 (ggml's keven_signs)
 _KSIGN_BYTES = np.where((KSIGNS[:, None] >> np.arange(8)) & 1, -1, 1).astype(np.int8).tobytes()
 
 
@@ -56,8 +56,7 @@ def _bit_signs(e, sign_bytes, first=0, step=1):
     + step * g] (a byte vector) is set, for weight j of group g."""
     b = e.b
     spread = e.pick(sign_bytes, [first + step * g for g in range(4) for _ in range(8)])
-    masks = ir.Constant(vec(I8, 32), [ir.Constant(I8, m) for m in _BIT_MASKS])
-    negative = b.icmp_unsigned("!=", b.and_(spread, masks), ir.Constant(vec(I8, 32), None))
+    negative = b.icmp_unsigned("!=", b.and_(spread, _lanes(I8, _BIT_MASKS)), e.const(I8, 32, 0))
     return b.select(negative, e.const(I8, 32, -1), e.const(I8, 32, 1))
 
 
