@@ -390,6 +390,15 @@ def test_kernels_built_for_other_cpus_match_the_native_ones(products_for_cpus, t
     assert np.array_equal(np.load(folder / "floats.npy").view(np.uint32), want.view(np.uint32))
 
 
+def test_the_avx2_target_enables_nothing_a_zen_3_lacks():
+    """The "avx2" build runs on an AVX2-only CPU: no AVX-512, AMX, AVX-VNNI, nor GFNI (which LLVM
+    would otherwise use to shift bytes), whatever this host has."""
+    features = target_environment("avx2")["NUMBA_CPU_FEATURES"].split(",")
+    newer = ("avx512", "amx", "avx10", "avxvnni", "gfni")
+    assert [f for f in features if f.startswith("+") and f[1:].startswith(newer)] == []
+    assert ("+avx2" in features) == ("+avx2" in llvmlite.binding.get_host_cpu_features().flatten().split(","))
+
+
 def reference_attention(q, keys, values, start):
     """float64 causal softmax attention with grouped KV heads."""
     n, heads, width = q.shape

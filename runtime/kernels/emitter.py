@@ -65,10 +65,13 @@ class Isa:
 
 # Targets other than this CPU, as numba environment variables (numba takes NUMBA_CPU_NAME's
 # scheduling model but keeps the host's features unless NUMBA_CPU_FEATURES says otherwise):
-# "avx2" is this CPU without AVX-512, AMX or AVX-VNNI (an AMD Zen 2/3), "avx2-vnni" keeps
-# AVX-VNNI (Intel Alder Lake), "generic" has no AVX at all.
+# "avx2" is this CPU without AVX-512, AMX, AVX-VNNI or GFNI (an AMD Zen 2/3: LLVM would otherwise
+# shift bytes with GFNI's vgf2p8affineqb, which those lack), "avx2-vnni" keeps AVX-VNNI and the host's GFNI
+# (Intel Alder Lake), "generic" has no AVX at all.
 TARGET_CPUS = {"avx2": "haswell", "avx2-vnni": "alderlake", "generic": "generic"}
 _WIDE = ("avx512", "amx", "avx10", "avxvnni", "avxifma", "avxneconvert", "avxvnniint")
+_DROPPED = {"avx2": (*_WIDE, "gfni"), "avx2-vnni": _WIDE}
+_ADDED = {"avx2": (), "avx2-vnni": ("avxvnni",)}
 
 
 def target_environment(target: str) -> dict[str, str]:
@@ -76,10 +79,9 @@ def target_environment(target: str) -> dict[str, str]:
     if target == "generic":
         return {"NUMBA_CPU_NAME": "generic", "NUMBA_CPU_FEATURES": ""}
     host = llvmlite.binding.get_host_cpu_features().flatten().split(",")
-    keep_vnni = target == "avx2-vnni"
-    features = [f"-{f[1:]}" if f[1:].startswith(_WIDE) and not (keep_vnni and f[1:] == "avxvnni") else f for f in host]
-    if keep_vnni and "+avxvnni" not in features:
-        features.append("+avxvnni")
+    added, dropped = _ADDED[target], _DROPPED[target]
+    features = [f"+{f[1:]}" if f[1:] in added else f"-{f[1:]}" if f[1:].startswith(dropped) else f for f in host]
+    features += [f"+{name}" for name in added if f"+{name}" not in features]
     return {"NUMBA_CPU_NAME": TARGET_CPUS[target], "NUMBA_CPU_FEATURES": ",".join(features)}
 
 
