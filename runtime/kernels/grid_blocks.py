@@ -16,7 +16,8 @@ sub-blocks of 32 as int8 grid values and ±1 signs, with their float scales, and
 form for the dot with Q8_K activations (`blocks.k_int8_dot`): odd integer scales and a
 power-of-two `d`.
 IQ1_S and IQ1_M add ±1/8 to each grid value; their levels are 8 (value ± 1/8), their scales a
-1/8 of ggml's, which gives the same float32 weights.
+1/8 of ggml's, which gives the same float32 weights. The levels come from one table of both
+signs of the delta (`_IQ1_LEVELS`): the delta's sign bit is bit 11 of the index.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ import numpy as np
 from llvmlite import ir
 
 from colibri.formats.iq_grids import KSIGNS, grid
-from colibri.runtime.kernels.emitter import FLOAT, I8, I16, I32, vec
+from colibri.runtime.kernels.emitter import FLOAT, I8, I16, I32, I64, vec
 from colibri.runtime.kernels.unpacked import Block, PerSubBlock
 
 _BIT_MASKS = [1 << j for j in range(8)] * 4  # weight j of a group of 8 has sign bit j
-# IQ1_M: the bit of its pair's qh byte that gives each weight's delta sign (group l: 3, or 7 for odd l)
-_DELTA_BITS = ir.Constant(vec(I8, 32), [ir.Constant(I8, 0x08 if l % 2 == 0 else 0x80) for l in range(4) for _ in range(8)])
+# IQ1 index i (11 bits) | minus << 11 -> the 8 levels 8 * (grid value + delta), delta = -1/8 if minus else +1/8
+_IQ1_LEVELS = np.concatenate([8 * grid("IQ1_S") + 1, 8 * grid("IQ1_S") - 1]).astype(np.int8).tobytes()
 _NIBBLE_PARITY = [0x80 * (bin(i).count("1") % 2) for i in range(16)]  # bit 7 set for a nibble of odd parity
 # KSIGNS index i -> the signs of its 8 weights as bytes: -1 where bit j of KSIGNS[i] is set, else 1 (ggml's keven_signs)
 _KSIGN_BYTES = np.where((KSIGNS[:, None] >> np.arange(8)) & 1, -1, 1).astype(np.int8).tobytes()
@@ -190,50 +191,44 @@ def _unpack_iq3_s(e, block):
                        signs=[_bit_signs(e, sign_bytes, 4 * ib) for ib in range(8)])
 
 
-def _iq1_levels(e, table, indices, deltas):
-    """8 * (grid value + delta) for 4 groups of 8, `deltas` (<32 x i8>, a lane per weight) being
-    8 * delta: -1 or +1."""
-    return e.b.add(e.b.shl(e.gather(table, indices, 8), e.const(I8, 32, 3)), deltas)
+def _iq1_levels(e, indices, minus=None):
+    """8 * (grid value + delta) for 4 groups of 8, from their 12-bit indices (the delta's sign in
+    bit 11), or from 11-bit ones and the sign of all four's delta (`minus`, an IR integer 0 or 1)."""
+    table = e.table("colibri_iq1_levels", _IQ1_LEVELS)
+    if minus is not None:
+        table = e.at(table, e.b.shl(e.b.zext(minus, I64), ir.Constant(I64, 14)))  # the half of delta -1/8
+    return e.gather(table, indices, 8)
 
 
 def _unpack_iq1_s(e, block):
     """IQ1_S (50 bytes): d (f16), 32 low bytes of 11-bit grid indices (8 weights of -1, 0, 1
     each), per sub-block a u16: 3 high index bits per group, the 3-bit scale s at bit 12 and
     the delta's sign at bit 15. Weight = d * (2 s + 1) * (grid + delta), delta = ±1/8."""
-    b, table = e.b, _table(e, "IQ1_S")
+    b = e.b
     qh = e.load(block, 34, I16, 8)
-    top = b.shl(_bits(e, e.pick(qh, [k // 4 for k in range(32)]), [3 * (k % 4) for k in range(32)], 7),
-                e.const(I16, 32, 8))
-    indices = e.lanes(b.or_(b.zext(e.load(block, 2, I8, 32), vec(I16, 32)), top))
-    # 8 * delta of each sub-block: -1 where bit 15 of its qh is set (the sign bit), else 1
-    deltas = b.or_(b.trunc(b.ashr(qh, e.const(I16, 8, 15)), vec(I8, 8)), e.const(I8, 8, 1))
-    levels = [_iq1_levels(e, table, indices[4 * ib:4 * ib + 4], e.pick(deltas, [ib] * 32)) for ib in range(8)]
+    spread = e.pick(qh, [k // 4 for k in range(32)])
+    top = b.shl(_bits(e, spread, [3 * (k % 4) for k in range(32)], 7), e.const(I16, 32, 8))
+    minus = b.and_(b.lshr(spread, e.const(I16, 32, 4)), e.const(I16, 32, 0x800))  # the delta's sign, bit 15 -> 11
+    indices = e.lanes(b.or_(b.or_(b.zext(e.load(block, 2, I8, 32), vec(I16, 32)), top), minus))
+    levels = [_iq1_levels(e, indices[4 * ib:4 * ib + 4]) for ib in range(8)]
     return _grid_block(e, e.half(block, 0), _half_odd(e, _bits(e, qh, [12] * 8, 7)), 0.125, levels=levels)
 
 
 def _unpack_iq1_m(e, block):
     """IQ1_M (56 bytes): 32 low bytes of grid indices as IQ1_S's; 16 bytes, one per pair of
     groups: the 3 high bits of each index (bits 0-2, 4-6) and the sign of each one's delta (bits
-    3, 7); 4 u16 of 3-bit scales (4 per u16, one per 16 weights) whose top nibbles make the f16 d."""
-    b, table = e.b, _table(e, "IQ1_M")
+    3, 7), so a nibble gives bits 8-11 of the `_IQ1_LEVELS` index; 4 u16 of 3-bit scales (4 per
+    u16, one per 16 weights) whose top nibbles make the f16 d."""
+    b = e.b
     d = _iq1_m_d(e, [_u(e, e.load(block, 48 + 2 * k, I16)) for k in range(4)])
     qh = e.load(block, 32, I8, 16)
     wide = b.zext(e.pick(qh, [k // 2 for k in range(32)]), vec(I16, 32))
-    top = b.and_(b.shl(wide, _lanes(I16, [8 if k % 2 == 0 else 4 for k in range(32)])), e.const(I16, 32, 0x700))
+    top = b.and_(b.shl(wide, _lanes(I16, [8 if k % 2 == 0 else 4 for k in range(32)])), e.const(I16, 32, 0xF00))
     indices = e.lanes(b.or_(b.zext(e.load(block, 0, I8, 32), vec(I16, 32)), top))
-    levels = [_iq1_levels(e, table, indices[4 * ib:4 * ib + 4], _iq1_m_deltas(e, qh, 2 * ib)) for ib in range(8)]
+    levels = [_iq1_levels(e, indices[4 * ib:4 * ib + 4]) for ib in range(8)]
     scale_words = e.load(block, 48, I16, 4)
     scales = _half_odd(e, _bits(e, e.pick(scale_words, [k // 4 for k in range(16)]), [3 * (k % 4) for k in range(16)], 7))
     return _grid_block(e, d, scales, 0.125, per16=True, levels=levels)
-
-
-def _iq1_m_deltas(e, qh, first):
-    """8 * delta (-1 or +1) of each weight of the IQ1_M sub-block whose qh bytes are qh[first],
-    qh[first + 1] (a byte vector): bit 3 (even groups) or 7 (odd) of its pair's byte, all lanes at once."""
-    b = e.b
-    spread = e.pick(qh, [first + l // 2 for l in range(4) for _ in range(8)])
-    minus = b.icmp_unsigned("!=", b.and_(spread, _DELTA_BITS), e.const(I8, 32, 0))
-    return b.select(minus, e.const(I8, 32, -1), e.const(I8, 32, 1))
 
 
 def _iq1_m_d(e, words):
@@ -338,28 +333,27 @@ def _scalar_iq3_s(e, block):
 
 def _scalar_iq1_s(e, block):
     """IQ1_S as `_unpack_iq1_s`, a field at a time."""
-    b, table = e.b, _table(e, "IQ1_S")
+    b = e.b
     levels, scales = [], []
     for ib in range(8):
         qh = _u(e, e.load(block, 34 + 2 * ib, I16))
         indices = [b.or_(_u(e, e.load(block, 2 + 4 * ib + l, I8)), b.shl(b.and_(b.lshr(qh, _c(3 * l)), _c(7)), _c(8)))
                    for l in range(4)]
-        negative = b.icmp_unsigned("!=", b.and_(qh, _c(0x8000)), _c(0))
-        levels.append(_iq1_levels(e, table, indices, e.splat(b.select(negative, _c(-1, I8), _c(1, I8)), 32)))
+        levels.append(_iq1_levels(e, indices, b.lshr(qh, _c(15))))
         scales.append(_half_odd(e, b.and_(b.lshr(qh, _c(12)), _c(7))))
     return _grid_block(e, e.half(block, 0), _scalars(e, scales), 0.125, levels=levels)
 
 
 def _scalar_iq1_m(e, block):
     """IQ1_M as `_unpack_iq1_m`, a field at a time."""
-    b, table = e.b, _table(e, "IQ1_M")
+    b = e.b
     words = [_u(e, e.load(block, 48 + 2 * k, I16)) for k in range(4)]
     levels, scales = [], []
     for ib in range(8):
         qh = [_u(e, e.load(block, 32 + 2 * ib + k, I8)) for k in range(2)]
-        indices = [b.or_(_u(e, e.load(block, 4 * ib + l, I8)), b.and_(b.shl(qh[l // 2], _c(8 if l % 2 == 0 else 4)), _c(0x700)))
+        indices = [b.or_(_u(e, e.load(block, 4 * ib + l, I8)), b.and_(b.shl(qh[l // 2], _c(8 if l % 2 == 0 else 4)), _c(0xF00)))
                    for l in range(4)]
-        levels.append(_iq1_levels(e, table, indices, _iq1_m_deltas(e, e.load(block, 32 + 2 * ib, I8, 2), 0)))
+        levels.append(_iq1_levels(e, indices))
         word = words[ib // 2]
         scales += [_half_odd(e, b.and_(b.lshr(word, _c(6 * (ib % 2) + shift)), _c(7))) for shift in (0, 3)]
     return _grid_block(e, _iq1_m_d(e, words), _scalars(e, scales), 0.125, per16=True, levels=levels)
