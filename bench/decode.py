@@ -18,14 +18,15 @@ Decode feeds seeded random token ids, as llama-bench does (a greedy loop on a ra
 revisits the same few experts and flatters the cache), or with --text a text's tokens (for a
 trained model's real routing); the tokens compared across modes are each step's argmax. Prints a table against the ceilings and llama.cpp: `--llama-bench BIN --gguf
 FILE` runs llama-bench in the same run with the same prompt and decode lengths (-p, -n); without
-it there is no anchor and the llama.cpp columns say so. `--isa avx2` compiles the kernels for an
+it there is no anchor and the llama.cpp columns say so. `--llama-repack 0` runs it on the file's
+row layout rather than the rows ggml interleaves in RAM at load (its default, 1). `--isa avx2` compiles the kernels for an
 AVX2-only CPU, to compare with a llama.cpp built so. `--busy N` runs everything, llama-bench
 included, beside N processes that each keep a core busy at the same priority. Writes
 bench/out/decode.json.
 
     python bench/decode.py [--model DIR] [--prompt-tokens 64] [--tokens 48] [--stream-share 0.25]
         [--io pread,direct,mmap] [--batch 8] [--repeat 3] [--prefetch] [--isa avx2] [--llama-bench BIN --gguf FILE]
-        [--text FILE] [--busy N]
+        [--llama-repack 0|1] [--text FILE] [--busy N]
 """
 
 from __future__ import annotations
@@ -53,14 +54,17 @@ from machine import busy_processes, evict_experts, read_bandwidth  # bench/machi
 BENCH = Path(__file__).resolve().parent
 
 
-def llama_bench(binary: Path, gguf: Path, threads: int, prompt_tokens: int, tokens: int) -> dict:
-    """llama.cpp's prompt and decode tok/s (mean of 3) on `gguf` at our lengths, from `llama-bench -o json`."""
+def llama_bench(binary: Path, gguf: Path, threads: int, prompt_tokens: int, tokens: int, repack: int = 1) -> dict:
+    """llama.cpp's prompt and decode tok/s (mean of 3) on `gguf` at our lengths, from `llama-bench -o json`;
+    `repack` 1 (llama-bench's default) lets ggml interleave the rows of the types it repacks (Q4_K and
+    IQ4_NL with AVX2, Q2_K with AVX-512, Q4_0, Q8_0) in RAM at load, 0 keeps the file's layout."""
     done = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(prompt_tokens),
-                           "-n", str(tokens), "-r", "3", "-o", "json"], capture_output=True, text=True, check=True)
+                           "-n", str(tokens), "-r", "3", "--repack", str(repack), "-o", "json"],
+                          capture_output=True, text=True, check=True)
     rows = json.loads(done.stdout)
     return {"decode": next(r["avg_ts"] for r in rows if r["n_gen"] == tokens),
             "prompt": next(r["avg_ts"] for r in rows if r["n_prompt"] == prompt_tokens),
-            "prompt_tokens": prompt_tokens, "tokens": tokens, "binary": str(binary)}
+            "prompt_tokens": prompt_tokens, "tokens": tokens, "binary": str(binary), "repack": repack}
 
 
 def reference_model(out: Path) -> Path:
@@ -131,6 +135,9 @@ def main() -> None:
     parser.add_argument("--llama-bench", type=Path, metavar="BIN",
                         help="llama.cpp's llama-bench (built for the same target) to run on --gguf in this run")
     parser.add_argument("--gguf", type=Path, help="the same model as a GGUF, for --llama-bench")
+    parser.add_argument("--llama-repack", type=int, choices=(0, 1), default=1,
+                        help="llama-bench's --repack: 1 (its default) interleaves the rows of the types ggml repacks "
+                             "in RAM at load, 0 multiplies the file's layout as ours do (default: %(default)s)")
     parser.add_argument("--io", default="pread,direct,mmap",
                         help="expert I/O modes to run side by side, comma-separated (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=8, help="sequences of the batched rows (0: none; default: %(default)s)")
@@ -153,7 +160,8 @@ def main() -> None:
 def measure(args: argparse.Namespace) -> None:
     """Every row, and llama-bench's anchor; prints the table and writes bench/out/decode.json."""
     cores = os.cpu_count() if args.threads == "auto" else args.threads
-    llama = llama_bench(args.llama_bench, args.gguf, cores, args.prompt_tokens, args.tokens) if args.llama_bench else None
+    llama = llama_bench(args.llama_bench, args.gguf, cores, args.prompt_tokens, args.tokens,
+                        args.llama_repack) if args.llama_bench else None
 
     layout = ModelLayout(reference_model(args.model))
     c = layout.config
@@ -209,7 +217,7 @@ def measure(args: argparse.Namespace) -> None:
                  f"{optional(read_ceiling and speed / read_ceiling, '.0%'):>7}", f"{r['effective_read_bw'] / 1e9:>15.2f}",
                  f"{optional(r['prefetch_accuracy'], '.0%'):>14}", f"{optional(r['read_hidden_share'], '.0%'):>12}"]
         print(f"{name:<24}" + "".join(cells))
-    anchor = (f"llama.cpp {llama['binary']} in this run: prompt {args.prompt_tokens} {llama['prompt']:.1f}, "
+    anchor = (f"llama.cpp {llama['binary']} (--repack {llama['repack']}) in this run: prompt {args.prompt_tokens} {llama['prompt']:.1f}, "
               f"decode {args.tokens} {llama['decode']:.1f} tok/s" if llama else "no llama.cpp anchor (--llama-bench not given)")
     print(f"kernels compiled for: {args.isa}: {kernel_paths()}; {anchor}")
     print(f"threads ({args.threads}): " + ", ".join(f"{name} {r['threads']}" for name, r in results.items()))
