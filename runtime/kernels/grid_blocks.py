@@ -2,16 +2,17 @@
 
 A block of 256 weights names, per 8 (or 4) weights, an entry of its type's grid
 (`formats.iq_grids`), and per 8 weights their signs; each entry is loaded from a constant
-table in the module, as ggml's own kernels do. With AVX-512 (byte permutes, 16-bit variable
-shifts, byte popcounts) the indices, signs and scales of a whole block are taken apart in
-vectors: signs given as KSIGNS indices become KSIGNS bytes by adding each index's parity (as
-ggml's AVX2 kernels do), and an index made of several fields is read back lane by lane
-(`Emitter.lanes`). With AVX2 or less, which lack those, scalar code takes each field and the
-KSIGNS signs come from a table of 8 bytes of ±1 per index (ggml's keven_signs), or for IQ2_XS
-from its words a 128-bit lane at a time (the parity by a nibble lookup); IQ2_XS, IQ2_S and
-IQ3_S emit each sub-block's values where the dot uses them (`PerSubBlock`: unpacked whole,
-their blocks did not fit AVX2's 16 registers). Each choice measured faster on its own target
-than the other (`bench/kernel_speed.py`). An unpacker returns the 8
+table in the module, as ggml's own kernels do. For IQ1_S, IQ1_M, IQ2_XXS and IQ3_XXS, with
+AVX-512 (byte permutes, 16-bit variable shifts, byte popcounts) the indices, signs and scales of
+a whole block are taken apart in vectors: signs given as KSIGNS indices become KSIGNS bytes by
+adding each index's parity (as ggml's AVX2 kernels do), and an index made of several fields is
+read back lane by lane (`Emitter.lanes`); with AVX2 or less, which lack those, scalar code takes
+each field and the KSIGNS signs come from a table of 8 bytes of ±1 per index (ggml's
+keven_signs). IQ2_XS, IQ2_S and IQ3_S have one way for every target: indices a field at a time,
+signs in vectors (IQ2_XS's from its words a 128-bit lane at a time, the parity by a nibble
+lookup), each sub-block's values emitted where the dot uses them (`PerSubBlock`: unpacked
+whole, their blocks did not fit AVX2's 16 registers). Each choice measured faster on its
+targets than the other (`bench/kernel_speed.py`). An unpacker returns the 8
 sub-blocks of 32 as int8 grid values and ±1 signs, with their float scales, and the integer
 form for the dot with Q8_K activations (`blocks.k_int8_dot`): odd integer scales and a
 power-of-two `d`.
@@ -142,31 +143,6 @@ def _unpack_iq2_xxs(e, block):
                        signs=[_bit_signs(e, sign_bytes, 4 * ib) for ib in range(8)])
 
 
-def _unpack_iq2_xs(e, block):
-    """IQ2_XS (74 bytes): d (f16), 32 u16 (9-bit grid index, 7-bit KSIGNS index; 8 weights
-    each), 8 bytes of two 4-bit scales per sub-block (one per 16 weights)."""
-    b = e.b
-    words = e.load(block, 2, I16, 32)
-    sign_bytes = _ksigns_of(e, b.trunc(b.lshr(words, e.const(I16, 32, 9)), vec(I8, 32)))
-    indices = b.and_(words, e.const(I16, 32, 511))
-    return _grid_block(e, e.half(block, 0), _nibble_scales(e, block, 66, 8), 0.125, per16=True,
-                       magnitudes=_gathered(e, _table(e, "IQ2_XS"), e.lanes(indices), 8),
-                       signs=[_bit_signs(e, sign_bytes, 4 * ib) for ib in range(8)])
-
-
-def _unpack_iq2_s(e, block):
-    """IQ2_S (82 bytes): d (f16); 32 low bytes of 10-bit grid indices, then 32 sign bytes (8
-    weights each); 8 bytes of the indices' top 2 bits (2 per group); scales as IQ2_XS."""
-    b = e.b
-    high = b.zext(e.pick(e.load(block, 66, I8, 8), [k // 4 for k in range(32)]), vec(I16, 32))
-    top = b.and_(b.shl(high, _lanes(I16, [8 - 2 * (k % 4) for k in range(32)])), e.const(I16, 32, 0x300))
-    indices = b.or_(b.zext(e.load(block, 2, I8, 32), vec(I16, 32)), top)
-    sign_bytes = e.load(block, 34, I8, 32)
-    return _grid_block(e, e.half(block, 0), _nibble_scales(e, block, 74, 8), 0.125, per16=True,
-                       magnitudes=_gathered(e, _table(e, "IQ2_S"), e.lanes(indices), 8),
-                       signs=[_bit_signs(e, sign_bytes, 4 * ib) for ib in range(8)])
-
-
 def _unpack_iq3_xxs(e, block):
     """IQ3_XXS (98 bytes): d (f16), 64 grid indices (bytes, 4 weights each), then per
     sub-block a u32 of 4 x 7 sign bits (KSIGNS indices) and the 4-bit scale s on top.
@@ -174,20 +150,6 @@ def _unpack_iq3_xxs(e, block):
     sign_bytes, scales = _ksign_aux(e, e.load(block, 66, I32, 8))
     return _grid_block(e, e.half(block, 0), scales, 0.25,
                        magnitudes=_gathered(e, _table(e, "IQ3_XXS"), _bytes_at(e, block, 2, 64), 4),
-                       signs=[_bit_signs(e, sign_bytes, 4 * ib) for ib in range(8)])
-
-
-def _unpack_iq3_s(e, block):
-    """IQ3_S (110 bytes): d (f16); 64 low bytes of 9-bit grid indices (4 weights each); 8
-    bytes of their top bits (one per index); 32 sign bytes (8 weights each); 4 bytes of two
-    4-bit scales s. Weight = d * (1 + 2 s) * grid * sign."""
-    b = e.b
-    high = b.zext(e.pick(e.load(block, 66, I8, 8), [k // 8 for k in range(64)]), vec(I16, 64))
-    top = b.and_(b.shl(high, _lanes(I16, [8 - k % 8 for k in range(64)])), e.const(I16, 64, 256))
-    indices = b.or_(b.zext(e.load(block, 2, I8, 64), vec(I16, 64)), top)
-    sign_bytes = e.load(block, 74, I8, 32)
-    return _grid_block(e, e.half(block, 0), _nibble_scales(e, block, 106, 4), 1.0,
-                       magnitudes=_gathered(e, _table(e, "IQ3_S"), e.lanes(indices), 4),
                        signs=[_bit_signs(e, sign_bytes, 4 * ib) for ib in range(8)])
 
 
@@ -276,8 +238,9 @@ def _scalar_iq2_xxs(e, block):
     return _grid_block(e, e.half(block, 0), _scalars(e, scales), 0.125, magnitudes=magnitudes, signs=signs)
 
 
-def _scalar_iq2_xs(e, block):
-    """IQ2_XS as `_unpack_iq2_xs`, a field at a time."""
+def _unpack_iq2_xs(e, block):
+    """IQ2_XS (74 bytes): d (f16), 32 u16 (9-bit grid index, 7-bit KSIGNS index; 8 weights
+    each), 8 bytes of two 4-bit scales per sub-block (one per 16 weights)."""
     b = e.b
     halves = [_ksigns_in_words(e, e.load(block, 2 + 32 * h, I16, 16)) for h in range(2)]
 
@@ -290,8 +253,9 @@ def _scalar_iq2_xs(e, block):
                        signs=PerSubBlock(8, lambda ib: _bit_signs(e, halves[ib // 4], 8 * (ib % 4), 2)))
 
 
-def _scalar_iq2_s(e, block):
-    """IQ2_S as `_unpack_iq2_s`, a field at a time."""
+def _unpack_iq2_s(e, block):
+    """IQ2_S (82 bytes): d (f16); 32 low bytes of 10-bit grid indices, then 32 sign bytes (8
+    weights each); 8 bytes of the indices' top 2 bits (2 per group); scales as IQ2_XS."""
     b = e.b
 
     def magnitude(ib):
@@ -317,8 +281,10 @@ def _scalar_iq3_xxs(e, block):
     return _grid_block(e, e.half(block, 0), _scalars(e, scales), 0.25, magnitudes=magnitudes, signs=signs)
 
 
-def _scalar_iq3_s(e, block):
-    """IQ3_S as `_unpack_iq3_s`, a field at a time."""
+def _unpack_iq3_s(e, block):
+    """IQ3_S (110 bytes): d (f16); 64 low bytes of 9-bit grid indices (4 weights each); 8
+    bytes of their top bits (one per index); 32 sign bytes (8 weights each); 4 bytes of two
+    4-bit scales s. Weight = d * (1 + 2 s) * grid * sign."""
     b = e.b
 
     def magnitude(ib):
@@ -364,7 +330,6 @@ def _by_isa(vectors, scalars):
     return lambda e, block: (vectors if e.avx512 else scalars)(e, block)
 
 
-GRID_UNPACKERS = {"IQ2_XXS": _by_isa(_unpack_iq2_xxs, _scalar_iq2_xxs), "IQ2_XS": _by_isa(_unpack_iq2_xs, _scalar_iq2_xs),
-                  "IQ2_S": _by_isa(_unpack_iq2_s, _scalar_iq2_s), "IQ3_XXS": _by_isa(_unpack_iq3_xxs, _scalar_iq3_xxs),
-                  "IQ3_S": _by_isa(_unpack_iq3_s, _scalar_iq3_s), "IQ1_S": _by_isa(_unpack_iq1_s, _scalar_iq1_s),
-                  "IQ1_M": _by_isa(_unpack_iq1_m, _scalar_iq1_m)}
+GRID_UNPACKERS = {"IQ2_XXS": _by_isa(_unpack_iq2_xxs, _scalar_iq2_xxs), "IQ2_XS": _unpack_iq2_xs,
+                  "IQ2_S": _unpack_iq2_s, "IQ3_XXS": _by_isa(_unpack_iq3_xxs, _scalar_iq3_xxs), "IQ3_S": _unpack_iq3_s,
+                  "IQ1_S": _by_isa(_unpack_iq1_s, _scalar_iq1_s), "IQ1_M": _by_isa(_unpack_iq1_m, _scalar_iq1_m)}
