@@ -79,9 +79,9 @@ def target_environment(target: str) -> dict[str, str]:
     if target == "generic":
         return {"NUMBA_CPU_NAME": "generic", "NUMBA_CPU_FEATURES": ""}
     host = llvmlite.binding.get_host_cpu_features().flatten().split(",")
-    added, dropped = _ADDED[target], _DROPPED[target]
-    features = [f"+{f[1:]}" if f[1:] in added else f"-{f[1:]}" if f[1:].startswith(dropped) else f for f in host]
-    features += [f"+{name}" for name in added if f"+{name}" not in features]
+    added = _ADDED[target]
+    features = [f"-{f[1:]}" if f[1:].startswith(_DROPPED[target]) else f for f in host if f[1:] not in added]
+    features += [f"+{name}" for name in added]
     return {"NUMBA_CPU_NAME": TARGET_CPUS[target], "NUMBA_CPU_FEATURES": ",".join(features)}
 
 
