@@ -17,7 +17,8 @@ accuracy and the share of read time hidden behind compute. Every row must produc
 Decode feeds seeded random token ids, as llama-bench does (a greedy loop on a random model
 revisits the same few experts and flatters the cache), or with --text a text's tokens (for a
 trained model's real routing); the tokens compared across modes are each step's argmax. Prints a table against the ceilings and llama.cpp: `--llama-bench BIN --gguf
-FILE` runs llama-bench in the same run with the same prompt and decode lengths (-p, -n); without
+FILE` runs llama-bench in the same run with the same prompt and decode lengths (-p, -n), its decode
+after as many tokens as ours (-d: each decoded token attends to as many positions); without
 it there is no anchor and the llama.cpp columns say so. `--llama-repack 0` runs it on the file's
 row layout rather than the rows ggml interleaves in RAM at load (its default, 1). `--isa avx2` compiles the kernels for an
 AVX2-only CPU, to compare with a llama.cpp built so. `--busy N` runs everything, llama-bench
@@ -55,15 +56,18 @@ BENCH = Path(__file__).resolve().parent
 
 
 def llama_bench(binary: Path, gguf: Path, threads: int, prompt_tokens: int, tokens: int, repack: int = 1) -> dict:
-    """llama.cpp's prompt and decode tok/s (mean of 3) on `gguf` at our lengths, from `llama-bench -o json`;
+    """llama.cpp's prompt and decode tok/s (mean of 3) on `gguf` at our lengths, from `llama-bench -o json`:
+    the prompt from an empty cache, the decode after `prompt_tokens` (`-d`), as ours decodes after its prompt
+    (from an empty cache, llama-bench's default, each token attends to fewer positions than ours).
     `repack` 1 (llama-bench's default) lets ggml interleave the rows of the types it repacks (Q4_K and
     IQ4_NL with AVX2, Q2_K with AVX-512, Q4_0, Q8_0) in RAM at load, 0 keeps the file's layout."""
-    done = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(prompt_tokens),
-                           "-n", str(tokens), "-r", "3", "--repack", str(repack), "-o", "json"],
-                          capture_output=True, text=True, check=True)
-    rows = json.loads(done.stdout)
-    return {"decode": next(r["avg_ts"] for r in rows if r["n_gen"] == tokens),
-            "prompt": next(r["avg_ts"] for r in rows if r["n_prompt"] == prompt_tokens),
+    def speed(prompt: int, gen: int, depth: int) -> float:
+        done = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(gen),
+                               "-d", str(depth), "-r", "3", "--repack", str(repack), "-o", "json"],
+                              capture_output=True, text=True, check=True)
+        return json.loads(done.stdout)[0]["avg_ts"]
+
+    return {"prompt": speed(prompt_tokens, 0, 0), "decode": speed(0, tokens, prompt_tokens), "depth": prompt_tokens,
             "prompt_tokens": prompt_tokens, "tokens": tokens, "binary": str(binary), "repack": repack}
 
 
@@ -218,7 +222,7 @@ def measure(args: argparse.Namespace) -> None:
                  f"{optional(r['prefetch_accuracy'], '.0%'):>14}", f"{optional(r['read_hidden_share'], '.0%'):>12}"]
         print(f"{name:<24}" + "".join(cells))
     anchor = (f"llama.cpp {llama['binary']} (--repack {llama['repack']}) in this run: prompt {args.prompt_tokens} {llama['prompt']:.1f}, "
-              f"decode {args.tokens} {llama['decode']:.1f} tok/s" if llama else "no llama.cpp anchor (--llama-bench not given)")
+              f"decode {args.tokens} at depth {llama['depth']} {llama['decode']:.1f} tok/s" if llama else "no llama.cpp anchor (--llama-bench not given)")
     print(f"kernels compiled for: {args.isa}: {kernel_paths()}; {anchor}")
     print(f"threads ({args.threads}): " + ", ".join(f"{name} {r['threads']}" for name, r in results.items()))
     if batched:
