@@ -46,6 +46,7 @@ from colibri.runtime import kernels
 from colibri.runtime.hyper_connections import Mixing, merge_into, mixing_into, normalized_into
 from colibri.runtime.kernels.activations import fill_activation
 from colibri.runtime.kernels.attention import Seen
+from colibri.runtime.kernels.direct_call import DirectCall
 from colibri.runtime.kernels.experts import Choice, glu_rows, moe_steps
 from colibri.runtime.kernels.numerics import rms_norm_into
 from colibri.runtime.kernels.routing import route_into, weigh_chosen_into
@@ -448,23 +449,25 @@ class _LayerStep:
         # (not Llama 4's, whose weight scales the expert's input: `model.MoE.routed` applies it)
         self.fuse_experts = self.moe is not None and (record.ffn is None or self.ffn_step is not None) \
             and not c.expert_input_scaled
+        self.shared = None if self.ffn_step is None else (self.ffn_step.weights, self.ffn_step.scratch)
+        # this layer's kernels, each typed once for its own record and scratch (kernels.direct_call)
+        self.dense_tail, self.output_call, self.routed_tail = (DirectCall(k) for k in (
+            _dense_tail_kernel, _output_kernel, _routed_tail_kernel))
 
     def finish(self, x: np.ndarray) -> np.ndarray:
         """x with the attention output in `attended` and then the FFN added (in place when the
         FFN runs in the output kernel's call)."""
         rec, ffn, nthreads = self.record.output, self.ffn, thread_count()
         if self.moe is None:
-            _dense_tail_kernel(x, rec, self.output, self.heads, self.ffn_step.weights, self.ffn_step.scratch, nthreads)
+            self.dense_tail(x, rec, self.output, self.heads, self.ffn_step.weights, self.ffn_step.scratch, nthreads)
             return x
         table = ffn.store.slot_table(self.record.layer) if self.fuse_experts and ffn.observe is None else None
         route = self.moe.route
         if table is None:
-            _output_kernel(x, rec, self.output, self.heads, self.moe.router, route, nthreads)
-        else:
-            shared = None if self.ffn_step is None else (self.ffn_step.weights, self.ffn_step.scratch)
-            if _routed_tail_kernel(x, rec, self.output, self.heads, self.moe, shared, table, nthreads):
-                ffn.ran_cached(route.ids, route.weights)
-                return x
+            self.output_call(x, rec, self.output, self.heads, self.moe.router, route, nthreads)
+        elif self.routed_tail(x, rec, self.output, self.heads, self.moe, self.shared, table, nthreads):
+            ffn.ran_cached(route.ids, route.weights)
+            return x
         out = ffn.routed(self.h, route.ids, route.weights)
         if ffn.shared is not None:
             out = out + (self.ffn_step() if self.ffn_step is not None else ffn.shared(self.h))
@@ -489,11 +492,12 @@ class DecodeLayer(_LayerStep):
         self.query = QKVScratch(self.h, *acts, acts[1] is not acts[0], acts[2] is not acts[0] and acts[2] is not acts[1],
                                 out, self.positions)
         self.q = out.q.reshape(1, c.n_heads, c.head_dim)
+        self.qkv = DirectCall(_qkv_kernel)
 
     def __call__(self, x: np.ndarray, position: int, cache) -> np.ndarray:
         c, record, layer = self.c, self.record, self.record.layer
         self.positions[0] = position
-        _qkv_kernel(x, record.mixer, self.query, thread_count())
+        self.qkv(x, record.mixer, self.query, thread_count())
         cache.write(layer, "k", position, self.query.out.k)
         cache.write(layer, "v", position, self.query.out.v)
         first = cache.first(layer, "k")
@@ -559,11 +563,12 @@ class LatentDecodeLayer(_LayerStep):
         contexts = np.empty((heads, rank), F32)
         self.contexts = contexts.reshape(1, heads, rank)
         self.heads = (record.per_head, HeadsScratch(contexts, _activation_for(m["kv_b"], contexts)))
+        self.latent_query = DirectCall(_latent_query_kernel)
 
     def __call__(self, x: np.ndarray, position: int, cache) -> np.ndarray:
         c, record, s = self.c, self.record, self.query
         self.positions[0] = position
-        _latent_query_kernel(x, record.mixer, s, record.lora, self.lora, thread_count())
+        self.latent_query(x, record.mixer, s, record.lora, self.lora, thread_count())
         cache.write(record.layer, "kv", position, s.stored)
         keys = cache.stored(record.layer, "kv", position + 1)[:, None, :]
         q_low = s.first_out if self.lora is None else self.lora.q_low
@@ -683,17 +688,17 @@ class HyperDecodeLayer:
                                  np.empty((1, streams, hidden), F32), np.empty((1, streams, hidden), F32))
         self.ffn_step, self.moe = _ffn_parts(c, record, ffn, h)
         self.hash_table = getattr(ffn.router, "table", None)  # a hash layer's token -> experts
+        self.shared = None if self.ffn_step is None else (self.ffn_step.weights, self.ffn_step.scratch)
+        self.input_call, self.tail = DirectCall(_hyper_input_kernel), DirectCall(_hyper_tail_kernel)
 
     def __call__(self, streams: np.ndarray, token: int, positions: np.ndarray, segments: list) -> np.ndarray:
         hd, ffn, nthreads = self.hyper, self.ffn, thread_count()
-        _hyper_input_kernel(streams, hd, nthreads)
+        self.input_call(streams, hd, nthreads)
         y = self.attention(hd.h, positions, segments)
         table = ffn.store.slot_table(self.record.layer) if ffn.observe is None else None
         chosen = NO_EXPERTS if self.hash_table is None else self.hash_table[token]
-        shared = None if self.ffn_step is None else (self.ffn_step.weights, self.ffn_step.scratch)
         route = self.moe.route
-        if _hyper_tail_kernel(streams, y, hd, self.moe, shared, NO_EXPERTS if table is None else table, chosen,
-                              nthreads):
+        if self.tail(streams, y, hd, self.moe, self.shared, NO_EXPERTS if table is None else table, chosen, nthreads):
             ffn.ran_cached(route.ids, route.weights)
             return hd.out
         out = ffn.routed(hd.h, route.ids, route.weights)
