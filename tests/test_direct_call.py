@@ -54,3 +54,16 @@ def test_other_kinds_of_arguments_go_through_the_dispatcher():
     call(np.ones(4, np.float32), pair, out, 1.5)  # a float where an int was
     np.testing.assert_array_equal(out, pair.scale * 1.5 + 1)
     assert calls == []
+
+
+def test_an_overload_for_strided_arrays_takes_any_strides():
+    pair = Pair(np.arange(4, dtype=np.float32), np.ones(4, np.float32))
+    call, out = DirectCall(_scaled_into), np.empty(4, np.float32)
+    call(np.arange(8, dtype=np.float32)[::2], pair, out, 1)  # bound to the overload for 'A' arrays
+    calls = []
+    entry = call.entry
+    call.entry = lambda *args: calls.append(args) or entry(*args)
+    strided = np.arange(12, dtype=np.float32)[::3]
+    call(strided, pair, out, 1)
+    np.testing.assert_array_equal(out, strided * pair.scale + 1)
+    assert len(calls) == 1

@@ -49,7 +49,7 @@ def _same_kind(value, numba_type):
         dtype, ndim, layout = value.dtype, value.ndim, numba_type.layout
         writable, aligned = numba_type.mutable, numba_type.aligned
         return lambda a: (type(a) is np.ndarray and a.dtype == dtype and a.ndim == ndim
-                          and (layout == "A" or a.flags.c_contiguous if layout == "C" else a.flags.f_contiguous)
+                          and (layout == "A" or (a.flags.c_contiguous if layout == "C" else a.flags.f_contiguous))
                           and a.flags.writeable == writable and a.flags.aligned == aligned)
     if type(value) in (int, float, bool):
         kind = type(value)
