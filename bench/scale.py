@@ -20,10 +20,12 @@ Models for `--model`:
   the bytes and calls per token are the real shape's).
 
 Every expert is read into the cache first, then decode is timed in RAM with 2 threads (the
-median of 5 runs), against the ceiling of the bytes a token reads at this machine's read
-bandwidth. The calls from Python into numba kernels, and the time outside them (the Python
-per layer, a slight overcount: the counter's own cost is in it), come from a separate pass
-with each compiled function of the runtime wrapped by a counter.
+median of 5 runs), fed seeded random token ids as llama-bench feeds them, and then greedily
+(a second row: a random model's greedy loop revisits a few experts), against the ceiling of
+the bytes a token reads at this machine's read bandwidth. The calls from Python into numba
+kernels, and the time outside them (the Python per layer, a slight overcount: the counter's
+own cost is in it), come from a separate pass on random ids with each compiled function of
+the runtime wrapped by a counter.
 """
 
 from __future__ import annotations
@@ -121,11 +123,14 @@ def manifest_open_times(repeat: int) -> list[dict]:
 def counted_numba_calls():
     """Count the calls Python makes into numba-compiled functions while the block runs, and
     the seconds spent in them under "seconds in numba" (the dispatcher class's call is wrapped;
-    calls between compiled functions are not calls)."""
+    calls between compiled functions are not calls; a `DirectCall` goes through the dispatcher
+    meanwhile, so its calls count, timed with the typing they otherwise skip)."""
     from numba.core.registry import CPUDispatcher
 
+    from colibri.runtime.kernels.direct_call import DirectCall
+
     calls: dict[str, float] = {"seconds in numba": 0.0}
-    original = CPUDispatcher.__call__
+    original, direct = CPUDispatcher.__call__, DirectCall.__call__
     own = "__call__" in CPUDispatcher.__dict__
 
     def counting(self, *args, **kwargs):
@@ -138,9 +143,11 @@ def counted_numba_calls():
             calls["seconds in numba"] += time.perf_counter() - started
 
     CPUDispatcher.__call__ = counting
+    DirectCall.__call__ = lambda self, *args: self.kernel(*args)  # past the dispatcher no more: counted
     try:
         yield calls
     finally:
+        DirectCall.__call__ = direct
         if own:
             CPUDispatcher.__call__ = original
         else:
@@ -150,7 +157,7 @@ def counted_numba_calls():
 def model_speed(model: pathlib.Path, threads: int, tokens: int, prompts: tuple[int, ...], ram_budget: str) -> dict:
     from colibri.runtime import open_model
 
-    m = open_model(model, threads=threads, ctx=max(prompts) + 5 * tokens + 16, ram_budget=ram_budget)
+    m = open_model(model, threads=threads, ctx=max(prompts) + 11 * tokens + 16, ram_budget=ram_budget)
     layers = m.config.n_layers
     if m.store.index.capacity >= m.config.n_experts * len(m.config.moe_layers):  # every expert read in first
         for layer in m.config.moe_layers:
@@ -177,17 +184,22 @@ def model_speed(model: pathlib.Path, threads: int, tokens: int, prompts: tuple[i
     token = int(np.argmax(m.prefill([1, 2, 3], all_logits=False)[-1]))
     for _ in range(4):
         token = int(np.argmax(m.decode(token)))
-    runs = []
-    for _ in range(5):  # the median of five runs of `tokens` (a shared machine is noisy)
+    fed = rng.integers(0, m.config.vocab_size, 6 * tokens).tolist()  # 5 timed runs and the counted pass
+    runs = {"random": [], "greedy": []}
+    for run in range(5):  # the median of five runs of `tokens` each way (a shared machine is noisy)
+        started = time.perf_counter()
+        for token in fed[run * tokens:(run + 1) * tokens]:
+            m.decode(token)
+        runs["random"].append(time.perf_counter() - started)
         started = time.perf_counter()
         for _ in range(tokens):
             token = int(np.argmax(m.decode(token)))
-        runs.append(time.perf_counter() - started)
-    elapsed = statistics.median(runs)
+        runs["greedy"].append(time.perf_counter() - started)
+    elapsed, greedy = statistics.median(runs["random"]), statistics.median(runs["greedy"])
     started = time.perf_counter()
     with counted_numba_calls() as calls:
-        for _ in range(tokens):
-            token = int(np.argmax(m.decode(token)))
+        for token in fed[5 * tokens:]:
+            m.decode(token)
     outside = time.perf_counter() - started - calls.pop("seconds in numba")
     # the bytes a token reads: every resident tensor but the embedding table (one row of it),
     # and k experts of each MoE layer; the ceiling is that at this machine's read bandwidth
@@ -196,6 +208,7 @@ def model_speed(model: pathlib.Path, threads: int, tokens: int, prompts: tuple[i
     experts = sum(c.n_experts_used * layout.expert_layers[i].expert_bytes for i in c.moe_layers)
     bandwidth = kernels.measure_read_bandwidth()
     result.update({"decode_tok_per_s": tokens / elapsed, "ms_per_token": 1e3 * elapsed / tokens,
+                   "greedy_decode_tok_per_s": tokens / greedy,
                    "bytes_per_token": resident + experts, "read_bandwidth_gb_s": bandwidth / 1e9,
                    "ceiling_tok_per_s": bandwidth / (resident + experts),
                    "python_us_per_layer": 1e6 * outside / tokens / layers,
@@ -280,10 +293,11 @@ def main() -> None:
     if "model" in result:
         r = result["model"]
         print(f"kernels: {r['kernels']}")
-        print(f"decode {r['decode_tok_per_s']:.1f} tok/s ({r['ms_per_token']:.1f} ms a token), "
+        print(f"decode, random ids {r['decode_tok_per_s']:.1f} tok/s ({r['ms_per_token']:.1f} ms a token), "
               f"{r['numba_calls_per_token_per_layer']:.1f} numba calls and {r['python_us_per_layer']:.0f} us of Python "
               f"per layer per token; ceiling {r['ceiling_tok_per_s']:.0f} tok/s ({r['bytes_per_token'] / 1e6:.0f} MB a "
               f"token at {r['read_bandwidth_gb_s']:.1f} GB/s): {r['decode_tok_per_s'] / r['ceiling_tok_per_s']:.0%} of it")
+        print(f"decode, greedy {r['greedy_decode_tok_per_s']:.1f} tok/s")
         print("prompt " + ", ".join(f"{n} tokens {v:.1f} tok/s" for n, v in r["prompt_tok_per_s"].items())
               + f"; {r['numba_calls_per_layer_of_a_prompt']:.1f} numba calls per layer for the {max(r['prompt_tok_per_s'])}-token one")
 
