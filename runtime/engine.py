@@ -20,6 +20,7 @@ import numpy as np
 from colibri.formats.layout import ModelLayout
 from colibri.runtime import kernels
 from colibri.runtime.expert_store import ExpertStore, cache_bytes_for_all
+from colibri.runtime.kept_expansions import EXPANDED_MLA_KEEP_BYTES
 from colibri.runtime.kv_cache import FLOAT_KINDS, WRITE_ROOM, ContextOverflow, KVCache, KVPool
 from colibri.runtime.memory import current_rss, format_size, parse_size, peak_rss, total_ram
 from colibri.runtime.model import Decoder
@@ -32,9 +33,11 @@ NORMALIZER_SLACK = 4  # how much a tokenizer's normalizer may be assumed to shor
 
 
 def scratch_bytes(layout: ModelLayout) -> int:
-    """Activations of one step, plus scratch slots for one token's experts when the cache is too small."""
+    """Activations of one step, plus scratch slots for one token's experts when the cache is too
+    small, plus MLA's expansions kept between prompt cuts."""
     record = max((t.expert_bytes for t in layout.expert_layers.values()), default=0)
-    return SCRATCH_BYTES + record * layout.config.n_experts_used
+    kept = EXPANDED_MLA_KEEP_BYTES if layout.config.attention == "mla" else 0
+    return SCRATCH_BYTES + record * layout.config.n_experts_used + kept
 
 
 class BudgetError(Exception):

@@ -569,6 +569,7 @@ class LatentDecodeLayer(_LayerStep):
         c, record, s = self.c, self.record, self.query
         self.positions[0] = position
         self.latent_query(x, record.mixer, s, record.lora, self.lora, thread_count())
+        cache.forget_expansion(record.layer)  # (a decoded token: the prompt's expanded cuts are over)
         cache.write(record.layer, "kv", position, s.stored)
         keys = cache.stored(record.layer, "kv", position + 1)[:, None, :]
         q_low = s.first_out if self.lora is None else self.lora.q_low

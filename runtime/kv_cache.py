@@ -107,6 +107,7 @@ class KVCache:
         self.entries = [{n: allocate((ctx // ratio, width), entry_dtype(kind)) for n, (ratio, width) in
                          shape.entries_of(i).items()} for i in range(shape.n_layers)]
         self.states = [{n: allocate(s, np.float32) for n, s in shape.state(i).items()} for i in range(shape.n_layers)]
+        self.expansions = {}  # layer -> what MLA's last prompt cut expanded (`runtime.kept_expansions`)
 
     @property
     def nbytes(self) -> int:
@@ -136,6 +137,9 @@ class KVCache:
         """Store values [n, width] at positions start..start+n-1."""
         n = values.shape[0]
         self.check_room(start, n)
+        kept = self.expansions.get(layer)
+        if kept is not None and start < kept.upto:
+            self.forget_expansion(layer)
         start = self._row_for(layer, name, start, n)
         if self.kind in FLOAT_KINDS:
             self.values[layer][name][start : start + n] = values
@@ -166,6 +170,16 @@ class KVCache:
             streams[name] = moved
         self.firsts[layer][name] = keep
         return start - keep
+
+    def keep_expansion(self, layer: int, expansion) -> None:
+        """Keep `expansion` (made from this cache's positions 0..expansion.upto-1) for layer's next cut."""
+        self.forget_expansion(layer)
+        self.expansions[layer] = expansion
+
+    def forget_expansion(self, layer: int) -> None:
+        kept = self.expansions.pop(layer, None)
+        if kept is not None:
+            kept.release()
 
     def write_entries(self, layer: int, name: str, first: int, values: np.ndarray) -> None:
         """Store entries [n, width] as entries first..first+n-1 of `name`."""

@@ -21,11 +21,12 @@ from colibri.formats.config_check import EXPERT_ID_TABLE, OVERLAPPING_RATIO
 from colibri.formats.encodings import FLOAT_DTYPES
 from colibri.formats.layout import FormatError, ModelLayout, align_up
 from colibri.formats.model_config import ModelConfig
-from colibri.runtime import fused, hyper_connections, kernels
+from colibri.runtime import fused, hyper_connections, kept_expansions, kernels
 from colibri.runtime.compressed_attention import CompressedAttention
 from colibri.runtime.deltanet import GatedDeltaNet, mixer_for
 from colibri.runtime.expert_store import ExpertStore
 from colibri.runtime.indexer import BlockIndexer, Indexer, PoolIndexer
+from colibri.runtime.kept_expansions import EXPANDED_MLA_KEEP_BYTES, ExpansionBudget
 from colibri.runtime.kernels.attention import Scoring
 from colibri.runtime.kernels.routing import route_by, weigh_chosen
 from colibri.runtime.kv_cache import CacheShape, KVCache
@@ -199,9 +200,11 @@ class LatentAttention:
     DeepSeek's sparse attention, a query attends to the positions its layer's indexer chooses
     (`runtime.indexer`), or the indexer of the layer it `shares`."""
 
-    def __init__(self, c: ModelConfig, w: Weights, record: LayerRecord, index_rope: Rope | None = None):
+    def __init__(self, c: ModelConfig, w: Weights, record: LayerRecord, budget: ExpansionBudget,
+                 index_rope: Rope | None = None):
         m, layer = record.matrices, record.layer
         self.c, self.layer, self.record = c, layer, record
+        self.budget = budget  # for the expansions a sequence keeps between its prompt's cuts
         self.rope = record.mixer.rope
         self.latent_eps = record.mixer.latent_eps
         indexer = PoolIndexer if c.index_kpool else Indexer
@@ -237,6 +240,8 @@ class LatentAttention:
         for s in segments:
             if s.count >= EXPANDED_MLA_QUERIES:
                 absorbed[s.rows] = False
+            else:  # a prompt's last short cut, or a decoded token: no expanded cut of it follows
+                s.cache.forget_expansion(self.layer)
         rows = np.flatnonzero(absorbed)
         queries = np.empty((n, heads, rank + rope_dim), np.float32)  # the absorbed rows' [q_nope absorbed | q_pe]
         if rows.size:
@@ -271,19 +276,25 @@ class LatentAttention:
         k_pe] and values expanded from the cached latents by kv_b: (nope + rope) + v multiply-adds
         per head and position instead of the latent space's 2 * rank + rope, for the price of kv_b
         on every cached position (a prompt's queries skip their absorption and output product).
-        Heads in groups whose float32 keys and values fit EXPANDED_MLA_BYTES."""
+        Heads in groups whose float32 keys and values fit EXPANDED_MLA_BYTES. The expansion
+        of every head is kept for the sequence's next cut (`runtime.kept_expansions`) while the
+        budget allows; else each group's is made and dropped."""
         c = self.c
         heads, nope, rope_dim, rank, v = c.n_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim
         cached = s.cache.read(self.layer, "kv", s.end)
-        act = self.kv_b.activation(np.ascontiguousarray(cached[:, :rank]))
         k_pe, per_head, row_bytes = cached[:, None, rank:], nope + v, self.kv_b.row_nbytes
+        kept = kept_expansions.expand(s.cache, self.layer, cached[:, :rank], self.kv_b, (heads, per_head), self.budget)
+        act = self.kv_b.activation(np.ascontiguousarray(cached[:, :rank])) if kept is None else None
         group = max(1, min(heads, EXPANDED_MLA_BYTES // (4 * s.end * (nope + rope_dim + v))))
         out = np.empty((s.count, heads, v), np.float32)
         for first in range(0, heads, group):
             g = min(group, heads - first)
-            part = kernels.Matrix(self.kv_b.data[first * per_head * row_bytes:(first + g) * per_head * row_bytes],
-                                  self.kv_b.encoding, g * per_head, rank)
-            kv = part.times(act, s.end).reshape(s.end, g, per_head)
+            if kept is not None:
+                kv = kept[:, first:first + g]
+            else:
+                part = kernels.Matrix(self.kv_b.data[first * per_head * row_bytes:(first + g) * per_head * row_bytes],
+                                      self.kv_b.encoding, g * per_head, rank)
+                kv = part.times(act, s.end).reshape(s.end, g, per_head)
             keys = np.empty((s.end, g, nope + rope_dim), np.float32)
             keys[:, :, :nope], keys[:, :, nope:] = kv[:, :, :nope], k_pe
             queries = np.concatenate([q_nope[:, first:first + g], q_pe[:, first:first + g]], axis=2)
@@ -474,6 +485,7 @@ class Decoder:
         compress_rope = Rope(dataclasses.replace(c, rope_theta=c.compress_rope_theta, rope_scaling=c.compress_rope_scaling),
                              ctx) if c.attention == "compressed" else None
         self.layers = []  # (attention norm, token mixer, FFN norm, FFN) of each layer, for the prompt path
+        self.expansion_budget = ExpansionBudget(EXPANDED_MLA_KEEP_BYTES)  # MLA's kept prompt expansions, all layers'
         for record in self.records:
             i, m = record.layer, record.matrices
             if c.is_linear_layer(i):
@@ -481,7 +493,7 @@ class Decoder:
             elif c.attention == "compressed":
                 attention = CompressedAttention(c, w, i, rope, compress_rope)
             elif c.attention == "mla":
-                attention = LatentAttention(c, w, record, index_rope)
+                attention = LatentAttention(c, w, record, self.expansion_budget, index_rope)
             else:
                 indexer = BlockIndexer(c, w, i, ropes[c.rope_theta_of(i)]) if i in c.index_layers else None
                 attention = Attention(c, record, indexer)

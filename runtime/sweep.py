@@ -10,7 +10,8 @@ together (`batch.Scheduler.step`), reading the union of their experts once a lay
 Batch invariance holds as in `runtime.batch`: a prompt is cut at the same STEP_PROMPT_TOKENS
 positions, each cut reaches a layer's token mixer with the cache as the scheduler would have
 filled it, and the FFNs take each row on its own; so a document's tokens and logits are those
-it gets alone.
+it gets alone. A layer's token mixer takes the prompts in runs whose MLA expansions, kept from
+one cut to the next (`runtime.kept_expansions`), fit their budget together.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 from colibri.formats.layout import ModelLayout
 from colibri.formats.model_config import ModelConfig
-from colibri.runtime import kernels
+from colibri.runtime import kept_expansions, kernels
 from colibri.runtime.batch import STEP_PROMPT_TOKENS, STEP_TOKENS, Event, Scheduler
 from colibri.runtime.engine import BudgetError, fitting_parallel, plan_budget
 from colibri.runtime.kv_cache import FLOAT_KINDS, KVCache, KVPool
@@ -126,11 +127,15 @@ def read_prompts(decoder: Decoder, batch: list[tuple[list[int], KVCache]], alloc
     for first in range(0, tokens.size, block):
         rows = np.concatenate([decoder.embed.rows_f32(int(t), 1) for t in tokens[first:first + block]])
         x[first:first + block] = decoder.hyper_streams(rows) if c.hyper_streams else rows
-    passes = _passes(lengths, offsets, batch)
+    groups = _groups(lengths, kept_expansions.position_bytes(c), decoder.expansion_budget.limit)
+    runs = [([batch[i][1] for i in g], _passes(lengths[g], offsets[g], [batch[i] for i in g])) for g in groups]
     with kernels.without_tiles():
         for layer in range(c.n_layers):
-            for rows, segments in passes:
-                x[rows] = decoder.mix(layer, x[rows], positions[rows], segments)
+            for caches, passes in runs:
+                for rows, segments in passes:
+                    x[rows] = decoder.mix(layer, x[rows], positions[rows], segments)
+                for cache in caches:  # (a prompt whose last cut was a long one kept its expansion for none)
+                    cache.forget_expansion(layer)
             for first in range(0, tokens.size, block):
                 part = slice(first, first + block)
                 x[part] = decoder.feed(layer, x[part], tokens[part], positions[part], batch_invariant=True)
@@ -141,6 +146,20 @@ def read_prompts(decoder: Decoder, batch: list[tuple[list[int], KVCache]], alloc
     for ids, cache in batch:
         cache.length += len(ids)
     return logits
+
+
+def _groups(lengths: np.ndarray, position_bytes: int, budget: int) -> list[np.ndarray]:
+    """The prompts in runs whose MLA expansions, kept from cut to cut, fit `budget` together
+    (a prompt's at most three times its positions': the kept rows and their doubled copy as it
+    grows); a layer reads one run's cuts after another's, so each run keeps its own."""
+    groups, first, held = [], 0, 0
+    for i, length in enumerate(lengths):
+        need = 3 * int(length) * position_bytes
+        if i > first and held + need > budget:
+            groups.append(np.arange(first, i))
+            first, held = i, 0
+        held += need
+    return groups + [np.arange(first, len(lengths))]
 
 
 def _passes(lengths: np.ndarray, offsets: np.ndarray, batch) -> list[tuple[np.ndarray, list[Segment]]]:

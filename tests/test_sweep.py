@@ -194,3 +194,25 @@ def test_the_plan_predicts_a_sweeps_disk_reads_and_scratch(models, arch, tmp_pat
                          scratch=tmp_path)
     assert planned["fits"] and planned["window"] == window and len(mapped) == caches + 2
     assert planned["scratch_bytes"] == sum(mapped[:caches]) + max(mapped[caches:])
+
+
+def test_a_sweep_whose_expansion_budget_runs_out_gives_the_bits_of_one_that_keeps_them(models, monkeypatch):
+    """MLA's kept prompt expansions (`runtime.kept_expansions`) within a budget that holds some
+    of a window's, not all: the documents left without one expand their cuts again, to the
+    same bits as alone, where every expansion is kept."""
+    from colibri.runtime import model as model_module
+
+    path = models("deepseek_v3")
+    alone = {i: run(path, 1, [i])[0][i] for i in range(len(LENGTHS))}
+    monkeypatch.setattr(model_module, "EXPANDED_MLA_KEEP_BYTES", 200 << 10)
+    together, _ = sweep(path, 8)
+    assert_same(alone, together)
+
+
+def test_prompts_run_in_groups_whose_kept_expansions_fit_the_budget():
+    from colibri.runtime.sweep import _groups
+
+    lengths = np.array([100, 300, 50, 400, 10])
+    assert [g.tolist() for g in _groups(lengths, 0, 0)] == [[0, 1, 2, 3, 4]]  # nothing kept: one run
+    assert [g.tolist() for g in _groups(lengths, 1, 3 * 450)] == [[0, 1, 2], [3, 4]]
+    assert [g.tolist() for g in _groups(lengths, 1, 10)] == [[0], [1], [2], [3], [4]]  # a prompt past it runs alone
