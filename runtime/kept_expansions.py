@@ -43,41 +43,42 @@ class ExpansionBudget:
 
 
 class Expansion:
-    """kv_b times the cached latents of positions 0..upto-1 of one layer: rows float32
-    [capacity, heads, nope + v], the first `upto` filled; its bytes granted by `budget`."""
+    """kv_b times the cached latents of positions 0..upto-1 of one layer, in the blocks its cuts
+    added: (first position, rows float32 [count, heads, per_head]), a later block's rows
+    standing for an earlier one's where they overlap; their bytes granted by `budget`."""
 
-    def __init__(self, rows: np.ndarray, budget: ExpansionBudget):
-        self.rows, self.budget, self.upto = rows, budget, 0
+    def __init__(self, budget: ExpansionBudget):
+        self.blocks, self.budget, self.upto, self.nbytes = [], budget, 0, 0
+
+    def heads(self, first: int, count: int) -> np.ndarray:
+        """Heads first..first+count-1 of positions 0..upto-1: float32 [upto, count, per_head]."""
+        out = np.empty((self.upto, count, self.blocks[0][1].shape[2]), np.float32)
+        for start, rows in self.blocks:
+            out[start:start + rows.shape[0]] = rows[:, first:first + count]
+        return out
 
     def release(self) -> None:
-        self.budget.release(self.rows.nbytes)
+        self.budget.release(self.nbytes)
 
 
-def expand(cache, layer: int, latents: np.ndarray, kv_b, shape: tuple[int, int], budget: ExpansionBudget) -> np.ndarray | None:
-    """kv_b times latents [end, rank] (positions 0..end-1 of `cache`'s layer `layer`) as float32
-    [end, heads, per_head] (`shape`), from what the cache kept of its last cut: only the
-    positions after it (from a multiple of the int8 product's GROUP, so every row takes the
-    path it takes in one product of all of them) go through kv_b. Kept for the next cut; None,
-    with nothing kept, when `budget` cannot take the rows (the caller expands them itself)."""
+def expand(cache, layer: int, latents: np.ndarray, kv_b, shape: tuple[int, int], budget: ExpansionBudget) -> Expansion | None:
+    """kv_b times latents [end, rank] (positions 0..end-1 of `cache`'s layer `layer`), each row
+    [heads, per_head] (`shape`), from what the cache kept of its last cut: only the positions
+    after it (from a multiple of the int8 product's GROUP, so every row takes the path it takes
+    in one product of all of them) go through kv_b. Kept for the next cut; None, with nothing
+    kept, when `budget` cannot take the new rows (the caller expands them itself)."""
     end = latents.shape[0]
     kept = cache.expansions.get(layer)
     done = 0 if kept is None else kept.upto - kept.upto % GROUP
-    if kept is None or kept.rows.shape[0] < end:
-        capacity = min(cache.ctx, max(end, 2 * (0 if kept is None else kept.rows.shape[0])))
-        grown = _granted(budget, (capacity, *shape)) or _granted(budget, (end, *shape))
-        if grown is None:
-            cache.forget_expansion(layer)
-            return None
-        if kept is not None:
-            grown.rows[:done] = kept.rows[:done]
-        cache.keep_expansion(layer, grown)
-        kept = grown
+    nbytes = (end - done) * int(np.prod(shape)) * 4
+    if not budget.grant(nbytes):
+        cache.forget_expansion(layer)
+        return None
+    if kept is None:
+        kept = Expansion(budget)
+        cache.keep_expansion(layer, kept)
+    kept.nbytes += nbytes
     fresh = np.ascontiguousarray(latents[done:])
-    kept.rows[done:end] = kv_b.times(kv_b.activation(fresh), end - done).reshape(end - done, *shape)
+    kept.blocks.append((done, kv_b.times(kv_b.activation(fresh), end - done).reshape(end - done, *shape)))
     kept.upto = end
-    return kept.rows[:end]
-
-
-def _granted(budget: ExpansionBudget, shape: tuple[int, ...]) -> Expansion | None:
-    nbytes = int(np.prod(shape)) * 4
-    return Expansion(np.empty(shape, np.float32), budget) if budget.grant(nbytes) else None
+    return kept

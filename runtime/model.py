@@ -290,7 +290,7 @@ class LatentAttention:
         for first in range(0, heads, group):
             g = min(group, heads - first)
             if kept is not None:
-                kv = kept[:, first:first + g]
+                kv = kept.heads(first, g)
             else:
                 part = kernels.Matrix(self.kv_b.data[first * per_head * row_bytes:(first + g) * per_head * row_bytes],
                                       self.kv_b.encoding, g * per_head, rank)

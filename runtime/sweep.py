@@ -149,12 +149,11 @@ def read_prompts(decoder: Decoder, batch: list[tuple[list[int], KVCache]], alloc
 
 
 def _groups(lengths: np.ndarray, position_bytes: int, budget: int) -> list[np.ndarray]:
-    """The prompts in runs whose MLA expansions, kept from cut to cut, fit `budget` together
-    (a prompt's at most three times its positions': the kept rows and their doubled copy as it
-    grows); a layer reads one run's cuts after another's, so each run keeps its own."""
+    """The prompts in runs whose MLA expansions, kept from cut to cut, fit `budget` together; a
+    layer reads one run's cuts after another's, so each run keeps its own."""
     groups, first, held = [], 0, 0
     for i, length in enumerate(lengths):
-        need = 3 * int(length) * position_bytes
+        need = int(length) * position_bytes
         if i > first and held + need > budget:
             groups.append(np.arange(first, i))
             first, held = i, 0

@@ -214,5 +214,5 @@ def test_prompts_run_in_groups_whose_kept_expansions_fit_the_budget():
 
     lengths = np.array([100, 300, 50, 400, 10])
     assert [g.tolist() for g in _groups(lengths, 0, 0)] == [[0, 1, 2, 3, 4]]  # nothing kept: one run
-    assert [g.tolist() for g in _groups(lengths, 1, 3 * 450)] == [[0, 1, 2], [3, 4]]
+    assert [g.tolist() for g in _groups(lengths, 1, 450)] == [[0, 1, 2], [3, 4]]
     assert [g.tolist() for g in _groups(lengths, 1, 10)] == [[0], [1], [2], [3], [4]]  # a prompt past it runs alone
