@@ -7,7 +7,7 @@ scheduler's `--parallel` batches (`runtime.batch`), disk-bound, as issue 42 meas
 cache first. Each run's wall time covers every prompt and every generated token; its rate is
 generated tokens over that time (the aggregate tok/s of a folder job).
 
-Rows: the scheduler with --baseline slots, then a sweep of each --windows N. Beside them:
+Rows: the scheduler with --baseline slots (0: none), then a sweep of each --windows N. Beside them:
 - the disk ceiling: the bytes the largest sweep read over the O_DIRECT read rate measured here
   (`plan.measure_disk_bandwidth`, median of 3), as generated tokens a second;
 - the compute ceiling: that sweep again with every expert in RAM (read once, then cached);
@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=256)
     parser.add_argument("--doc-tokens", default="100,400", help="shortest,longest prompt in tokens")
     parser.add_argument("--gen-tokens", type=int, default=16)
-    parser.add_argument("--baseline", type=int, default=32, help="the scheduler's --parallel")
+    parser.add_argument("--baseline", type=int, default=32, help="the scheduler's --parallel (0: no scheduler run)")
     parser.add_argument("--windows", default="32,256", help="sweep windows to run")
     parser.add_argument("--cache-share", type=float, default=0.03, help="expert cache as a share of all experts")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
@@ -109,7 +109,8 @@ def main() -> None:
     def predicted(window: int, expert_cache: int) -> dict:
         return sweep_estimate(layout, costs, args.docs, mean_tokens, args.gen_tokens, window, expert_cache, disk)
 
-    rows = [run(args.model, docs, args.gen_tokens, False, args.baseline, cache, "direct", args.threads)]
+    rows = [run(args.model, docs, args.gen_tokens, False, args.baseline, cache, "direct", args.threads)] \
+        if args.baseline else []
     rows += [run(args.model, docs, args.gen_tokens, True, w, cache, "direct", args.threads, args.scratch) for w in windows]
     largest = rows[-1]
     compute = run(args.model, docs, args.gen_tokens, True, windows[-1], cache_bytes_for_all(layout), "pread",
@@ -117,11 +118,11 @@ def main() -> None:
     generated = largest["generated_tokens"]
     ceilings = {"disk_bytes_per_s": disk, "disk_tok_per_s": generated / (largest["expert_bytes_read"] / disk),
                 "compute_tok_per_s": compute["tok_per_s"]}
-    base = rows[0]["tok_per_s"]
+    base = rows[0]["tok_per_s"] if args.baseline else None
     print(f"{args.docs} documents of {shortest}-{longest} tokens, {args.gen_tokens} generated each, "
           f"{sum(map(len, docs))} prompt tokens; O_DIRECT at {disk / 1e9:.2f} GB/s, expert cache "
           f"{cache / 1e6:.0f} MB ({args.cache_share:.0%}), {args.threads} threads")
-    for r in rows[1:]:
+    for r in rows[1 if args.baseline else 0:]:
         r["plan"] = predicted(r["slots"], cache)
     compute["plan"] = predicted(windows[-1], cache_bytes_for_all(layout))
     print("| runner | N | seconds | plan's s | measured / plan | gen tok/s | vs scheduler | expert misses | GB read "
@@ -131,8 +132,9 @@ def main() -> None:
         plan = r.get("plan")
         seconds, ratio, gb = (f"{plan['seconds']:.1f}", f"{r['seconds'] / plan['seconds']:.2f}",
                               f"{plan['bytes_read'] / 1e9:.2f}") if plan else ("-", "-", "-")
+        versus = f"{r['tok_per_s'] / base:.2f}x" if base else "-"
         print(f"| {r['runner']} | {r['slots']} | {r['seconds']:.1f} | {seconds} | {ratio} | {r['tok_per_s']:.2f} "
-              f"| {r['tok_per_s'] / base:.2f}x | {r['expert_misses']} | {r['expert_bytes_read'] / 1e9:.2f} | {gb} "
+              f"| {versus} | {r['expert_misses']} | {r['expert_bytes_read'] / 1e9:.2f} | {gb} "
               f"| {r['read_seconds']:.1f} | {r['peak_rss'] / 1e9:.2f} |")
     bound = min(ceilings["disk_tok_per_s"], ceilings["compute_tok_per_s"])
     print(f"N = {largest['slots']}: disk ceiling {ceilings['disk_tok_per_s']:.2f} tok/s, compute ceiling "
