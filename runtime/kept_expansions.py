@@ -48,7 +48,7 @@ class Expansion:
     standing for an earlier one's where they overlap; their bytes granted by `budget`."""
 
     def __init__(self, budget: ExpansionBudget):
-        self.blocks, self.budget, self.upto, self.nbytes = [], budget, 0, 0
+        self.blocks, self.budget, self.upto = [], budget, 0
 
     def heads(self, first: int, count: int) -> np.ndarray:
         """Heads first..first+count-1 of positions 0..upto-1: float32 [upto, count, per_head]."""
@@ -58,7 +58,7 @@ class Expansion:
         return out
 
     def release(self) -> None:
-        self.budget.release(self.nbytes)
+        self.budget.release(sum(rows.nbytes for _, rows in self.blocks))
 
 
 def expand(cache, layer: int, latents: np.ndarray, kv_b, shape: tuple[int, int], budget: ExpansionBudget) -> Expansion | None:
@@ -77,7 +77,6 @@ def expand(cache, layer: int, latents: np.ndarray, kv_b, shape: tuple[int, int],
     if kept is None:
         kept = Expansion(budget)
         cache.keep_expansion(layer, kept)
-    kept.nbytes += nbytes
     fresh = np.ascontiguousarray(latents[done:])
     kept.blocks.append((done, kv_b.times(kv_b.activation(fresh), end - done).reshape(end - done, *shape)))
     kept.upto = end
