@@ -23,7 +23,7 @@ from colibri.convert.pipeline import TOKENIZER_FILES, ConvertError, ConvertOptio
 from colibri.convert.plan import ConversionPlan, ExpertLayerSource, ResidentTensor, make_plan
 from colibri.convert.quantize_q4k import quantize
 from colibri.convert.resident_layout import ResidentTensorData, resident_file_bytes, write_resident_file
-from colibri.convert.target_size import fit_to_size, measure_all, sample_rows
+from colibri.convert.target_size import fit_to_size, measure_all, refine, sample_rows
 from colibri.formats.checkpoint import HUB_REPO_ID, MXFP4_DTYPE, Checkpoint, cache_blob_sha256
 from colibri.formats.layout import EXPERT_MATRICES
 from colibri.formats.messages import some
@@ -258,11 +258,11 @@ def expert_samples(values_of, src: ExpertLayerSource, matrix: str, imatrix: Imat
 
 
 def sized_types(plan: ConversionPlan, checkpoint: Checkpoint, recipe_for, imatrix: Imatrix | None,
-                options: ConvertOptions) -> dict[str, str]:
+                options: ConvertOptions) -> tuple[dict[str, str], list | None]:
     """--target-size: the type of every matrix whose type is chosen by measured damage
-    (convert.target_size); `recipe_for(overrides)` is the recipe with those overrides.
-    Matrices a user override names, kept encodings, and rows that are not whole 256-weight
-    super-blocks keep the recipe's type."""
+    (convert.target_size), and the tables `options.score_overrides` scored (None without it);
+    `recipe_for(overrides)` is the recipe with those overrides. Matrices a user override names,
+    kept encodings, and rows that are not whole 256-weight super-blocks keep the recipe's type."""
     config, base = plan.config, recipe_for(options.overrides)
 
     def chosen_here(name, shape, kept) -> bool:
@@ -294,17 +294,22 @@ def sized_types(plan: ConversionPlan, checkpoint: Checkpoint, recipe_for, imatri
         read = sum(config.n_experts_used * unit_output_bytes(u) // u.source.count for u in units[1:])
         return sum(unit_output_bytes(u) for u in units), read
 
-    try:
-        table = fit_to_size(choices, options.target_size, sizes_of, options.max_read_per_token,
-                            config.n_experts_used, config.n_experts)
-    except ValueError:
-        size, read = sizes_of({c.name: c.hull[0][0] for c in choices})  # the smallest types
-        raise ConvertError(f"--target-size {binary_size(options.target_size)}"
-                           + (f" with --max-read-per-token {binary_size(options.max_read_per_token)}"
-                              if options.max_read_per_token else "")
-                           + f": the smallest types make {binary_size(size)} of files and read "
-                           f"{binary_size(read)} of experts a token; allow more") from None
-    return table
+    def fit(weighed) -> dict[str, str]:
+        try:
+            return fit_to_size(weighed, options.target_size, sizes_of, options.max_read_per_token,
+                               config.n_experts_used, config.n_experts)
+        except ValueError:
+            size, read = sizes_of({c.name: c.hull[0][0] for c in choices})  # the smallest types
+            raise ConvertError(f"--target-size {binary_size(options.target_size)}"
+                               + (f" with --max-read-per-token {binary_size(options.max_read_per_token)}"
+                                  if options.max_read_per_token else "")
+                               + f": the smallest types make {binary_size(size)} of files and read "
+                               f"{binary_size(read)} of experts a token; allow more") from None
+
+    if options.score_overrides is None:
+        return fit(choices), None
+    table, trials = refine(choices, fit, lambda t: options.score_overrides([*options.overrides, *exact_overrides(t)]))
+    return table, [vars(t) for t in trials]
 
 
 def binary_size(nbytes: int) -> str:
@@ -347,7 +352,8 @@ def checkpoint_job(src: str, options: ConvertOptions) -> Job:
         def recipe_for(overrides) -> Recipe:
             return Recipe.for_model(quant, config, names, overrides, has_imatrix=imatrix is not None)
 
-        chosen = sized_types(plan, checkpoint, recipe_for, imatrix, options) if options.target_size is not None else None
+        chosen, ranking = sized_types(plan, checkpoint, recipe_for, imatrix, options) \
+            if options.target_size is not None else (None, None)
         overrides = [*options.overrides, *exact_overrides(chosen or {})]
         recipe = recipe_for(overrides)
         units = make_units(plan, recipe, checkpoint)
@@ -366,6 +372,7 @@ def checkpoint_job(src: str, options: ConvertOptions) -> Job:
             action=f"converted {config.architecture} to {quant}" if chosen is None else
             f"converted {config.architecture} to types chosen for {binary_size(options.target_size)}",
             types_chosen=chosen,
+            ranking=ranking,
         )
     finally:
         checkpoint.close()

@@ -54,6 +54,8 @@ class ConvertOptions:
     imatrix: Path | None = None  # llama-imatrix's GGUF: importance weights for the quantizers
     target_size: int | None = None  # bytes of weight files: each tensor's type chosen to fit (convert.target_size)
     max_read_per_token: int | None = None  # with target_size: bytes of experts a token may read
+    score_overrides: Callable | None = None  # with target_size: overrides → a score of their conversion, lower
+    # better (the KL divergence from --kl-base); target_size.refine then re-weighs the table's choice by it
     workers: int = 1
     force: bool = False
     revision: str | None = None
@@ -76,6 +78,7 @@ class Job:
     action: str  # the summary's first words, e.g. "converted mixtral to Q4_K_M"
     threads: bool = False  # units only read, hash and write (all release the GIL): threads, not processes
     types_chosen: dict | None = None  # --target-size's table: canonical name → encoding
+    ranking: list | None = None  # the tables target_size.refine scored, as dicts
 
 
 def fingerprint(job: Job) -> dict:
@@ -351,6 +354,7 @@ def summarize(manifest: dict, job: Job, converted_bytes: int, seconds: float, re
         "tensors_by_encoding": dict(sorted(encodings.items())),
         "expert_bytes_per_token": sum(job.config.n_experts_used * e["expert_bytes"] for e in manifest["expert_layers"]),
         "types_chosen": job.types_chosen,
+        "ranking": job.ranking,
         "skipped_tensors": len(job.provenance["skipped_tensors"]),
         "mtp_layers_skipped": job.config.mtp_layers_skipped,
         "units_resumed": resumed,
@@ -375,6 +379,11 @@ def format_summary(s: dict, out) -> str:
     if s["types_chosen"]:
         lines += ["  types chosen for the size (tensor kind, layers, type):"] + \
             [f"    {line}" for line in type_runs(s["types_chosen"])]
+    if s["ranking"]:
+        lines += ["  scored tables (each kind's damage weight, mean KL from the base; * kept):"] + \
+            [f"    {'*' if t['kept'] else ' '} {t['score']:.6f}  " +
+             (", ".join(f"{kind} ×{w:g}" for kind, w in sorted(t["weights"].items())) or "as measured")
+             for t in s["ranking"]]
     if s["units_resumed"]:
         lines.append(f"  resumed        {s['units_resumed']} units were already done and kept")
     if s["skipped_tensors"]:

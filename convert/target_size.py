@@ -15,6 +15,13 @@ the upgrade that removes the most damage a byte is taken while it fits, along ea
 lower convex hull of (bytes, damage). Page and row alignment are counted by computing the files'
 real size and shrinking the budget by the excess (or by the alignment the table needed, when
 that is more), a few rounds at most.
+
+With a scorer (`--kl-base`), the measured error's blind spot is checked through the model itself:
+how much a kind of tensor's error costs at the logits differs by kind (attention, the experts'
+gate/up and down, dense FFNs, embeddings and output). `refine` weighs each kind's damage up or
+down by steps of CLASS_STEP in turn, makes the table each weighting fits, and keeps a weighting
+only when the scorer (the mean KL divergence of that table's conversion from a base, on
+calibration text) finds it lower.
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ CANDIDATES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"
               "Q5_K", "Q6_K", "Q8_0")
 SAMPLE_WEIGHTS = 1 << 18  # about this many weights of each tensor are quantized per candidate
 BUDGET_ROUNDS = 6
+CLASS_STEP = 4.0  # refine weighs each kind's damage up and down by this
+MAX_STEPS = 3  # steps of CLASS_STEP one way for one kind
+MAX_TABLES = 12  # tables refine scores at most
 
 
 @dataclass
@@ -145,6 +155,63 @@ def fit_to_size(choices: list[Choice], target: int, sizes_of, read_target: int |
         if read_target is not None and read > read_target:
             read_budget = min(read_budget - (read - read_target), read_target - (read - raw_read))
     raise ValueError("alignment keeps the files above it")
+
+
+def tensor_class(name: str) -> str:
+    """The kind of tensor whose damage `refine` weighs as one."""
+    if name in ("token_embd.weight", "output.weight"):
+        return "embeddings/output"
+    kind = re.sub(r"^blk\.\d+\.", "", name)
+    if kind.startswith("attn"):
+        return "attention"
+    if "_exps" in kind:
+        return "expert down" if kind.startswith("ffn_down") else "expert gate/up"
+    return "dense ffn"
+
+
+def weighted(choices: list[Choice], weights: dict[str, float]) -> list[Choice]:
+    """`choices` with each kind's damage scaled by its weight (1 when not given)."""
+    return [Choice(c.name, [(e, b, d * weights.get(tensor_class(c.name), 1.0)) for e, b, d in c.options], c.expert)
+            for c in choices]
+
+
+@dataclass
+class Trial:
+    """One table `refine` scored: the kinds' weights that made it, and its score."""
+
+    weights: dict[str, float]
+    score: float
+    kept: bool
+
+
+def refine(choices: list[Choice], fit, score) -> tuple[dict[str, str], list[Trial]]:
+    """The table of least `score(table)` that `fit(choices) → table` makes over kinds' weightings.
+    From the measured damage as it is, each kind's weight in turn is multiplied by CLASS_STEP
+    while that scores lower, else divided by it while that does; a weighting that makes the
+    same table is passed through unscored. At most MAX_TABLES tables are scored."""
+    weights: dict[str, float] = {}
+    table = fit(choices)
+    best = score(table)
+    trials, seen = [Trial({}, best, True)], [table]
+    for kind in sorted({tensor_class(c.name) for c in choices}):
+        for factor in (CLASS_STEP, 1 / CLASS_STEP):
+            moved, trial = False, weights
+            for _ in range(MAX_STEPS):
+                trial = {**trial, kind: trial.get(kind, 1.0) * factor}
+                candidate = fit(weighted(choices, trial))
+                if candidate == table:
+                    continue
+                if candidate in seen or len(trials) == MAX_TABLES:
+                    break
+                seen.append(candidate)
+                result = score(candidate)
+                trials.append(Trial(trial, result, result < best))
+                if result >= best:
+                    break
+                table, best, weights, moved = candidate, result, trial, True
+            if moved:
+                break
+    return table, trials
 
 
 def _bytes_of(choice: Choice, table: dict[str, str]) -> int:

@@ -2,6 +2,7 @@
 budget of file bytes (convert/target_size.py). Whether it beats llama-quantize's fixed mixes is
 measured on the trained reference models (bench/quality.py --sized-like)."""
 
+import itertools
 import json
 
 import numpy as np
@@ -12,7 +13,7 @@ from colibri.convert.hf_to_colibri import ConvertOptions, convert
 from colibri.convert.pipeline import ConvertError
 from colibri.convert.plan import make_plan
 from colibri.convert.synthetic import write_checkpoint
-from colibri.convert.target_size import Choice, choose, lower_hull, type_runs
+from colibri.convert.target_size import MAX_TABLES, Choice, choose, lower_hull, refine, tensor_class, type_runs
 from colibri.formats.checkpoint import Checkpoint
 from colibri.formats.layout import ModelLayout
 from colibri.formats.recipe import IMATRIX_TYPES
@@ -42,6 +43,56 @@ def test_the_table_prints_runs_of_layers():
     table = {"blk.0.ffn_down_exps.weight": "Q4_K", "blk.1.ffn_down_exps.weight": "IQ2_XS",
              "blk.2.ffn_down_exps.weight": "IQ2_XS", "blk.3.ffn_down_exps.weight": "Q4_K", "token_embd.weight": "Q6_K"}
     assert type_runs(table) == ["ffn_down_exps        L0 Q4_K, L1-2 IQ2_XS, L3 Q4_K", "token_embd           Q6_K"]
+
+
+def test_kinds_of_tensor():
+    assert [tensor_class(n) for n in ("blk.3.attn_kv_b.weight", "blk.0.ffn_down_exps.weight", "blk.0.ffn_up_exps.weight",
+                                      "blk.1.ffn_gate_shexp.weight", "blk.0.ffn_down.weight", "output.weight",
+                                      "token_embd.weight")] == \
+        ["attention", "expert down", "expert gate/up", "dense ffn", "dense ffn", "embeddings/output", "embeddings/output"]
+
+
+def kinds_choices() -> list[Choice]:
+    """Two tensors of each of three kinds, three types each: measured damage 8, 3, 1 at 100, 200, 400 bytes."""
+    names = ["blk.0.attn_q.weight", "blk.1.attn_q.weight", "blk.0.ffn_down_exps.weight", "blk.1.ffn_down_exps.weight",
+             "blk.0.ffn_up_exps.weight", "blk.1.ffn_up_exps.weight"]
+    return [Choice(n, [("IQ2_XXS", 100, 8.0), ("IQ3_S", 200, 3.0), ("Q4_K", 400, 1.0)]) for n in names]
+
+
+def true_damage(table) -> float:
+    """The damage the logits see: attention's measured damage costs 6 times its measure, the down
+    matrices' a third of theirs."""
+    damage = {"IQ2_XXS": 8.0, "IQ3_S": 3.0, "Q4_K": 1.0}
+    weight = {"attention": 6.0, "expert down": 1 / 3, "expert gate/up": 1.0}
+    return sum(weight[tensor_class(name)] * damage[t] for name, t in table.items())
+
+
+def test_refinement_finds_the_weighting_the_scorer_prefers():
+    choices, scored = kinds_choices(), []
+
+    def score(table):
+        scored.append(dict(table))
+        return true_damage(table)
+
+    def fit(weighed):
+        return choose(weighed, 1500)
+
+    table, trials = refine(choices, fit, score)
+    measured = fit(choices)
+    assert trials[0].weights == {} and trials[0].score == true_damage(measured) and trials[0].kept
+    assert len(trials) == len(scored) and all(scored.count(t) == 1 for t in scored)  # no table scored twice
+    assert true_damage(table) < true_damage(measured)
+    assert true_damage(table) == min(t.score for t in trials) == [t.score for t in trials if t.kept][-1]
+    sizes = {"IQ2_XXS": 100, "IQ3_S": 200, "Q4_K": 400}
+    assert sum(sizes[t] for t in table.values()) <= 1500
+    every = (dict(zip(table, types)) for types in itertools.product(sizes, repeat=len(table)))
+    assert true_damage(table) == min(true_damage(t) for t in every if sum(sizes[e] for e in t.values()) <= 1500)
+
+
+def test_refinement_scores_at_most_max_tables():
+    falling = iter(range(100, 0, -1))
+    _, trials = refine(kinds_choices(), lambda weighed: choose(weighed, 1500), lambda table: next(falling))
+    assert len(trials) <= MAX_TABLES
 
 
 def weight_file_bytes(path) -> int:
@@ -114,3 +165,51 @@ def test_a_target_below_the_smallest_types_is_one_line_and_writes_nothing(model,
     assert not (tmp_path / "out").exists()
     with pytest.raises(ConvertError, match="give --target-size too"):
         convert(str(src), tmp_path / "out", ConvertOptions(max_read_per_token=1 << 20, progress=False))
+
+
+KL_TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}  # line {i} of a plain text\n" for i in range(200))
+
+
+@pytest.fixture(scope="module")
+def kl_base(model, tmp_path_factory):
+    """A base file: the F32 conversion's log-probabilities on two chunks of 96 tokens."""
+    src, _, _ = model
+    root = tmp_path_factory.mktemp("kl")
+    convert(str(src), root / "F32", ConvertOptions(quant="F32", progress=False))
+    (root / "text.txt").write_text(KL_TEXT)
+    assert main(["perplexity", str(root / "F32"), "--text", str(root / "text.txt"), "--ctx", "96", "--chunks", "2",
+                 "--save-base", str(root / "base.logits"), "--no-progress"]) == 0
+    return root / "base.logits"
+
+
+def test_kl_scored_tables_keep_the_least_kl_and_leave_no_scratch(model, kl_base, tmp_path, capsys):
+    src, imatrix, sizes = model
+    capsys.readouterr()
+    out = tmp_path / "ranked"
+    target = (sizes["Q4_K_M"] + sizes["IQ2_XXS"]) // 2
+    assert convert_main([str(src), str(out), "--target-size", str(target), "--imatrix", str(imatrix),
+                         "--kl-base", str(kl_base), "--workers", "1", "--json", "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    ranking = summary["ranking"]
+    assert ranking[0]["weights"] == {} and ranking[0]["kept"] and len(ranking) <= MAX_TABLES
+    kept = [t["score"] for t in ranking if t["kept"]]
+    assert kept == sorted(kept, reverse=True) and kept[-1] == min(t["score"] for t in ranking)
+    assert weight_file_bytes(out) <= target and main(["verify", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["perplexity", str(out), "--kl-base", str(kl_base), "--json", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["kld_mean"] == kept[-1]  # OUT is the table that scored it
+    assert [p.name for p in tmp_path.iterdir()] == ["ranked"]  # the scratch folder is gone
+
+
+def test_a_bad_kl_base_is_one_line_and_writes_nothing(model, tmp_path, capsys):
+    src, imatrix, sizes = model
+    (tmp_path / "base.logits").write_bytes(b"not a base file at all")
+    args = [str(src), str(tmp_path / "out"), "--imatrix", str(imatrix), "--kl-base", str(tmp_path / "base.logits"),
+            "--no-progress"]
+    assert convert_main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert "give --target-size too" in err and "\n" not in err
+    assert convert_main([*args, "--target-size", str(sizes["Q4_K_M"])]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "base.logits" in err and "\n" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.logits"]

@@ -186,7 +186,7 @@ def add_perplexity_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
-def _base_chunks(base: LogProbFile, model, limit: int | None) -> list[list[int]]:
+def base_chunks(base: LogProbFile, model, limit: int | None) -> list[list[int]]:
     if base.n_vocab != model.config.vocab_size:
         raise PerplexityError(f"{base.path}: a vocabulary of {base.n_vocab} tokens, the model has {model.config.vocab_size}")
     chunks = base.chunks[:limit] if limit else base.chunks
@@ -211,7 +211,7 @@ def perplexity_command(args: argparse.Namespace) -> int:
     model = open_model(args.model, engine_options(args, "perplexity", ctx=ctx))
     save = None
     try:
-        chunks = _base_chunks(base, model, args.chunks) if base else text_chunks(model.tokenizer, args.text, ctx, args.chunks)
+        chunks = base_chunks(base, model, args.chunks) if base else text_chunks(model.tokenizer, args.text, ctx, args.chunks)
         parallel = min(len(model.slots), len(chunks))
         save = LogProbWriter(args.save_base, ctx, model.config.vocab_size, chunks) if args.save_base else None
         bar = tqdm(total=len(chunks), desc="perplexity", unit="chunk", disable=args.no_progress or args.json, file=sys.stderr)

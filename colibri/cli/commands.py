@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 from colibri.version import __version__
@@ -77,6 +78,15 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
                         "records it as overrides (--quant's recipe types the rest)")
     p.add_argument("--max-read-per-token", type=_size, default=None, metavar="SIZE",
                    help="with --target-size, also bound the routed experts' bytes a token reads (e.g. 2G)")
+    p.add_argument("--kl-base", type=Path, default=None, metavar="FILE",
+                   help="with --target-size, check the choice through the model: a reference's log-probabilities on "
+                        "calibration text (colibri perplexity REF --text FILE --save-base FILE, REF a BF16 or Q8_0 "
+                        "conversion, or llama-perplexity --kl-divergence-base); each kind of tensor's damage is "
+                        "weighed up and down, and the table whose conversion has the least mean KL divergence from it "
+                        "is kept. Costs a conversion and a scoring run per table tried (a dozen at most), in a scratch "
+                        "folder beside OUT")
+    p.add_argument("--kl-chunks", type=int, default=None, metavar="K",
+                   help="with --kl-base, score at most K of its chunks (default: all)")
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                    help="processes converting layers in parallel, ~0.3-0.6 GB of RAM each; a GGUF import uses "
                         "threads (default: %(default)s)")
@@ -87,14 +97,31 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from colibri.convert.hf_to_colibri import ConvertOptions, convert, format_summary
+    import tempfile
+
+    from colibri.convert.hf_to_colibri import ConvertError, ConvertOptions, convert, format_summary
 
     options = ConvertOptions(
         quant=args.quant, overrides=args.override, imatrix=args.imatrix, workers=max(1, args.workers), force=args.force,
         revision=args.revision, progress=not args.no_progress and not args.json, target_size=args.target_size,
         max_read_per_token=args.max_read_per_token,
     )
-    summary = convert(args.src, args.out, options)
+    if args.kl_base is None:
+        summary = convert(args.src, args.out, options)
+    elif args.target_size is None:
+        raise ConvertError("--kl-base checks what --target-size chooses; give --target-size too")
+    else:
+        from colibri.verify.mix_kl import KlScorer
+
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{out.name}-scoring-", dir=out.parent))
+        try:
+            report = (lambda line: print(line, file=sys.stderr, flush=True)) if options.progress else None
+            scorer = KlScorer(args.src, args.kl_base, options, work, args.kl_chunks, report)
+            summary = convert(args.src, args.out, replace(options, score_overrides=scorer))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(summary, indent=1) if args.json else format_summary(summary, args.out))
     return 0
 

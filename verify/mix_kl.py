@@ -1,0 +1,61 @@
+"""`colibri-convert --target-size --kl-base FILE`: a table of types scored by its KL divergence.
+
+A candidate table (as overrides of the recipe) is converted into a scratch folder, run on the
+base file's chunks through the runtime, and scored by the mean KL divergence of its predictions
+from the base's (llama-perplexity's measure, `verify.perplexity`); the folder is removed after.
+The base is a `colibri perplexity REF --text CALIBRATION --save-base FILE` of a reference
+conversion (BF16 or Q8_0), or llama-perplexity's `--kl-divergence-base` output: it holds the
+calibration text's tokens, so no text is read here.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from colibri.convert.pipeline import ConvertOptions
+from colibri.formats.logprob_file import LogProbFile, LogProbFileError
+from colibri.verify.perplexity import PerplexityError, base_chunks, perplexity
+
+SCORING_SLOTS = 4  # chunks run together through the batch engine
+
+
+class KlScorer:
+    """overrides → the mean KL divergence from `base` of the conversion of `src` they make
+    (with `options`' recipe and importance matrix), over at most `chunks` of its chunks; each
+    score is also given to `report` as a line."""
+
+    def __init__(self, src: str, base: Path, options: ConvertOptions, work: Path, chunks: int | None = None,
+                 report: Callable[[str], None] | None = None):
+        try:
+            self.base = LogProbFile(base)
+        except LogProbFileError as e:
+            raise PerplexityError(str(e)) from None
+        if chunks is not None and chunks < 1:
+            raise PerplexityError(f"--kl-chunks {chunks}: must be at least 1")
+        self.src, self.chunks, self.work, self.report = src, chunks, work, report
+        self.options = replace(options, target_size=None, max_read_per_token=None, score_overrides=None, force=True,
+                               progress=False)
+        self.scored = 0
+
+    def __call__(self, overrides: list[tuple[str, str]]) -> float:
+        from colibri.convert.hf_to_colibri import convert
+        from colibri.runtime import open_model
+
+        out = self.work / "candidate"
+        convert(self.src, out, replace(self.options, overrides=list(overrides)))
+        try:
+            model = open_model(out, ctx=self.base.n_ctx, parallel=SCORING_SLOTS)
+            try:
+                chunks = base_chunks(self.base, model, self.chunks)
+                result = perplexity(model, chunks, min(len(model.slots), len(chunks)), self.base)
+            finally:
+                model.close()
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+        self.scored += 1
+        if self.report is not None:
+            self.report(f"table {self.scored}: mean KL {result['kld_mean']:.6f} over {result['tokens']} tokens")
+        return result["kld_mean"]
