@@ -1,7 +1,8 @@
 """Benchmark: which quant to pick, measured on a model trained on real text.
 
 For each recipe, with and without an importance matrix, and for `colibri-convert --target-size`
-at the weight-file bytes of a few of them: the converted size, bits per weight,
+(and `--target-size --kl-base`, its tables scored on the calibration text) at the weight-file
+bytes of a few of them: the converted size, bits per weight,
 routed-expert bytes a token reads, and against the BF16 conversion on held-out text
 (`colibri perplexity --kl-base`, llama-perplexity's method): perplexity, the ratio to the
 base's, mean / 99th-percentile / largest KL divergence and how often the top token agrees.
@@ -11,7 +12,7 @@ held-out text, CALIBRATION (the importance matrix's text, `colibri imatrix`) to 
 its training text. Prints a table and writes bench/out/quality-<model>.json (or --json-out).
 
     python bench/quality.py [--source DIR] [--work DIR] [--chunks 64] [--recipes Q2_K,...] [--imatrix-recipes Q2_K,...]
-                           [--sized-like IQ2_XXS,...] [--json-out FILE]
+                           [--sized-like IQ2_XXS,...] [--ranked-like IQ2_XXS,...] [--json-out FILE]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ RECIPES = "Q2_K,Q3_K_S,Q3_K_M,Q4_0,Q4_K_S,Q4_K_M,IQ4_NL,IQ4_XS,MXFP4_MOE,Q5_K_M,
 # the grid mixes but IQ3_S and IQ3_M need one (llama-quantize refuses them without)
 IMATRIX_RECIPES = "Q2_K,Q3_K_M,Q4_K_M,IQ4_XS,IQ1_S,IQ1_M,IQ2_XXS,IQ2_XS,IQ2_S,IQ2_M,IQ3_XXS,IQ3_XS,IQ3_S,IQ3_M"
 SIZED_LIKE = "IQ2_XXS,Q2_K,Q3_K_M"  # --target-size at these fixed mixes' sizes (the imatrix rows where there are)
+CALIBRATION_CHUNKS = 16  # chunks of the calibration text --kl-base scores a table on
 
 
 def colibri(*args: str) -> str:
@@ -69,6 +71,9 @@ def main() -> None:
     parser.add_argument("--sized-like", default=SIZED_LIKE,
                         help="recipes run above whose weight-file bytes a --target-size conversion is given, with the "
                              "same importance matrix or none (default: %(default)s)")
+    parser.add_argument("--ranked-like", default="",
+                        help="recipes above whose weight-file bytes a --target-size --kl-base conversion is given, its "
+                             "tables scored on the calibration text's first %d chunks (default: none)" % CALIBRATION_CHUNKS)
     parser.add_argument("--json-out", type=Path, default=None,
                         help="where the rows go (default: bench/out/quality-<source folder name>.json)")
     args = parser.parse_args()
@@ -81,6 +86,10 @@ def main() -> None:
     print(f"BF16 base: PPL {base_result['ppl']:.4f} ± {base_result['ppl_stderr']:.4f} over {base_result['tokens']} "
           f"tokens ({time.perf_counter() - started:.0f} s)", flush=True)
     colibri("imatrix", str(base), "--text", str(args.calibration), "-o", str(imatrix), "--chunks", "64", "--no-progress")
+    calibration_logits = args.work / "calibration.logits"
+    if args.ranked_like:
+        colibri("perplexity", str(base), "--text", str(args.calibration), "--chunks", str(CALIBRATION_CHUNKS),
+                "--save-base", str(calibration_logits), "--no-progress")
     runs = [(r, False) for r in args.recipes.split(",") if r] + [(r, True) for r in args.imatrix_recipes.split(",") if r]
     rows = [{"recipe": "BF16", "imatrix": False, **model_numbers(base), "ppl": base_result["ppl"],
              "ppl_stderr": base_result["ppl_stderr"], "ppl_ratio": 1.0, "kld_mean": 0.0, "kld_p99": 0.0, "kld_max": 0.0,
@@ -88,10 +97,14 @@ def main() -> None:
     print(f"{'recipe':<14} {'imatrix':<8} {'MB':>6} {'bits/w':>7} {'KB/token':>9} {'PPL':>8} {'ratio':>7} "
           f"{'mean KL':>9} {'KL p99':>8} {'KL max':>8} {'top-1':>7}")
     runs += [(f"sized={r}", None) for r in args.sized_like.split(",") if r]
+    runs += [(f"ranked={r}", None) for r in args.ranked_like.split(",") if r]
     for recipe, with_imatrix in runs:
         if with_imatrix is None:  # --target-size at the bytes of the fixed mix's row
-            like = next(row for row in reversed(rows) if row["recipe"] == recipe.removeprefix("sized="))
+            kind, _, mix = recipe.partition("=")
+            like = next(row for row in reversed(rows) if row["recipe"] == mix)
             with_imatrix, how = like["imatrix"], ["--target-size", str(like["file_bytes"])]
+            if kind == "ranked":
+                how += ["--kl-base", str(calibration_logits)]
         else:
             how = ["--quant", recipe]
         out = args.work / f"{recipe}{'-imatrix' if with_imatrix else ''}"

@@ -260,7 +260,7 @@ def expert_samples(values_of, src: ExpertLayerSource, matrix: str, imatrix: Imat
 def sized_types(plan: ConversionPlan, checkpoint: Checkpoint, recipe_for, imatrix: Imatrix | None,
                 options: ConvertOptions) -> tuple[dict[str, str], list | None]:
     """--target-size: the type of every matrix whose type is chosen by measured damage
-    (convert.target_size), and the tables `options.score_overrides` scored (None without it);
+    (convert.target_size), and the tables `options.scorer` scored (None without it);
     `recipe_for(overrides)` is the recipe with those overrides. Matrices a user override names,
     kept encodings, and rows that are not whole 256-weight super-blocks keep the recipe's type."""
     config, base = plan.config, recipe_for(options.overrides)
@@ -306,9 +306,9 @@ def sized_types(plan: ConversionPlan, checkpoint: Checkpoint, recipe_for, imatri
                                + f": the smallest types make {binary_size(size)} of files and read "
                                f"{binary_size(read)} of experts a token; allow more") from None
 
-    if options.score_overrides is None:
+    if options.scorer is None:
         return fit(choices), None
-    table, trials = refine(choices, fit, lambda t: options.score_overrides([*options.overrides, *exact_overrides(t)]))
+    table, trials = refine(choices, fit, lambda t: options.scorer([*options.overrides, *exact_overrides(t)]))
     return table, [vars(t) for t in trials]
 
 
@@ -347,6 +347,8 @@ def checkpoint_job(src: str, options: ConvertOptions) -> Job:
         if options.max_read_per_token is not None and options.target_size is None:
             raise ConvertError("--max-read-per-token bounds what --target-size chooses; give --target-size too")
         imatrix = Imatrix(options.imatrix) if options.imatrix is not None else None
+        if options.scorer is not None and options.target_size is not None:
+            options.scorer.check(config)
         names = [t.name for t in plan.resident] + [n for layer in plan.expert_layers for n in layer.canonical.values()]
 
         def recipe_for(overrides) -> Recipe:

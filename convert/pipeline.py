@@ -27,7 +27,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 from tqdm import tqdm
@@ -47,6 +47,16 @@ class ConvertError(Exception):
     """A conversion that cannot proceed; the message is one line."""
 
 
+class TableScorer(Protocol):
+    """Scores a table of types by its conversion (`verify.mix_kl`: the KL divergence from a base)."""
+
+    def check(self, config: ModelConfig) -> None:
+        """Refuse, in one line, a model it cannot score, before anything is converted."""
+
+    def __call__(self, overrides: list[tuple[str, str]]) -> float:
+        """The score of the conversion `overrides` make, lower better."""
+
+
 @dataclass
 class ConvertOptions:
     quant: str | None = None  # recipe; None: Q4_K_M for a checkpoint (a GGUF is imported as it is)
@@ -54,8 +64,7 @@ class ConvertOptions:
     imatrix: Path | None = None  # llama-imatrix's GGUF: importance weights for the quantizers
     target_size: int | None = None  # bytes of weight files: each tensor's type chosen to fit (convert.target_size)
     max_read_per_token: int | None = None  # with target_size: bytes of experts a token may read
-    score_overrides: Callable | None = None  # with target_size: overrides → a score of their conversion, lower
-    # better (the KL divergence from --kl-base); target_size.refine then re-weighs the table's choice by it
+    scorer: TableScorer | None = None  # with target_size: target_size.refine re-weighs the table's choice by it
     workers: int = 1
     force: bool = False
     revision: str | None = None

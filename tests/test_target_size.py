@@ -16,6 +16,7 @@ from colibri.convert.synthetic import write_checkpoint
 from colibri.convert.target_size import MAX_TABLES, Choice, choose, lower_hull, refine, tensor_class, type_runs
 from colibri.formats.checkpoint import Checkpoint
 from colibri.formats.layout import ModelLayout
+from colibri.formats.logprob_file import LogProbWriter
 from colibri.formats.recipe import IMATRIX_TYPES
 from colibri.runtime.imatrix_collect import ActivationSums
 
@@ -212,4 +213,11 @@ def test_a_bad_kl_base_is_one_line_and_writes_nothing(model, tmp_path, capsys):
     assert convert_main([*args, "--target-size", str(sizes["Q4_K_M"])]) == 1
     err = capsys.readouterr().err.strip()
     assert "base.logits" in err and "\n" not in err
+    writer = LogProbWriter(tmp_path / "base.logits", 8, 100, [[1] * 8, [2] * 8])  # a base of another vocabulary
+    for _ in range(2):
+        writer.add(np.zeros((3, 100), np.float32))
+    writer.commit()
+    assert convert_main([*args, "--target-size", str(sizes["Q4_K_M"])]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "base.logits: a vocabulary of 100 tokens" in err and "\n" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base.logits"]

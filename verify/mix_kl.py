@@ -36,9 +36,14 @@ class KlScorer:
         if chunks is not None and chunks < 1:
             raise PerplexityError(f"--kl-chunks {chunks}: must be at least 1")
         self.src, self.chunks, self.work, self.report = src, chunks, work, report
-        self.options = replace(options, target_size=None, max_read_per_token=None, score_overrides=None, force=True,
+        self.options = replace(options, target_size=None, max_read_per_token=None, scorer=None, force=True,
                                progress=False)
         self.scored = 0
+
+    def check(self, config) -> None:
+        if self.base.n_vocab != config.vocab_size:
+            raise PerplexityError(f"{self.base.path}: a vocabulary of {self.base.n_vocab} tokens; {self.src} has "
+                                  f"{config.vocab_size}")
 
     def __call__(self, overrides: list[tuple[str, str]]) -> float:
         from colibri.convert.hf_to_colibri import convert

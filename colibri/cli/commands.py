@@ -119,7 +119,7 @@ def run_convert(args: argparse.Namespace) -> int:
         try:
             report = (lambda line: print(line, file=sys.stderr, flush=True)) if options.progress else None
             scorer = KlScorer(args.src, args.kl_base, options, work, args.kl_chunks, report)
-            summary = convert(args.src, args.out, replace(options, score_overrides=scorer))
+            summary = convert(args.src, args.out, replace(options, scorer=scorer))
         finally:
             shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(summary, indent=1) if args.json else format_summary(summary, args.out))
