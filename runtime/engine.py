@@ -119,7 +119,7 @@ class Model:
         self.layout = ModelLayout(path)
         self.config = c = self.layout.config
         self.options = options
-        self.tuner = ThreadTuner(kernels.thread_count()) if options.threads == AUTO_THREADS else None
+        self.tuner = ThreadTuner(kernels.most_threads()) if options.threads == AUTO_THREADS else None
         if options.threads and self.tuner is None:
             kernels.set_threads(options.threads)
         ctx, kv_quant = options.ctx, options.kv_quant
@@ -166,7 +166,8 @@ class Model:
 
     def tuned(self, decoding: bool, run):
         """`run()` on the threads `--threads auto` chooses: a decode step on the tuner's count, timed
-        for it; any other step on the best count found (without a tuner: as the options set them)."""
+        for it; any other step on the best count found, which is also left set for the steps that
+        do not come here (batches). Without a tuner: as the options set them."""
         if self.tuner is None:
             return run()
         threads = self.tuner.count() if decoding else self.tuner.best
@@ -175,6 +176,7 @@ class Model:
         result = run()
         if decoding:
             self.tuner.timed(threads, time.perf_counter() - started)
+            kernels.set_threads(self.tuner.best)
         return result
 
     def checked_ids(self, token_ids) -> list[int]:

@@ -34,10 +34,10 @@ def _option(default, help: str, *, choices: tuple | None = None, kind: str = "in
 class EngineOptions:
     """How `open_model` runs a model (the defaults are what a plain `open_model(path)` gets)."""
 
-    threads: int | str | None = _option(None, "compute threads, or auto: as many as decode fastest now, found by "
-                                              "timing a few steps at each count every few hundred (fewer when another "
-                                              "process takes a core; default: all cores)", kind="threads",
-                                        metavar="N|auto")
+    threads: int | str | None = _option(AUTO_THREADS, "compute threads, or auto: as many as decode fastest now, "
+                                                      "found by timing a few steps at each count every few hundred "
+                                                      "(fewer when another process takes a core; default: auto)",
+                                        kind="threads", metavar="N|auto")
     ctx: int = _option(4096, "context length in tokens, per KV slot; the KV cache is preallocated for it "
                              "(default: %(default)s)")
     ram_budget: int | None = _option(None, "RAM the runtime may use for weights, KV cache, expert cache and scratch, "

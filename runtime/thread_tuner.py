@@ -3,8 +3,9 @@
 A parallel kernel waits for its slowest thread, so when another process takes a core, a
 thread that shares it stalls every kernel a token runs, and fewer threads decode faster. The
 tuner notices that by trying: every PERIOD decode steps it runs TRIAL steps at each candidate count
-(one thread, half the cores, all but one, all: every count on a machine of up to four cores),
-and keeps the count whose median step was fastest until the next round.
+(half the cores, all but one, all, and on a machine of up to four cores one thread too: there
+every count), and keeps the count whose median step was fastest until the next round. It is the
+default: on a quiet machine the trials of fewer threads cost a few percent of the steps.
 The kernels give the same bits at any thread count, so the choice changes speed, never output.
 """
 
@@ -14,12 +15,13 @@ import statistics
 
 PERIOD = 256  # decode steps between rounds of trials
 TRIAL = 4  # steps timed at each count in a round
+SMALL_MACHINE = 4  # cores up to which one thread is a candidate too
 
 
 class ThreadTuner:
     def __init__(self, cores: int, period: int = PERIOD, trial: int = TRIAL):
         cores = max(1, cores)
-        self.candidates = sorted({1, max(1, cores // 2), max(1, cores - 1), cores})
+        self.candidates = sorted({max(1, cores // 2), max(1, cores - 1), cores} | ({1} if cores <= SMALL_MACHINE else set()))
         self.period, self.trial = period, trial
         self.best = cores  # what prompts and untimed steps use
         self.steps = 0

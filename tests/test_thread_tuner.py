@@ -7,7 +7,7 @@ from colibri.cli import main
 from colibri.convert.hf_to_colibri import ConvertOptions, convert
 from colibri.convert.synthetic import write_checkpoint
 from colibri.runtime import open_model
-from colibri.runtime.kernels import set_threads, thread_count
+from colibri.runtime.kernels import most_threads, set_threads, thread_count
 from colibri.runtime.options import EngineOptions, OptionError
 from colibri.runtime.thread_tuner import ThreadTuner
 
@@ -31,7 +31,7 @@ def test_each_round_tries_every_count_then_keeps_the_fastest():
 
 
 def test_many_cores_try_a_few_counts():
-    assert ThreadTuner(16).candidates == [1, 8, 15, 16] and ThreadTuner(4).candidates == [1, 2, 3, 4]
+    assert ThreadTuner(16).candidates == [8, 15, 16] and ThreadTuner(4).candidates == [1, 2, 3, 4]
     assert ThreadTuner(1).candidates == [1]
 
 
@@ -42,8 +42,8 @@ def test_one_slow_step_does_not_decide():
     assert tuner.best == 1  # medians: 10 ms against 20 ms
 
 
-def test_the_flag_takes_a_count_or_auto():
-    assert EngineOptions(threads="auto").threads == "auto" and EngineOptions(threads=3).threads == 3
+def test_the_flag_takes_a_count_or_auto_the_default():
+    assert EngineOptions().threads == "auto" and EngineOptions(threads=3).threads == 3
     for bad in (0, "all"):
         with pytest.raises(OptionError, match="--threads must be at least 1 or auto"):
             EngineOptions(threads=bad)
@@ -81,3 +81,15 @@ def test_auto_threads_decode_the_same_bits(tmp_path, capsys, threads_kept):
     code = main(["run", "--model", str(tmp_path / "model"), "--prompt", "The river", "--max-tokens", "4",
                  "--threads", "auto", "--ram-budget", "8G"])
     assert code == 0, capsys.readouterr().err
+
+
+def test_auto_is_the_default_tunes_over_every_core_and_leaves_the_best_set(tmp_path, threads_kept):
+    src = write_checkpoint(tmp_path / "src", "qwen3_moe")
+    convert(str(src), tmp_path / "model", ConvertOptions(quant="Q4_K_M", progress=False))
+    open_model(tmp_path / "model", threads=1, ctx=64, ram_budget="8G").close()  # leaves the kernels on one thread
+    model = open_model(tmp_path / "model", ctx=64, ram_budget="8G")
+    assert model.tuner.candidates == ThreadTuner(most_threads()).candidates
+    model.prefill([1, 2, 3])
+    model.decode(4)  # a trial step, on the fewest threads
+    assert thread_count() == model.tuner.best == most_threads()  # a batch step after it runs on the best
+    model.close()

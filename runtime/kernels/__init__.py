@@ -53,7 +53,7 @@ from colibri.runtime.kernels.numerics import GLU, SILU, glu_of, rms_norm, sigmoi
 from colibri.runtime.kernels.recurrence import gated_delta_rule
 from colibri.runtime.kernels.routing import route
 from colibri.runtime.kernels.rows import CHUNK, GROUP, ROW_TILE
-from colibri.runtime.kernels.threads import measure_read_bandwidth, read_seconds, set_threads, thread_count
+from colibri.runtime.kernels.threads import measure_read_bandwidth, most_threads, read_seconds, set_threads, thread_count
 
 __all__ = [
     "ACT_BLOCKS", "INT8_ACTIVATIONS", "DOT_TYPES", "FAST_ENCODINGS", "FAST_PATH_TOLERANCE", "WIDEST_ACT_BLOCK",
@@ -67,5 +67,5 @@ __all__ = [
     "gated_delta_rule",
     "route",
     "CHUNK", "GROUP", "ROW_TILE",
-    "measure_read_bandwidth", "read_seconds", "set_threads", "thread_count",
+    "measure_read_bandwidth", "read_seconds", "most_threads", "set_threads", "thread_count",
 ]

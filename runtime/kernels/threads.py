@@ -33,6 +33,11 @@ def set_threads(n: int) -> None:
                       "or tbb.", RuntimeWarning, stacklevel=2)
 
 
+def most_threads() -> int:
+    """The threads numba started with: the cores it may use."""
+    return numba.config.NUMBA_NUM_THREADS
+
+
 def thread_count() -> int:
     """The threads this thread's kernel calls use: what `set_threads` last set here, without
     numba.get_num_threads()'s lock on every call of a decoded token's many."""
