@@ -1,11 +1,12 @@
-"""`--threads auto`: the thread count that decodes fastest now, found by timing.
+"""`--threads auto`, the default: the thread count that decodes fastest now, found by timing.
 
 A parallel kernel waits for its slowest thread, so when another process takes a core, a
 thread that shares it stalls every kernel a token runs, and fewer threads decode faster. The
-tuner notices that by trying: every PERIOD decode steps it runs TRIAL steps at each candidate count
-(half the cores, all but one, all, and on a machine of up to four cores one thread too: there
-every count), and keeps the count whose median step was fastest until the next round. It is the
-default: on a quiet machine the trials of fewer threads cost a few percent of the steps.
+tuner notices that by trying: every PERIOD decode steps it runs TRIAL steps at each candidate
+count (half the cores, all but one, all, and on a machine of up to four cores one thread too:
+there every count), and keeps the count whose median step was fastest until the next round,
+or a larger one within MARGIN of it, so that a noisy moment does not cost a quiet machine its
+cores. On a quiet machine the trials of fewer threads cost a few percent of the steps.
 The kernels give the same bits at any thread count, so the choice changes speed, never output.
 """
 
@@ -16,6 +17,7 @@ import statistics
 PERIOD = 256  # decode steps between rounds of trials
 TRIAL = 4  # steps timed at each count in a round
 SMALL_MACHINE = 4  # cores up to which one thread is a candidate too
+MARGIN = 0.1  # the most threads whose median step is within this of the fastest are chosen
 
 
 class ThreadTuner:
@@ -42,6 +44,8 @@ class ThreadTuner:
         if place < self.trial_steps:
             self.times.setdefault(threads, []).append(seconds)
             if place == self.trial_steps - 1:
-                self.best = min(self.times, key=lambda n: statistics.median(self.times[n]))
+                medians = {n: statistics.median(t) for n, t in self.times.items()}
+                fastest = min(medians.values())
+                self.best = max(n for n, m in medians.items() if m <= fastest * (1 + MARGIN))
                 self.times = {}
         self.steps += 1

@@ -30,6 +30,12 @@ def test_each_round_tries_every_count_then_keeps_the_fastest():
     assert counts == [1, 1, 1, 2, 2, 2] + [1] * 10 and tuner.best == 1
 
 
+def test_fewer_threads_must_be_clearly_faster():
+    tuner = ThreadTuner(4, period=16, trial=1)
+    run_steps(tuner, 4, {1: 0.0100, 2: 0.0104, 3: 0.0108, 4: 0.0120}.get)  # within 10%: noise, keep more threads
+    assert tuner.best == 3
+
+
 def test_many_cores_try_a_few_counts():
     assert ThreadTuner(16).candidates == [8, 15, 16] and ThreadTuner(4).candidates == [1, 2, 3, 4]
     assert ThreadTuner(1).candidates == [1]
