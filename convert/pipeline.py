@@ -48,7 +48,7 @@ class ConvertError(Exception):
 
 
 class TableScorer(Protocol):
-    """Scores a table of types by its conversion (`verify.mix_kl`: the KL divergence from a base)."""
+    """Scores a table of types by its conversion (`colibri.cli.kl_scorer`: the KL divergence from a base)."""
 
     def check(self, config: ModelConfig) -> None:
         """Refuse, in one line, a model it cannot score, before anything is converted."""

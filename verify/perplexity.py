@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri.formats.logprob_file import LogProbFile, LogProbFileError, LogProbWriter, decode_rows, encode_rows
+from colibri.formats.logprob_file import LogProbFile, LogProbFileError, LogProbWriter
 from colibri.runtime.batch import STEP_PROMPT_TOKENS
 from colibri.runtime.options import add_engine_flags, engine_options, option_names
 from colibri.runtime.text import read_text_file

@@ -111,7 +111,7 @@ def run_convert(args: argparse.Namespace) -> int:
     elif args.target_size is None:
         raise ConvertError("--kl-base checks what --target-size chooses; give --target-size too")
     else:
-        from colibri.verify.mix_kl import KlScorer
+        from colibri.cli.kl_scorer import KlScorer
 
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
