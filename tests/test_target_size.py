@@ -4,6 +4,9 @@ measured on the trained reference models (bench/quality.py --sized-like)."""
 
 import itertools
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -188,6 +191,11 @@ def test_kl_scored_tables_keep_the_least_kl_and_leave_no_scratch(model, kl_base,
     capsys.readouterr()
     out = tmp_path / "ranked"
     target = (sizes["Q4_K_M"] + sizes["IQ2_XXS"]) // 2
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    for name, pid in ((".ranked-scoring-killed", ended.pid), (".ranked-scoring-running", os.getpid())):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "owner.pid").write_text(str(pid))  # a killed run's scratch, and a live one's
     assert convert_main([str(src), str(out), "--target-size", str(target), "--imatrix", str(imatrix),
                          "--kl-base", str(kl_base), "--workers", "1", "--json", "--no-progress"]) == 0
     summary = json.loads(capsys.readouterr().out)
@@ -199,7 +207,7 @@ def test_kl_scored_tables_keep_the_least_kl_and_leave_no_scratch(model, kl_base,
     capsys.readouterr()
     assert main(["perplexity", str(out), "--kl-base", str(kl_base), "--json", "--no-progress"]) == 0
     assert json.loads(capsys.readouterr().out)["kld_mean"] == kept[-1]  # OUT is the table that scored it
-    assert [p.name for p in tmp_path.iterdir()] == ["ranked"]  # the scratch folder is gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ranked-scoring-running", "ranked"]  # ours and the killed one's gone
 
 
 def test_a_bad_kl_base_is_one_line_and_writes_nothing(model, tmp_path, capsys):

@@ -97,8 +97,6 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    import tempfile
-
     from colibri.convert.hf_to_colibri import ConvertError, ConvertOptions, convert, format_summary
 
     options = ConvertOptions(
@@ -111,17 +109,12 @@ def run_convert(args: argparse.Namespace) -> int:
     elif args.target_size is None:
         raise ConvertError("--kl-base checks what --target-size chooses; give --target-size too")
     else:
-        from colibri.cli.kl_scorer import KlScorer
+        from colibri.cli.kl_scorer import KlScorer, scratch_beside
 
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{out.name}-scoring-", dir=out.parent))
-        try:
+        with scratch_beside(Path(args.out)) as work:
             report = (lambda line: print(line, file=sys.stderr, flush=True)) if options.progress else None
             scorer = KlScorer(args.src, args.kl_base, options, work, args.kl_chunks, report)
             summary = convert(args.src, args.out, replace(options, scorer=scorer))
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(summary, indent=1) if args.json else format_summary(summary, args.out))
     return 0
 

@@ -10,7 +10,11 @@ calibration text's tokens, so no text is read here.
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import os
 import shutil
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -20,6 +24,40 @@ from colibri.formats.logprob_file import LogProbFile, LogProbFileError
 from colibri.verify.perplexity import PerplexityError, base_chunks, perplexity
 
 SCORING_SLOTS = 4  # chunks run together through the batch engine
+OWNER_FILE = "owner.pid"  # in a scratch folder: the process that made it
+
+
+@contextlib.contextmanager
+def scratch_beside(out: Path):
+    """A scratch folder beside OUT for the tables' conversions, removed after. Those a killed run
+    left beside the same OUT (their owner process gone) are removed first."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{out.name}-scoring-"
+    for stale in out.parent.glob(glob.escape(prefix) + "*"):
+        if stale.is_dir() and not _owner_alive(stale / OWNER_FILE):
+            shutil.rmtree(stale, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+    try:
+        (work / OWNER_FILE).write_text(str(os.getpid()))
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _owner_alive(owner: Path) -> bool:
+    try:
+        pid = int(owner.read_text())
+    except (OSError, ValueError):
+        return False
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 class KlScorer:
