@@ -186,9 +186,14 @@ def add_perplexity_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
+def refuse_other_vocabulary(base: LogProbFile, vocab_size: int, model: str = "the model") -> None:
+    """One line, when `base` holds log-probabilities over another vocabulary than `model`'s."""
+    if base.n_vocab != vocab_size:
+        raise PerplexityError(f"{base.path}: a vocabulary of {base.n_vocab} tokens, {model} has {vocab_size}")
+
+
 def base_chunks(base: LogProbFile, model, limit: int | None) -> list[list[int]]:
-    if base.n_vocab != model.config.vocab_size:
-        raise PerplexityError(f"{base.path}: a vocabulary of {base.n_vocab} tokens, the model has {model.config.vocab_size}")
+    refuse_other_vocabulary(base, model.config.vocab_size)
     chunks = base.chunks[:limit] if limit else base.chunks
     return [list(map(int, c)) for c in chunks]
 

@@ -21,7 +21,7 @@ from typing import Callable
 
 from colibri.convert.pipeline import ConvertOptions
 from colibri.formats.logprob_file import LogProbFile, LogProbFileError
-from colibri.verify.perplexity import PerplexityError, base_chunks, perplexity
+from colibri.verify.perplexity import PerplexityError, base_chunks, perplexity, refuse_other_vocabulary
 
 SCORING_SLOTS = 4  # chunks run together through the batch engine
 OWNER_FILE = "owner.pid"  # in a scratch folder: the process that made it
@@ -79,9 +79,7 @@ class KlScorer:
         self.scored = 0
 
     def check(self, config) -> None:
-        if self.base.n_vocab != config.vocab_size:
-            raise PerplexityError(f"{self.base.path}: a vocabulary of {self.base.n_vocab} tokens; {self.src} has "
-                                  f"{config.vocab_size}")
+        refuse_other_vocabulary(self.base, config.vocab_size, self.src)
 
     def __call__(self, overrides: list[tuple[str, str]]) -> float:
         from colibri.convert.hf_to_colibri import convert
