@@ -176,7 +176,8 @@ class Model:
         result = run()
         if decoding:
             self.tuner.timed(threads, time.perf_counter() - started)
-            kernels.set_threads(self.tuner.best)
+            if self.tuner.best != threads:  # a trial's count, or a new choice
+                kernels.set_threads(self.tuner.best)
         return result
 
     def checked_ids(self, token_ids) -> list[int]:
