@@ -20,7 +20,7 @@ import pytest
 from colibri.convert.quantize_q4k import IMATRIX_NEEDED, quantize
 from colibri.formats.encodings import ENCODINGS
 from colibri.runtime import kernels
-from colibri.runtime.kernels import threads
+from colibri.runtime.kernels import int8_tiles, threads
 from colibri.runtime.kernels.emitter import (
     float_dot, float_dots, float_sum, halves_into, target_environment, weighted_rows_into,
 )
@@ -101,6 +101,25 @@ def test_results_do_not_depend_on_the_thread_count(activations):
         kernels.set_threads(before)
     for one, two in zip(*results):
         np.testing.assert_array_equal(one, two)
+
+
+@pytest.mark.parametrize("encoding", ["Q4_K", "Q5_K", "Q6_K"])
+def test_many_activations_give_each_the_bits_of_its_own_row_dots(encoding):
+    """A prompt's product (on the int8 tiles, where the CPU has AVX-512 VNNI: panels of rows,
+    bands of 16 activations, the last ones short) gives every activation the bits it gets
+    alone; and the tile kernel itself does, for fewer activations than take it."""
+    rows, cols = 45, COLS[encoding]  # two panels, the second not a whole tile
+    w, _ = random_weights(encoding, rows, cols)
+    matrix = kernels.Matrix(w, encoding, rows, cols)
+    x = np.random.default_rng(4).standard_normal((40, cols)).astype(np.float32)
+    alone = np.stack([matrix(x[i:i + 1])[0] for i in range(len(x))])
+    for n in (3, int8_tiles.MIN_ACTIVATIONS, 17, 40):
+        assert np.array_equal(matrix(x[:n]).view(np.uint32), alone[:n].view(np.uint32)), n
+    if int8_tiles.available():
+        out = np.empty((3, rows), np.float32)
+        int8_tiles.tiled_rows_times(matrix.tag, matrix.data, 0, rows, matrix.row_nbytes, cols, matrix.activation(x[:3]),
+                                    out)
+        assert np.array_equal(out.view(np.uint32), alone[:3].view(np.uint32))
 
 
 def expert_records(encodings, ffn, hidden, k, seed=0):

@@ -27,13 +27,14 @@ _njit = njit(cache=True, nogil=True)
 # (K-quants, IQ4_XS, TQ1_0, TQ2_0, the IQ1/2/3 grid types) take Q8_K (one float32 scale per
 # 256 values), so that a block's sub-block products stay integer to the end of the block; the
 # 32-weight block types take Q8_0 (a float32 scale per 32).
-# Both also hold the scaled sum of each 16 values, for the blocks' offsets and biases:
-# q int8 [n, cols], d float32 [n, cols / block], sums float32 [n, cols / 16].
+# Both also hold the sum of each 16 levels, scaled (for the blocks' float offsets and biases)
+# and as it is (for blocks whose product stays integer to the end of the block):
+# q int8 [n, cols], d float32 [n, cols / block], sums float32 [n, cols / 16], bsums int16 [n, cols / 16].
 ACT_BLOCKS = {"Q8_0": 32, "Q8_K": 256}  # activation values per int8 scale
 DOT_TYPES = {e: "Q8_K" if block_size(e)[0] == ACT_BLOCKS["Q8_K"] else "Q8_0" for e in ENCODINGS if e not in FLOAT_DTYPES}
 WIDEST_ACT_BLOCK = 256
-Q8_0Activation = namedtuple("Q8_0Activation", "q d sums")
-Q8_KActivation = namedtuple("Q8_KActivation", "q d sums")
+Q8_0Activation = namedtuple("Q8_0Activation", "q d sums bsums")
+Q8_KActivation = namedtuple("Q8_KActivation", "q d sums bsums")
 INT8_ACTIVATIONS = {"Q8_0": Q8_0Activation, "Q8_K": Q8_KActivation}
 
 # Bound on the fast path's error relative to the output's max-abs, against float64 products of
@@ -56,9 +57,10 @@ def _abs_max(values):
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _quantize_blocks(values, q, d, sums, start, stop, block):
+def _quantize_blocks(values, q, d, sums, bsums, start, stop, block):
     """Quantize values[start:stop] (whole blocks of `block`) to int8: levels q, one scale d per
-    block, and the sum of the levels of each 16 times its block's scale (`sums`)."""
+    block, and the sum of the levels of each 16, as it is (`bsums`) and times its block's
+    scale (`sums`)."""
     for b in range(start // block, stop // block):
         x, levels = values[b * block:(b + 1) * block], q[b * block:(b + 1) * block]
         amax = _abs_max(x)
@@ -70,13 +72,14 @@ def _quantize_blocks(values, q, d, sums, start, stop, block):
             total = np.int32(0)
             for i in range(16):
                 total += levels[16 * group + i]
+            bsums[b * block // 16 + group] = total
             sums[b * block // 16 + group] = d[b] * F32(total)
 
 
 def empty_activation(n, cols, dot_type):
     """Uninitialized int8 activations of n rows of `cols` values in `dot_type`."""
     return INT8_ACTIVATIONS[dot_type](np.empty((n, cols), np.int8), np.empty((n, cols // ACT_BLOCKS[dot_type]), np.float32),
-                                 np.empty((n, cols // 16), np.float32))
+                                 np.empty((n, cols // 16), np.float32), np.empty((n, cols // 16), np.int16))
 
 
 def activation_dot_type(act) -> str | None:
@@ -99,8 +102,8 @@ def _fill_activation_overload(act, values, start, stop):
         block = ACT_BLOCKS[activation_dot_type(act)]
 
         def quantize(act, values, start, stop):
-            q, d, sums = act
-            _quantize_blocks(values.reshape(-1), q.reshape(-1), d.reshape(-1), sums.reshape(-1), start, stop, block)
+            _quantize_blocks(values.reshape(-1), act.q.reshape(-1), act.d.reshape(-1), act.sums.reshape(-1),
+                             act.bsums.reshape(-1), start, stop, block)
         return quantize
     return lambda act, values, start, stop: None
 
@@ -120,7 +123,7 @@ def activation_row(act, i):
 def _activation_row_overload(act, i):
     if activation_dot_type(act) is not None:
         activation = act.instance_class
-        return lambda act, i: activation(act.q[i], act.d[i], act.sums[i])
+        return lambda act, i: activation(act.q[i], act.d[i], act.sums[i], act.bsums[i])
     return lambda act, i: act[i]
 
 

@@ -20,6 +20,7 @@ from colibri.runtime.kernels.emitter import CONTRACT, FLOAT, I1, I8, I16, I32, I
 from colibri.runtime.kernels.grid_blocks import GRID_UNPACKERS
 from colibri.runtime.kernels.unpacked import Block
 
+INTEGER_TOTALS = ("Q4_K", "Q5_K", "Q6_K")  # multiplied as one integer a block (`Block.int_total`)
 PREFETCH_BYTES = 4096  # how far ahead of the current block the weight stream is prefetched
 CACHE_LINE = 64
 
@@ -71,9 +72,11 @@ def _k_block(e, block, levels):
     both = e.halves_to_floats(e.load(block, 0, I16, 2))  # d and dmin in one conversion
     d, dmin = (b.extract_element(both, ir.Constant(I32, i)) for i in range(2))
     offsets = b.fneg(b.fmul(e.splat(dmin), e.pick(values, range(8, 16))))
+    int_scales = b.zext(packed, vec(I16, 16))
     return Block(levels, b.fmul(e.splat(d), e.pick(values, range(8))), offsets=offsets,
-                  d=d, int_scales=b.zext(packed, vec(I16, 16)), pairs_per_scale=16,
-                  offsets16=e.pick(offsets, [j // 2 for j in range(16)]))
+                  d=d, int_scales=int_scales, pairs_per_scale=16,
+                  offsets16=e.pick(offsets, [j // 2 for j in range(16)]),
+                  int_total=True, dmin=dmin, int_mins16=e.pick(int_scales, [8 + j // 2 for j in range(16)]))
 
 
 def _unpack_q4_k(e, block):
@@ -111,7 +114,7 @@ def _unpack_q6_k(e, block):
     scales = b.fmul(e.splat(d, 16), b.sitofp(packed, vec(FLOAT, 16)))
     return Block(levels, scales, bias=32, per16=True,
                   d=d, int_scales=b.sext(packed, vec(I16, 16)), pairs_per_scale=8,
-                  offsets16=b.fmul(scales, e.splat(ir.Constant(FLOAT, -32.0), 16)))
+                  offsets16=b.fmul(scales, e.splat(ir.Constant(FLOAT, -32.0), 16)), int_total=True)
 
 
 def _unpack_q8_0(e, block):
@@ -298,7 +301,7 @@ def _pair_sums(e, sums):
     return e.b.fadd(e.pick(sums, range(0, n, 2)), e.pick(sums, range(1, n, 2)))
 
 
-def int8_dot(e, block, xq, xd, xs, total):
+def int8_dot(e, block, xq, xd, xs, xb, total):
     """IR: `total` (<8 x float>) plus lanes that sum to the dot of an unpacked block with
     the Q8_0 activation at xq (levels), xd (scales per 32) and xs (scaled sums per 16)."""
     b = e.b
@@ -325,16 +328,64 @@ def int8_dot(e, block, xq, xd, xs, total):
     return total
 
 
-def k_int8_dot(e, block, xq, xd, xs, total):
+def k_int8_dot(e, block, xq, xd, xs, xb, total):
     """IR: `total` (<8 x float>, <16 x float> with AVX-512) plus lanes that sum to the dot of
     an unpacked K-quant block with a Q8_K activation block: 256 int8 levels at xq, one
-    float32 scale at xd, the scaled sums of each 16 levels at xs."""
-    return k_int8_dots(e, block, [(xq, xd, xs)], [total])[0]
+    float32 scale at xd, the sums of each 16 levels scaled at xs and as they are at xb. A block
+    with `int_total` adds to lane 0 only."""
+    return k_int8_dots(e, block, [(xq, xd, xs, xb)], [total])[0]
+
+
+# The float operations of a block multiplied as one integer carry a flag (one that changes
+# nothing for them), so that numba's fastmath pass, which flags only unflagged operations,
+# leaves them in their order in every kernel.
+KEEP_ORDER = ("arcp",)
+
+
+def block_total(e, d, dmin, isum, imin, xd):
+    """IR: the float32 of a block multiplied as one integer (`Block.int_total`), for the
+    block's d and dmin (None: no mins), i32 scalars or vectors isum and imin and the
+    activation scales xd: float(isum) * (d * xd) - float(imin) * (dmin * xd)."""
+    b = e.b
+    kind = xd.type
+
+    def times(value, scale):
+        scale = e.splat(scale, kind.count) if isinstance(kind, ir.VectorType) else scale
+        return b.fmul(b.sitofp(value, kind), b.fmul(scale, xd, flags=KEEP_ORDER), flags=KEEP_ORDER)
+
+    value = times(isum, d)
+    return value if dmin is None else b.fsub(value, times(imin, dmin), flags=KEEP_ORDER)
+
+
+def _integer_totals(e, block, accs, activations, totals):
+    """k_int8_dots' end for a block multiplied as one integer: each acc less the bias's
+    products (isum) and the mins' products (imin) summed side by side in one vector, the
+    block's float added to lane 0 of its total."""
+    b = e.b
+    zero8 = e.const(I32, 8, 0)
+    results = []
+    for acc, (_, xd, _, xb), total in zip(accs, activations, totals):
+        sums16 = e.load(xb, 0, I16, 16)
+        n = acc.type.count
+        acc8 = b.add(e.pick(acc, range(8)), e.pick(acc, range(8, 16))) if n == 16 else acc
+        if block.bias:  # the levels were used without their bias: take bias * scale * sum off
+            biased = e.add_pair_products(zero8, block.int_scales, sums16)
+            acc8 = b.sub(acc8, b.mul(biased, e.const(I32, 8, block.bias)))
+        mins = e.add_pair_products(zero8, block.int_mins16, sums16) if block.dmin is not None else zero8
+        both = e.shuffle(acc8, mins, range(16))  # lanes 0-7 sum to isum, 8-15 to imin
+        for step in (4, 2, 1):
+            both = b.add(both, e.pick(both, [lane ^ step for lane in range(16)]))
+        isum, imin = (b.extract_element(both, ir.Constant(I32, lane)) for lane in (0, 8))
+        value = block_total(e, block.d, block.dmin, isum, imin if block.dmin is not None else None,
+                            e.load(xd, 0, FLOAT))
+        lane0 = ir.Constant(I32, 0)
+        results.append(b.insert_element(total, b.fadd(b.extract_element(total, lane0), value, flags=KEEP_ORDER), lane0))
+    return results
 
 
 def k_int8_dots(e, block, activations, totals):
-    """IR: k_int8_dot of one unpacked K-quant block with each of the (xq, xd, xs) `activations`,
-    added to its `totals`. Sub-block products stay integer to the end of the block; with
+    """IR: k_int8_dot of one unpacked K-quant block with each of the (xq, xd, xs, xb)
+    `activations`, added to its `totals`. Sub-block products stay integer to the end of the block; with
     AVX-512 two sub-blocks are multiplied at a time. Each sub-block's levels and scales are
     multiplied by every activation before the next sub-block's are taken. With AVX2's 16
     vector registers that order is pinned (`Emitter.pinned`): left free, LLVM's scheduler
@@ -356,7 +407,7 @@ def k_int8_dots(e, block, activations, totals):
         else:
             signs = taken(block.levels, c)
             weights = e.abs_bytes(signs) if block.signed else signs
-        for k, (xq, _, _) in enumerate(activations):
+        for k, (xq, _, _, _) in enumerate(activations):
             x = e.load(xq, width * c, I8, width)
             if block.signs is not None:
                 x = e.signed_by(x, signs)
@@ -365,9 +416,11 @@ def k_int8_dots(e, block, activations, totals):
             accs[k] = e.add_pair_products(accs[k], e.pair_products(weights, x), scales)
         if e.avx2 and not e.avx512 and len(accs) > 1:
             accs = e.pinned(accs)
+    if block.int_total:
+        return _integer_totals(e, block, accs, activations, totals)
     d = e.splat(block.d, lanes)
     results = []
-    for acc, (_, xd, xs), total in zip(accs, activations, totals):
+    for acc, (_, xd, xs, _), total in zip(accs, activations, totals):
         sums = e.load(xs, 0, FLOAT, 16)
         if block.offsets16 is None:
             pass

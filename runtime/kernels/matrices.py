@@ -8,8 +8,9 @@ paths, chosen per call by `exact`, the number of rows and the CPU:
   is quantized to int8 as ggml does (`activations.DOT_TYPES`): in Q8_K blocks of 256 values
   for the K-quants, whose sub-block products then stay integer to the end of a block, and in
   Q8_0 blocks of 32 for the others. `matmul` unpacks each weight block once for GROUP rows of
-  x, and passes each group over a tile of ROW_TILE rows (`rows.rows_times`). Error: see
-  `FAST_PATH_TOLERANCE`.
+  x, and passes each group over a tile of ROW_TILE rows (`rows.rows_times`); on CPUs with
+  AVX-512 VNNI, Q4_K, Q5_K and Q6_K products of many rows take vpdpbusd tiles instead
+  (`int8_tiles`), with the same bits. Error: see `FAST_PATH_TOLERANCE`.
 - **tiles** (fast path, prompts of at least `amx.MIN_TOKENS` rows, CPUs with AMX): each
   block of 32 weight rows is dequantized to bfloat16 once and every token passes over it on
   the AMX tiles (`runtime/amx.py`); bfloat16 rounding errs less than the int8 path.
@@ -29,6 +30,7 @@ from colibri.runtime.kernels.activations import (
     dot_type_for, empty_activation, float_rows, make_activation,
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS
+from colibri.runtime.kernels import int8_tiles
 from colibri.runtime.kernels.emitter import target_isa
 from colibri.runtime.kernels.rows import Product, dequantize_into, rows_per_head, rows_times
 from colibri.runtime.kernels.threads import part_range, thread_count
@@ -169,7 +171,9 @@ def products(x: np.ndarray, matrices) -> tuple[np.ndarray, ...]:
 def kernel_paths() -> dict:
     """Which instructions the kernels compiled in this process use, and whether prompts take
     the AMX tiles: for `colibri run --json` and the benchmarks."""
-    return {**target_isa().paths(), "prompt_tiles": "AMX bfloat16" if amx.available() else "none (int8 path)"}
+    tiles = ("AMX bfloat16" if amx.available() else
+             "int8 vpdpbusd (Q4_K, Q5_K, Q6_K)" if int8_tiles.available() else "none (int8 path)")
+    return {**target_isa().paths(), "prompt_tiles": tiles}
 
 
 def matmul(w: np.ndarray, encoding: str, rows: int, cols: int, x: np.ndarray, exact: bool = False) -> np.ndarray:

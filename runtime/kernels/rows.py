@@ -22,10 +22,11 @@ from numba.extending import intrinsic, overload
 from colibri.formats.encodings import block_size
 from colibri.runtime.kernels.activations import ACT_BLOCKS, DOT_TYPES, activation_dot_type, activation_row
 from colibri.runtime.kernels.blocks import (
-    CACHE_LINE, PREFETCH_BYTES, UNPACKERS, block_loop, dequantized_sub_block, encoding_of, int8_dot, k_int8_dots,
-    quantized_encoding,
+    CACHE_LINE, INTEGER_TOTALS, PREFETCH_BYTES, UNPACKERS, block_loop, dequantized_sub_block, encoding_of, int8_dot,
+    k_int8_dots, quantized_encoding,
 )
-from colibri.runtime.kernels.emitter import Emitter, FLOAT, I64, bf16_to_float, half_to_float, prefetch_line, vec
+from colibri.runtime.kernels.emitter import Emitter, FLOAT, I32, I64, bf16_to_float, half_to_float, prefetch_line, vec
+from colibri.runtime.kernels import int8_tiles
 from colibri.runtime.kernels.threads import part_range
 
 F32 = np.float32
@@ -60,13 +61,13 @@ def _int8_rows_codegen(encoding, count):
     block is unpacked once for all of them (one loop of vector IR, vector accumulators)."""
     weights = block_size(encoding)[0]
     k_quant = DOT_TYPES[encoding] == "Q8_K"
-    # bytes per block of an activation's int8 values, scales and sums (per 16)
-    strides = (weights, weights // ACT_BLOCKS[DOT_TYPES[encoding]] * 4, weights // 16 * 4)
+    # bytes per block of an activation's int8 values, scales, scaled sums and sums (per 16)
+    strides = (weights, weights // ACT_BLOCKS[DOT_TYPES[encoding]] * 4, weights // 16 * 4, weights // 16 * 2)
 
     def codegen(context, builder, sig, args):
         e = Emitter(context, builder)
         start, nblocks = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3))
-        bases = [e.pointer(sig.args[i], args[i]) for i in (4, 5, 6)]
+        bases = [e.pointer(sig.args[i], args[i]) for i in (4, 5, 6, 7)]
         row_bytes = [builder.mul(nblocks, ir.Constant(I64, stride)) for stride in strides]
         lanes = e.multiply_bytes // 4 if k_quant else 8  # of the vector a block's dot returns
         totals = [cgutils.alloca_once_value(builder, ir.Constant(vec(FLOAT, lanes), [0.0] * lanes)) for _ in range(count)]
@@ -84,31 +85,34 @@ def _int8_rows_codegen(encoding, count):
                 builder.store(value, total)
 
         block_loop(e, encoding, e.pointer(sig.args[1], args[1], start), nblocks, body)
-        dots = [e.hsum(e.fold8(builder.load(total))) for total in totals]
+        if encoding in INTEGER_TOTALS:  # the blocks' floats are in lane 0 (`Block.int_total`)
+            dots = [builder.extract_element(builder.load(total), ir.Constant(I32, 0)) for total in totals]
+        else:
+            dots = [e.hsum(e.fold8(builder.load(total))) for total in totals]
         return dots[0] if count == 1 else context.make_tuple(builder, sig.return_type, dots)
 
     return codegen
 
 
 @intrinsic
-def _row_dot_int8(typingctx, tag, w, offset, nblocks, xq, xd, xs):
+def _row_dot_int8(typingctx, tag, w, offset, nblocks, xq, xd, xs, xb):
     """float32 dot of the `nblocks` blocks at byte `offset` of `w` with one int8 activation
-    (xq, xd, xs)."""
+    (xq, xd, xs, xb)."""
     encoding = quantized_encoding(tag)
     if encoding is None:
         return None
-    return types.float32(tag, w, offset, nblocks, xq, xd, xs), _int8_rows_codegen(encoding, 1)
+    return types.float32(tag, w, offset, nblocks, xq, xd, xs, xb), _int8_rows_codegen(encoding, 1)
 
 
 def _row_dots_int8_intrinsic(count):
     @intrinsic
-    def row_dots_int8(typingctx, tag, w, offset, nblocks, xq, xd, xs):
+    def row_dots_int8(typingctx, tag, w, offset, nblocks, xq, xd, xs, xb):
         """As _row_dot_int8 for the first `count` rows of int8 activations [n, ...] at once:
         a tuple of `count` float32."""
         encoding = quantized_encoding(tag)
         if encoding is None:
             return None
-        signature = types.UniTuple(types.float32, count)(tag, w, offset, nblocks, xq, xd, xs)
+        signature = types.UniTuple(types.float32, count)(tag, w, offset, nblocks, xq, xd, xs, xb)
         return signature, _int8_rows_codegen(encoding, count)
 
     return row_dots_int8
@@ -225,7 +229,8 @@ def _row_dot_overload(tag, w, offset, cols, act):
         if activation_dot_type(act) is not None:
             if activation_dot_type(act) != DOT_TYPES[encoding]:
                 return None
-            return lambda tag, w, offset, cols, act: _row_dot_int8(tag, w, offset, cols // weights, act.q, act.d, act.sums)
+            return lambda tag, w, offset, cols, act: _row_dot_int8(tag, w, offset, cols // weights, act.q, act.d, act.sums,
+                                                                            act.bsums)
         return lambda tag, w, offset, cols, act: _row_dot_float(tag, w, offset, cols // weights, act)
     dtype, convert = _FLOAT_ELEMENTS[encoding]
     itemsize = np.dtype(dtype).itemsize
@@ -257,8 +262,13 @@ def _rows_times_overload(tag, w, first, stop, row_nbytes, cols, act, out):
         if activation_dot_type(act) != DOT_TYPES[encoding]:
             return None
 
+        tiles = encoding in INTEGER_TOTALS and int8_tiles.available()
+
         def int8_impl(tag, w, first, stop, row_nbytes, cols, act, out):
-            q, d, s = act
+            if tiles and out.shape[0] >= int8_tiles.MIN_ACTIVATIONS:
+                int8_tiles.tiled_rows_times(tag, w, first, stop, row_nbytes, cols, act, out)
+                return
+            q, d, s, sb = act
             n, nblocks = out.shape[0], cols // weights
             grouped = n - n % GROUP
             half = n - grouped >= GROUP // 2
@@ -267,18 +277,18 @@ def _rows_times_overload(tag, w, first, stop, row_nbytes, cols, act, out):
                 end = min(tile + ROW_TILE, stop)
                 for i in range(0, grouped, GROUP):  # each block unpacked once for GROUP activations
                     for r in range(tile, end):
-                        dots = _row_dots_int8(tag, w, r * row_nbytes, nblocks, q[i:], d[i:], s[i:])
+                        dots = _row_dots_int8(tag, w, r * row_nbytes, nblocks, q[i:], d[i:], s[i:], sb[i:])
                         for k in range(GROUP):
                             out[i + k, r] = dots[k]
                 if half:
                     for r in range(tile, end):
                         dots = _row_dots_int8_half(tag, w, r * row_nbytes, nblocks, q[grouped:], d[grouped:],
-                                                   s[grouped:])
+                                                   s[grouped:], sb[grouped:])
                         for k in range(GROUP // 2):
                             out[grouped + k, r] = dots[k]
                 for i in range(grouped + half * (GROUP // 2), n):
                     for r in range(tile, end):
-                        out[i, r] = _row_dot_int8(tag, w, r * row_nbytes, nblocks, q[i], d[i], s[i])
+                        out[i, r] = _row_dot_int8(tag, w, r * row_nbytes, nblocks, q[i], d[i], s[i], sb[i])
         return int8_impl
 
     def float_impl(tag, w, first, stop, row_nbytes, cols, act, out):

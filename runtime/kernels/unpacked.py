@@ -17,14 +17,23 @@ class Block:
     Signed levels that are never zero may come as sign and magnitude: `signs[j]` a <32 x i8>
     whose lanes are never zero and have the weights' signs, `magnitudes[j]` their absolute
     values (None: the levels' own). The int8 dot then moves the signs to the activations
-    without testing for zero, and never needs the signed levels."""
+    without testing for zero, and never needs the signed levels.
+
+    A block with `dmin` or `int_total` (the K-quants `blocks.INTEGER_TOTALS` names) is
+    multiplied as one integer: `d * xd * isum - dmin * xd * imin`, isum the scaled level
+    products less `bias` times the scaled sums of x, imin the sums of x over each 16 times
+    `int_mins16` (a <16 x i16>, one per 16 weights). Those few float operations in that order
+    are all the rounding a block adds, so any kernel that follows them gets the same bits
+    (`rows_times`' row-major tiles too)."""
 
     def __init__(self, levels, scales, signed=False, bias=0, offsets=None, per16=False,
-                 d=None, int_scales=None, pairs_per_scale=None, offsets16=None, signs=None, magnitudes=None):
+                 d=None, int_scales=None, pairs_per_scale=None, offsets16=None, signs=None, magnitudes=None,
+                 int_total=False, dmin=None, int_mins16=None):
         self.levels, self.scales, self.signed, self.bias = levels, scales, signed, bias
         self.signs, self.magnitudes = signs, magnitudes
         self.offsets, self.per16 = offsets, per16
         self.d, self.int_scales, self.pairs_per_scale, self.offsets16 = d, int_scales, pairs_per_scale, offsets16
+        self.int_total, self.dmin, self.int_mins16 = int_total, dmin, int_mins16
 
 
 class PerSubBlock:
