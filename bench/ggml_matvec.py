@@ -1,10 +1,10 @@
-"""ggml's own matrix-vector product, timed through ctypes: the anchor for `kernel_speed.py`.
+"""ggml's own matrix product, timed through ctypes: the anchor for `kernel_speed.py`.
 
-One ggml context holds a copy of the weight bytes and an F32 activation row; `ggml_mul_mat` in a
+One ggml context holds a copy of the weight bytes and F32 activation rows; `ggml_mul_mat` in a
 one-node graph, computed by libggml-cpu's `ggml_graph_compute_with_ctx` with the given threads,
-is what llama.cpp's decode runs for each matrix (the activation quantized to the type's
-`vec_dot_type`, then the type's `vec_dot` over the rows), in plain CPU memory (no repacked
-buffer types).
+is what llama.cpp runs for each matrix (the activations quantized to the type's
+`vec_dot_type`, then for one row the type's `vec_dot` over the weight rows, for many its tiled
+K-quant matmul where it has one), in plain CPU memory (no repacked buffer types).
 
     GgmlMatvec(Path(".venv/.../llama_cpp/lib")).seconds("IQ2_XXS", w, rows, cols, x, threads=2, repeat=7)
 """
@@ -48,21 +48,21 @@ class GgmlMatvec:
     def seconds(self, encoding: str, w: np.ndarray, rows: int, cols: int, x: np.ndarray, threads: int,
                 repeat: int) -> float:
         """Median seconds of ggml's product of `rows` x `cols` weights in `encoding` (bytes `w`)
-        with one float32 row `x`."""
+        with the float32 rows `x` ([n, cols], or one row [cols])."""
         return self.run(encoding, w, rows, cols, x, threads, repeat)[0]
 
     def product(self, encoding: str, w: np.ndarray, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
-        """ggml's product itself (float32 [rows]), to check that what is timed is the product."""
+        """ggml's product itself (float32 [n, rows]), to check that what is timed is the product."""
         return self.run(encoding, w, rows, cols, x, 1, 0)[1]
 
     def run(self, encoding, w, rows, cols, x, threads, repeat) -> tuple[float, np.ndarray]:
-        ctx = self.base.ggml_init(InitParams(w.nbytes + (256 << 20), None, False))
+        ctx = self.base.ggml_init(InitParams(w.nbytes + 2 * x.nbytes + (256 << 20), None, False))
         try:
             a = self.base.ggml_new_tensor_2d(ctx, int(gguf.GGMLQuantizationType[encoding]), cols, rows)
-            b = self.base.ggml_new_tensor_2d(ctx, int(gguf.GGMLQuantizationType.F32), cols, 1)
+            x = np.ascontiguousarray(x.reshape(-1, cols), np.float32)
+            b = self.base.ggml_new_tensor_2d(ctx, int(gguf.GGMLQuantizationType.F32), cols, x.shape[0])
             ctypes.memmove(self.base.ggml_get_data(a), w.ctypes.data, w.nbytes)
-            row = np.ascontiguousarray(x.reshape(-1), np.float32)
-            ctypes.memmove(self.base.ggml_get_data(b), row.ctypes.data, row.nbytes)
+            ctypes.memmove(self.base.ggml_get_data(b), x.ctypes.data, x.nbytes)
             graph = self.base.ggml_new_graph(ctx)
             out = self.base.ggml_mul_mat(ctx, a, b)
             self.base.ggml_build_forward_expand(graph, out)
@@ -73,7 +73,7 @@ class GgmlMatvec:
                     raise RuntimeError(f"ggml_graph_compute failed for {encoding}")
                 times.append(time.perf_counter() - started)
             result = np.ctypeslib.as_array(ctypes.cast(self.base.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)),
-                                           (rows,)).copy()
+                                           (x.shape[0], rows)).copy()
             return statistics.median(times[1:] or times), result  # the first run touches the pages
         finally:
             self.base.ggml_free(ctx)

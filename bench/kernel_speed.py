@@ -7,8 +7,8 @@ activations) and exact (float32) paths, and `matmul` with n=64 on those and, whe
 AMX, on the tiles (bfloat16), on matrices larger than the last-level cache. Last, the int8 row
 dot's own speed, in ns per weight block: one thread, its rows in L2, many passes per timing,
 the best of --repeat (what memory and a shared machine's noise do not blur).
-Beside each matvec, ggml's own (`bench/ggml_matvec.py`: llama.cpp's mul_mat of the same bytes,
-the same threads) and our ratio to it.
+Beside each int8 matvec and matmul, ggml's own (`bench/ggml_matvec.py`: llama.cpp's mul_mat of
+the same bytes and activations, the same threads) and our ratio to it.
 Prints a table with each result as a fraction of the read bandwidth at the same thread count
 (what bounds a matvec) and in multiply-adds per second (what bounds a matmul), and writes
 bench/out/kernels.json. Every number is the median of --repeat runs.
@@ -115,11 +115,12 @@ def ggml_anchor(folder: Path | None):
 
 
 def timed_anchor(ggml, matrix, encoding: str, w: np.ndarray, rows: int, x: np.ndarray, threads: int, repeat: int):
-    """ggml's matvec seconds on the same bytes, once its product of the first 64 rows is checked
-    against ours (both round the activation to 8 bits, so within 2% of the largest)."""
+    """ggml's seconds for the same product on the same bytes, once its product of the first 64
+    rows is checked against ours (both round the activations to 8 bits, so within 2% of the
+    largest)."""
     few = 64 * row_bytes(encoding, COLS)
     theirs = ggml.product(encoding, w[:few], 64, COLS, x)
-    ours = kernels.Matrix(w[:few], encoding, 64, COLS)(x)[0]
+    ours = kernels.Matrix(w[:few], encoding, 64, COLS)(x)
     if np.abs(theirs - ours).max() > 0.02 * np.abs(ours).max():
         raise SystemExit(f"ggml's {encoding} product differs from ours: the anchor would time something else")
     return ggml.seconds(encoding, w, rows, COLS, x, threads, repeat)
@@ -175,7 +176,7 @@ def main() -> None:
                     fraction = gbs / bandwidth[f"read_{n}t_gbs"]
                     gmacs = rows * COLS * x.shape[0] / seconds / 1e9  # multiply-adds: what bounds a matmul
                     anchor = timed_anchor(ggml, matrix, encoding, w, rows, x, n, args.repeat) \
-                        if ggml is not None and op == "matvec" and path == paths[0] else None
+                        if ggml is not None and path == paths[0] else None
                     ggml_gbs = w.nbytes / anchor / 1e9 if anchor else None
                     results.append({"op": op, "encoding": encoding, "path": path, "threads": n, "rows": rows,
                                     "cols": COLS, "matrix_mb": w.nbytes / 2**20, "seconds": seconds,

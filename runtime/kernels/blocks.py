@@ -359,26 +359,30 @@ def block_total(e, d, dmin, isum, imin, xd):
 
 def _integer_totals(e, block, accs, activations, totals):
     """k_int8_dots' end for a block multiplied as one integer: each acc less the bias's
-    products (isum) and the mins' products (imin) summed side by side in one vector, the
-    block's float added to lane 0 of its total."""
+    products (isum) and the mins' products (imin) summed side by side in 256-bit vectors,
+    the block's float added to lane 0 of its total."""
     b = e.b
-    zero8 = e.const(I32, 8, 0)
+    zero8, lane0 = e.const(I32, 8, 0), ir.Constant(I32, 0)
     results = []
     for acc, (_, xd, _, xb), total in zip(accs, activations, totals):
         sums16 = e.load(xb, 0, I16, 16)
-        n = acc.type.count
-        acc8 = b.add(e.pick(acc, range(8)), e.pick(acc, range(8, 16))) if n == 16 else acc
+        acc8 = b.add(e.pick(acc, range(8)), e.pick(acc, range(8, 16))) if acc.type.count == 16 else acc
         if block.bias:  # the levels were used without their bias: take bias * scale * sum off
-            biased = e.add_pair_products(zero8, block.int_scales, sums16)
-            acc8 = b.sub(acc8, b.mul(biased, e.const(I32, 8, block.bias)))
+            acc8 = e.add_pair_products(acc8, b.mul(block.int_scales, e.const(I16, 16, -block.bias)), sums16)
         mins = e.add_pair_products(zero8, block.int_mins16, sums16) if block.dmin is not None else zero8
-        both = e.shuffle(acc8, mins, range(16))  # lanes 0-7 sum to isum, 8-15 to imin
-        for step in (4, 2, 1):
-            both = b.add(both, e.pick(both, [lane ^ step for lane in range(16)]))
-        isum, imin = (b.extract_element(both, ir.Constant(I32, lane)) for lane in (0, 8))
-        value = block_total(e, block.d, block.dmin, isum, imin if block.dmin is not None else None,
-                            e.load(xd, 0, FLOAT))
-        lane0 = ir.Constant(I32, 0)
+        # [acc8 | mins] interleaved and summed down to <2 x i32>: isum, imin
+        pairs = b.add(e.shuffle(acc8, mins, [0, 8, 1, 9, 4, 12, 5, 13]), e.shuffle(acc8, mins, [2, 10, 3, 11, 6, 14, 7, 15]))
+        pairs = b.add(pairs, e.pick(pairs, [2, 3, 0, 1, 6, 7, 4, 5]))
+        pairs = b.add(e.pick(pairs, [0, 1]), e.pick(pairs, [4, 5]))
+        xd1 = e.load(xd, 0, FLOAT)
+        if block.dmin is None:
+            value = block_total(e, block.d, None, b.extract_element(pairs, lane0), None, xd1)
+        else:  # block_total's products for both at once
+            scales = b.insert_element(b.insert_element(ir.Constant(vec(FLOAT, 2), None), block.d, lane0),
+                                      block.dmin, ir.Constant(I32, 1))
+            products = b.fmul(e.to_float(pairs), b.fmul(scales, e.splat(xd1, 2), flags=KEEP_ORDER), flags=KEEP_ORDER)
+            value = b.fsub(b.extract_element(products, lane0), b.extract_element(products, ir.Constant(I32, 1)),
+                           flags=KEEP_ORDER)
         results.append(b.insert_element(total, b.fadd(b.extract_element(total, lane0), value, flags=KEEP_ORDER), lane0))
     return results
 
