@@ -20,7 +20,9 @@ from colibri.runtime.kernels.emitter import CONTRACT, FLOAT, I1, I8, I16, I32, I
 from colibri.runtime.kernels.grid_blocks import GRID_UNPACKERS
 from colibri.runtime.kernels.unpacked import Block
 
-INTEGER_TOTALS = ("Q4_K", "Q5_K", "Q6_K")  # multiplied as one integer a block (`Block.int_total`)
+# multiplied as one integer a block (`Block.int_total`) where the CPU has AVX-512 VNNI, whose
+# prompts take the int8 tiles (`int8_tiles`); elsewhere their int8 dots keep float lanes
+INTEGER_TOTALS = ("Q4_K", "Q5_K", "Q6_K")
 PREFETCH_BYTES = 4096  # how far ahead of the current block the weight stream is prefetched
 CACHE_LINE = 64
 
@@ -76,7 +78,7 @@ def _k_block(e, block, levels):
     return Block(levels, b.fmul(e.splat(d), e.pick(values, range(8))), offsets=offsets,
                   d=d, int_scales=int_scales, pairs_per_scale=16,
                   offsets16=e.pick(offsets, [j // 2 for j in range(16)]),
-                  int_total=True, dmin=dmin, int_mins16=e.pick(int_scales, [8 + j // 2 for j in range(16)]))
+                  int_total=e.vnni512, dmin=dmin, int_mins16=e.pick(int_scales, [8 + j // 2 for j in range(16)]))
 
 
 def _unpack_q4_k(e, block):
@@ -114,7 +116,7 @@ def _unpack_q6_k(e, block):
     scales = b.fmul(e.splat(d, 16), b.sitofp(packed, vec(FLOAT, 16)))
     return Block(levels, scales, bias=32, per16=True,
                   d=d, int_scales=b.sext(packed, vec(I16, 16)), pairs_per_scale=8,
-                  offsets16=b.fmul(scales, e.splat(ir.Constant(FLOAT, -32.0), 16)), int_total=True)
+                  offsets16=b.fmul(scales, e.splat(ir.Constant(FLOAT, -32.0), 16)), int_total=e.vnni512)
 
 
 def _unpack_q8_0(e, block):
@@ -332,7 +334,7 @@ def k_int8_dot(e, block, xq, xd, xs, xb, total):
     """IR: `total` (<8 x float>, <16 x float> with AVX-512) plus lanes that sum to the dot of
     an unpacked K-quant block with a Q8_K activation block: 256 int8 levels at xq, one
     float32 scale at xd, the sums of each 16 levels scaled at xs and as they are at xb. A block
-    with `int_total` adds to lane 0 only."""
+    with `int_total` takes and returns its total as a float32 scalar."""
     return k_int8_dots(e, block, [(xq, xd, xs, xb)], [total])[0]
 
 
@@ -360,7 +362,7 @@ def block_total(e, d, dmin, isum, imin, xd):
 def _integer_totals(e, block, accs, activations, totals):
     """k_int8_dots' end for a block multiplied as one integer: each acc less the bias's
     products (isum) and the mins' products (imin) summed side by side in 256-bit vectors,
-    the block's float added to lane 0 of its total."""
+    the block's float added to its total (a float32 scalar)."""
     b = e.b
     zero8, lane0 = e.const(I32, 8, 0), ir.Constant(I32, 0)
     results = []
@@ -383,7 +385,7 @@ def _integer_totals(e, block, accs, activations, totals):
             products = b.fmul(e.to_float(pairs), b.fmul(scales, e.splat(xd1, 2), flags=KEEP_ORDER), flags=KEEP_ORDER)
             value = b.fsub(b.extract_element(products, lane0), b.extract_element(products, ir.Constant(I32, 1)),
                            flags=KEEP_ORDER)
-        results.append(b.insert_element(total, b.fadd(b.extract_element(total, lane0), value, flags=KEEP_ORDER), lane0))
+        results.append(b.fadd(total, value, flags=KEEP_ORDER))
     return results
 
 

@@ -25,7 +25,7 @@ from colibri.runtime.kernels.blocks import (
     CACHE_LINE, INTEGER_TOTALS, PREFETCH_BYTES, UNPACKERS, block_loop, dequantized_sub_block, encoding_of, int8_dot,
     k_int8_dots, quantized_encoding,
 )
-from colibri.runtime.kernels.emitter import Emitter, FLOAT, I32, I64, bf16_to_float, half_to_float, prefetch_line, vec
+from colibri.runtime.kernels.emitter import Emitter, FLOAT, I64, bf16_to_float, half_to_float, prefetch_line, vec
 from colibri.runtime.kernels import int8_tiles
 from colibri.runtime.kernels.threads import part_range
 
@@ -70,7 +70,9 @@ def _int8_rows_codegen(encoding, count):
         bases = [e.pointer(sig.args[i], args[i]) for i in (4, 5, 6, 7)]
         row_bytes = [builder.mul(nblocks, ir.Constant(I64, stride)) for stride in strides]
         lanes = e.multiply_bytes // 4 if k_quant else 8  # of the vector a block's dot returns
-        totals = [cgutils.alloca_once_value(builder, ir.Constant(vec(FLOAT, lanes), [0.0] * lanes)) for _ in range(count)]
+        integer = encoding in INTEGER_TOTALS and e.vnni512  # the blocks' floats added one by one (`Block.int_total`)
+        zero = ir.Constant(FLOAT, 0.0) if integer else ir.Constant(vec(FLOAT, lanes), [0.0] * lanes)
+        totals = [cgutils.alloca_once_value(builder, zero) for _ in range(count)]
 
         def body(index, block):
             activations = [tuple(e.at(base, builder.add(builder.mul(ir.Constant(I64, k), size),
@@ -85,8 +87,8 @@ def _int8_rows_codegen(encoding, count):
                 builder.store(value, total)
 
         block_loop(e, encoding, e.pointer(sig.args[1], args[1], start), nblocks, body)
-        if encoding in INTEGER_TOTALS:  # the blocks' floats are in lane 0 (`Block.int_total`)
-            dots = [builder.extract_element(builder.load(total), ir.Constant(I32, 0)) for total in totals]
+        if integer:
+            dots = [builder.load(total) for total in totals]
         else:
             dots = [e.hsum(e.fold8(builder.load(total))) for total in totals]
         return dots[0] if count == 1 else context.make_tuple(builder, sig.return_type, dots)

@@ -19,12 +19,12 @@ class Block:
     values (None: the levels' own). The int8 dot then moves the signs to the activations
     without testing for zero, and never needs the signed levels.
 
-    A block with `dmin` or `int_total` (the K-quants `blocks.INTEGER_TOTALS` names) is
-    multiplied as one integer: `d * xd * isum - dmin * xd * imin`, isum the scaled level
+    A block with `int_total` (the K-quants `blocks.INTEGER_TOTALS` names, on CPUs with AVX-512
+    VNNI) is multiplied as one integer: `d * xd * isum - dmin * xd * imin`, isum the scaled level
     products less `bias` times the scaled sums of x, imin the sums of x over each 16 times
-    `int_mins16` (a <16 x i16>, one per 16 weights). Those few float operations in that order
-    are all the rounding a block adds, so any kernel that follows them gets the same bits
-    (`rows_times`' row-major tiles too)."""
+    `int_mins16` (a <16 x i16>, one per 16 weights; `dmin` the mins' scale). Those few float
+    operations in that order are all the rounding a block adds, so any kernel that follows them
+    gets the same bits (`int8_tiles` too)."""
 
     def __init__(self, levels, scales, signed=False, bias=0, offsets=None, per16=False,
                  d=None, int_scales=None, pairs_per_scale=None, offsets16=None, signs=None, magnitudes=None,
