@@ -11,6 +11,7 @@ come through the `ExpertStore`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -569,9 +570,11 @@ class Decoder:
 
     def forward(self, tokens, cache: KVCache, all_logits: bool = True) -> np.ndarray:
         """Logits [n, vocab] for `tokens` placed after the cache's contents ([1, vocab] for the
-        last token only, unless `all_logits`); one token takes the fused decode path."""
-        x = self.hidden_states(tokens, [Segment(0, len(tokens), cache.length, cache)], batch_invariant=False)
-        return self.logits(x if all_logits else x[-1:])
+        last token only, unless `all_logits`); one token takes the fused decode path, and its
+        products the row dots of a token decoded alone (`kernels.decoding_alone`)."""
+        with kernels.decoding_alone() if len(tokens) == 1 else contextlib.nullcontext():
+            x = self.hidden_states(tokens, [Segment(0, len(tokens), cache.length, cache)], batch_invariant=False)
+            return self.logits(x if all_logits else x[-1:])
 
     def forward_batch(self, batch: list[tuple[list[int], KVCache]], rows: list[int] | None = None) -> np.ndarray:
         """Logits [len(batch), vocab] of the last token of each (tokens, cache) pair, the tokens

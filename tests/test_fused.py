@@ -70,7 +70,8 @@ def test_a_fused_ffn_step_gives_the_dense_ffns_bits(encodings):
     step = FFNStep(*matrices, h)
     for _ in range(3):
         h[:] = rng.normal(size=(1, hidden))
-        np.testing.assert_array_equal(step(), ffn_layer(h.copy()))
+        with kernels.decoding_alone():  # the general path's products of one token decoded alone
+            np.testing.assert_array_equal(step(), ffn_layer(h.copy()))
 
 
 @pytest.mark.parametrize("arch, policy", [("mixtral", "lru"), ("deepseek_v3", "lfru")])

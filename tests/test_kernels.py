@@ -107,7 +107,8 @@ def test_results_do_not_depend_on_the_thread_count(activations):
 def test_many_activations_give_each_the_bits_of_its_own_row_dots(encoding):
     """A prompt's product (on the int8 tiles, where the CPU has AVX-512 VNNI: panels of rows,
     bands of 16 activations, the last ones short) gives every activation the bits it gets
-    alone; and the tile kernel itself does, for fewer activations than take it."""
+    alone; and the tile kernel itself does, for fewer activations than take it. Tokens decoded
+    alone keep the row dots' float lanes, in any number."""
     rows, cols = 45, COLS[encoding]  # two panels, the second not a whole tile
     w, _ = random_weights(encoding, rows, cols)
     matrix = kernels.Matrix(w, encoding, rows, cols)
@@ -115,6 +116,12 @@ def test_many_activations_give_each_the_bits_of_its_own_row_dots(encoding):
     alone = np.stack([matrix(x[i:i + 1])[0] for i in range(len(x))])
     for n in (3, int8_tiles.MIN_ACTIVATIONS, 17, 40):
         assert np.array_equal(matrix(x[:n]).view(np.uint32), alone[:n].view(np.uint32)), n
+    with kernels.decoding_alone():  # a token decoded alone: the row dots' float lanes, never the tiles
+        lone = np.stack([matrix(x[i:i + 1])[0] for i in range(len(x))])
+        assert np.array_equal(matrix(x).view(np.uint32), lone.view(np.uint32))
+    reference = x.astype(np.float64) @ gguf.quants.dequantize(w, gguf.GGMLQuantizationType[encoding]).T
+    assert relative_error(lone, reference) <= kernels.FAST_PATH_TOLERANCE
+    assert not int8_tiles.available() or not np.array_equal(lone, alone)  # two numerics where the tiles are
     if int8_tiles.available():
         out = np.empty((3, rows), np.float32)
         int8_tiles.tiled_rows_times(matrix.tag, matrix.data, 0, rows, matrix.row_nbytes, cols, matrix.activation(x[:3]),

@@ -35,6 +35,10 @@ DOT_TYPES = {e: "Q8_K" if block_size(e)[0] == ACT_BLOCKS["Q8_K"] else "Q8_0" for
 WIDEST_ACT_BLOCK = 256
 Q8_0Activation = namedtuple("Q8_0Activation", "q d sums bsums")
 Q8_KActivation = namedtuple("Q8_KActivation", "q d sums bsums")
+# The same, for a token decoded alone (`decoding_alone`): its products keep the row dots' float
+# lanes, their fastest, where other rows' are one integer a K-quant block (`blocks.INTEGER_TOTALS`,
+# which the prompts' tiles need). Such a row never shares a product with another sequence's.
+Q8_KAloneActivation = namedtuple("Q8_KAloneActivation", "q d sums bsums")
 INT8_ACTIVATIONS = {"Q8_0": Q8_0Activation, "Q8_K": Q8_KActivation}
 
 # Bound on the fast path's error relative to the output's max-abs, against float64 products of
@@ -76,10 +80,12 @@ def _quantize_blocks(values, q, d, sums, bsums, start, stop, block):
             sums[b * block // 16 + group] = d[b] * F32(total)
 
 
-def empty_activation(n, cols, dot_type):
-    """Uninitialized int8 activations of n rows of `cols` values in `dot_type`."""
-    return INT8_ACTIVATIONS[dot_type](np.empty((n, cols), np.int8), np.empty((n, cols // ACT_BLOCKS[dot_type]), np.float32),
-                                 np.empty((n, cols // 16), np.float32), np.empty((n, cols // 16), np.int16))
+def empty_activation(n, cols, dot_type, alone=False):
+    """Uninitialized int8 activations of n rows of `cols` values in `dot_type` (of a token
+    decoded alone: `Q8_KAloneActivation`)."""
+    kind = Q8_KAloneActivation if alone and dot_type == "Q8_K" else INT8_ACTIVATIONS[dot_type]
+    return kind(np.empty((n, cols), np.int8), np.empty((n, cols // ACT_BLOCKS[dot_type]), np.float32),
+                np.empty((n, cols // 16), np.float32), np.empty((n, cols // 16), np.int16))
 
 
 def activation_dot_type(act) -> str | None:
@@ -88,7 +94,14 @@ def activation_dot_type(act) -> str | None:
         for dot_type, activation in INT8_ACTIVATIONS.items():
             if act.instance_class is activation:
                 return dot_type
+        if act.instance_class is Q8_KAloneActivation:
+            return "Q8_K"
     return None
+
+
+def decoded_alone(act) -> bool:
+    """Whether a numba activation type is a token's decoded alone (`Q8_KAloneActivation`)."""
+    return isinstance(act, types.BaseNamedTuple) and act.instance_class is Q8_KAloneActivation
 
 
 def fill_activation(act, values, start, stop):
@@ -141,30 +154,44 @@ def float_rows(x: np.ndarray, cols: int) -> np.ndarray:
     return x
 
 
-_tile_switch = threading.local()
+_switches = threading.local()
 
 
 @contextmanager
 def without_tiles():
     """Products made inside (on this thread) take the int8 path whatever their number of rows:
     in a batch of sequences, which path a row takes must not depend on the rows beside it."""
-    before = getattr(_tile_switch, "off", False)
-    _tile_switch.off = True
+    before = getattr(_switches, "off", False)
+    _switches.off = True
     try:
         yield
     finally:
-        _tile_switch.off = before
+        _switches.off = before
+
+
+@contextmanager
+def decoding_alone():
+    """Int8 activations made inside (on this thread) are a token's decoded alone
+    (`Q8_KAloneActivation`), as the fused decode steps' own are: one token outside a batch."""
+    before = getattr(_switches, "alone", False)
+    _switches.alone = True
+    try:
+        yield
+    finally:
+        _switches.alone = before
 
 
 def make_activation(x: np.ndarray, dot_type: str | None, tiles: bool = True):
     """float32 [n, cols] as the kernels take it: x itself (None: the exact path); rounded to
     bfloat16 for AMX tiles when `tiles`, there are at least amx.MIN_TOKENS rows, the CPU has
-    them and no `without_tiles` is in force; else quantized to int8 `dot_type` activations."""
+    them and no `without_tiles` is in force; else quantized to int8 `dot_type` activations
+    (a token's decoded alone inside `decoding_alone`)."""
     if dot_type is None:
         return x
-    if tiles and x.shape[0] >= amx.MIN_TOKENS and not getattr(_tile_switch, "off", False) and amx.available():
+    if tiles and x.shape[0] >= amx.MIN_TOKENS and not getattr(_switches, "off", False) and amx.available():
         return amx.TileActivation(x)
-    return _quantize_all(empty_activation(*x.shape, dot_type), x)
+    alone = getattr(_switches, "alone", False)
+    return _quantize_all(empty_activation(*x.shape, dot_type, alone), x)
 
 
 def activation_rows(act, index):

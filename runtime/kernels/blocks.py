@@ -21,7 +21,8 @@ from colibri.runtime.kernels.grid_blocks import GRID_UNPACKERS
 from colibri.runtime.kernels.unpacked import Block
 
 # multiplied as one integer a block (`Block.int_total`) where the CPU has AVX-512 VNNI, whose
-# prompts take the int8 tiles (`int8_tiles`); elsewhere their int8 dots keep float lanes
+# prompts take the int8 tiles (`int8_tiles`), except by a token decoded alone (`Emitter.int_totals`);
+# elsewhere their int8 dots keep float lanes
 INTEGER_TOTALS = ("Q4_K", "Q5_K", "Q6_K")
 PREFETCH_BYTES = 4096  # how far ahead of the current block the weight stream is prefetched
 CACHE_LINE = 64
@@ -78,7 +79,7 @@ def _k_block(e, block, levels):
     return Block(levels, b.fmul(e.splat(d), e.pick(values, range(8))), offsets=offsets,
                   d=d, int_scales=int_scales, pairs_per_scale=16,
                   offsets16=e.pick(offsets, [j // 2 for j in range(16)]),
-                  int_total=e.vnni512, dmin=dmin, int_mins16=e.pick(int_scales, [8 + j // 2 for j in range(16)]))
+                  int_total=e.int_totals, dmin=dmin, int_mins16=e.pick(int_scales, [8 + j // 2 for j in range(16)]))
 
 
 def _unpack_q4_k(e, block):
@@ -116,7 +117,7 @@ def _unpack_q6_k(e, block):
     scales = b.fmul(e.splat(d, 16), b.sitofp(packed, vec(FLOAT, 16)))
     return Block(levels, scales, bias=32, per16=True,
                   d=d, int_scales=b.sext(packed, vec(I16, 16)), pairs_per_scale=8,
-                  offsets16=b.fmul(scales, e.splat(ir.Constant(FLOAT, -32.0), 16)), int_total=e.vnni512)
+                  offsets16=b.fmul(scales, e.splat(ir.Constant(FLOAT, -32.0), 16)), int_total=e.int_totals)
 
 
 def _unpack_q8_0(e, block):

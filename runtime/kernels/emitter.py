@@ -109,6 +109,9 @@ class Emitter:
         self.avx2, self.vnni, self.avx512, self.vnni512, self.f16c = isa.avx2, isa.vnni, isa.avx512, isa.vnni512, isa.f16c
         self.x86 = isa.x86
         self.multiply_bytes = 64 if self.avx512 else 32  # bytes per vector of `pair_products`
+        # K-quant blocks multiplied as one integer (`blocks.INTEGER_TOTALS`), where prompts take
+        # the int8 tiles; the dots of a token decoded alone turn it off (`rows.py`)
+        self.int_totals = self.vnni512
 
     # memory
     def pointer(self, arraytype, array, byte_offset=None):

@@ -279,12 +279,13 @@ class ExpertKernel:
 
     def scratch(self, row: np.ndarray, k: int) -> ExpertScratch:
         """The one-token kernel's buffers for row [1, hidden] and k experts (the float path
-        reads `row` itself); the arrays are kept for the next token."""
+        reads `row` itself), a token's decoded alone; the arrays are kept for the next token."""
         if self.decode_buffers is None or self.decode_buffers[1].shape[1] != k:
-            acts = {dot_type: None if dot_type is None else empty_activation(1, self.hidden, dot_type)
+            acts = {dot_type: None if dot_type is None else empty_activation(1, self.hidden, dot_type, alone=True)
                     for dot_type in self.dot_types[:2]}
             gate_up = np.empty((2, k, self.ffn), np.float32)
-            h_act = gate_up[0] if self.dot_types[2] is None else empty_activation(k, self.ffn, self.dot_types[2])
+            h_act = gate_up[0] if self.dot_types[2] is None else \
+                empty_activation(k, self.ffn, self.dot_types[2], alone=True)
             self.decode_buffers = acts, gate_up, h_act
         acts, gate_up, h_act = self.decode_buffers
         gate_act, up_act = (row if acts[dot_type] is None else acts[dot_type] for dot_type in self.dot_types[:2])

@@ -20,7 +20,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from colibri.formats.encodings import block_size
-from colibri.runtime.kernels.activations import ACT_BLOCKS, DOT_TYPES, activation_dot_type, activation_row
+from colibri.runtime.kernels.activations import (
+    ACT_BLOCKS, DOT_TYPES, activation_dot_type, activation_row, decoded_alone,
+)
 from colibri.runtime.kernels.blocks import (
     CACHE_LINE, INTEGER_TOTALS, PREFETCH_BYTES, UNPACKERS, block_loop, dequantized_sub_block, encoding_of, int8_dot,
     k_int8_dots, quantized_encoding,
@@ -56,9 +58,10 @@ def _prefetch_ahead(w, offset, nbytes):
         prefetch_line(w, offset + PREFETCH_BYTES + line)
 
 
-def _int8_rows_codegen(encoding, count):
+def _int8_rows_codegen(encoding, count, alone):
     """codegen of the int8 dot of a row of blocks with `count` activations at once: each
-    block is unpacked once for all of them (one loop of vector IR, vector accumulators)."""
+    block is unpacked once for all of them (one loop of vector IR, vector accumulators). The
+    activations of a token decoded `alone` keep float lanes (`activations.Q8_KAloneActivation`)."""
     weights = block_size(encoding)[0]
     k_quant = DOT_TYPES[encoding] == "Q8_K"
     # bytes per block of an activation's int8 values, scales, scaled sums and sums (per 16)
@@ -66,11 +69,12 @@ def _int8_rows_codegen(encoding, count):
 
     def codegen(context, builder, sig, args):
         e = Emitter(context, builder)
+        e.int_totals = e.int_totals and not alone
         start, nblocks = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3))
         bases = [e.pointer(sig.args[i], args[i]) for i in (4, 5, 6, 7)]
         row_bytes = [builder.mul(nblocks, ir.Constant(I64, stride)) for stride in strides]
         lanes = e.multiply_bytes // 4 if k_quant else 8  # of the vector a block's dot returns
-        integer = encoding in INTEGER_TOTALS and e.vnni512  # the blocks' floats added one by one (`Block.int_total`)
+        integer = encoding in INTEGER_TOTALS and e.int_totals  # the blocks' floats added one by one (`Block.int_total`)
         zero = ir.Constant(FLOAT, 0.0) if integer else ir.Constant(vec(FLOAT, lanes), [0.0] * lanes)
         totals = [cgutils.alloca_once_value(builder, zero) for _ in range(count)]
 
@@ -96,32 +100,23 @@ def _int8_rows_codegen(encoding, count):
     return codegen
 
 
-@intrinsic
-def _row_dot_int8(typingctx, tag, w, offset, nblocks, xq, xd, xs, xb):
-    """float32 dot of the `nblocks` blocks at byte `offset` of `w` with one int8 activation
-    (xq, xd, xs, xb)."""
-    encoding = quantized_encoding(tag)
-    if encoding is None:
-        return None
-    return types.float32(tag, w, offset, nblocks, xq, xd, xs, xb), _int8_rows_codegen(encoding, 1)
-
-
-def _row_dots_int8_intrinsic(count):
+def _row_dots_int8_intrinsic(count, alone):
     @intrinsic
     def row_dots_int8(typingctx, tag, w, offset, nblocks, xq, xd, xs, xb):
-        """As _row_dot_int8 for the first `count` rows of int8 activations [n, ...] at once:
-        a tuple of `count` float32."""
+        """float32 dot of the `nblocks` blocks at byte `offset` of `w` with the first `count`
+        rows of int8 activations (xq, xd, xs, xb) at once: a float32, or a tuple of them."""
         encoding = quantized_encoding(tag)
         if encoding is None:
             return None
-        signature = types.UniTuple(types.float32, count)(tag, w, offset, nblocks, xq, xd, xs, xb)
-        return signature, _int8_rows_codegen(encoding, count)
+        result = types.float32 if count == 1 else types.UniTuple(types.float32, count)
+        return result(tag, w, offset, nblocks, xq, xd, xs, xb), _int8_rows_codegen(encoding, count, alone)
 
     return row_dots_int8
 
 
-_row_dots_int8 = _row_dots_int8_intrinsic(GROUP)
-_row_dots_int8_half = _row_dots_int8_intrinsic(GROUP // 2)
+# (activations at once, of a token decoded alone) -> the row dot
+_ROW_DOTS = {(count, alone): _row_dots_int8_intrinsic(count, alone)
+             for count in (1, GROUP // 2, GROUP) for alone in (False, True)}
 
 
 @intrinsic
@@ -231,8 +226,8 @@ def _row_dot_overload(tag, w, offset, cols, act):
         if activation_dot_type(act) is not None:
             if activation_dot_type(act) != DOT_TYPES[encoding]:
                 return None
-            return lambda tag, w, offset, cols, act: _row_dot_int8(tag, w, offset, cols // weights, act.q, act.d, act.sums,
-                                                                            act.bsums)
+            one = _ROW_DOTS[1, decoded_alone(act)]
+            return lambda tag, w, offset, cols, act: one(tag, w, offset, cols // weights, act.q, act.d, act.sums, act.bsums)
         return lambda tag, w, offset, cols, act: _row_dot_float(tag, w, offset, cols // weights, act)
     dtype, convert = _FLOAT_ELEMENTS[encoding]
     itemsize = np.dtype(dtype).itemsize
@@ -264,7 +259,8 @@ def _rows_times_overload(tag, w, first, stop, row_nbytes, cols, act, out):
         if activation_dot_type(act) != DOT_TYPES[encoding]:
             return None
 
-        tiles = encoding in INTEGER_TOTALS and int8_tiles.available()
+        tiles = encoding in INTEGER_TOTALS and int8_tiles.available() and not decoded_alone(act)
+        dot_one, dot_half, dot_group = (_ROW_DOTS[count, decoded_alone(act)] for count in (1, GROUP // 2, GROUP))
 
         def int8_impl(tag, w, first, stop, row_nbytes, cols, act, out):
             if tiles and out.shape[0] >= int8_tiles.MIN_ACTIVATIONS:
@@ -279,18 +275,18 @@ def _rows_times_overload(tag, w, first, stop, row_nbytes, cols, act, out):
                 end = min(tile + ROW_TILE, stop)
                 for i in range(0, grouped, GROUP):  # each block unpacked once for GROUP activations
                     for r in range(tile, end):
-                        dots = _row_dots_int8(tag, w, r * row_nbytes, nblocks, q[i:], d[i:], s[i:], sb[i:])
+                        dots = dot_group(tag, w, r * row_nbytes, nblocks, q[i:], d[i:], s[i:], sb[i:])
                         for k in range(GROUP):
                             out[i + k, r] = dots[k]
                 if half:
                     for r in range(tile, end):
-                        dots = _row_dots_int8_half(tag, w, r * row_nbytes, nblocks, q[grouped:], d[grouped:],
-                                                   s[grouped:], sb[grouped:])
+                        dots = dot_half(tag, w, r * row_nbytes, nblocks, q[grouped:], d[grouped:], s[grouped:],
+                                        sb[grouped:])
                         for k in range(GROUP // 2):
                             out[grouped + k, r] = dots[k]
                 for i in range(grouped + half * (GROUP // 2), n):
                     for r in range(tile, end):
-                        out[i, r] = _row_dot_int8(tag, w, r * row_nbytes, nblocks, q[i], d[i], s[i], sb[i])
+                        out[i, r] = dot_one(tag, w, r * row_nbytes, nblocks, q[i], d[i], s[i], sb[i])
         return int8_impl
 
     def float_impl(tag, w, first, stop, row_nbytes, cols, act, out):
