@@ -20,6 +20,7 @@ bench/out/kernels.json. Every number is the median of --repeat runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -86,10 +87,11 @@ def _passes(tag, w, rows, row_nbytes, cols, act, out, count):
 
 
 def in_cache_ns_per_block(encoding: str, repeat: int) -> float:
-    """ns per weight block of the int8 row dot with one activation, on one thread, its rows in
-    L2: the best of `repeat` timings (other processes only ever add time)."""
+    """ns per weight block of the int8 row dot with one activation (a token's decoded alone), on
+    one thread, its rows in L2: the best of `repeat` timings (other processes only ever add time)."""
     matrix = kernels.Matrix(weight_bytes(encoding, IN_CACHE_ROWS, COLS), encoding, IN_CACHE_ROWS, COLS)
-    act = matrix.activation(np.random.default_rng(1).standard_normal((1, COLS)).astype(np.float32), tiles=False)
+    with kernels.decoding_alone():  # a decoded token's row dot
+        act = matrix.activation(np.random.default_rng(1).standard_normal((1, COLS)).astype(np.float32), tiles=False)
     out = np.empty((1, IN_CACHE_ROWS), np.float32)
     run = [matrix.tag, matrix.data, IN_CACHE_ROWS, matrix.row_nbytes, matrix.cols, act, out]
     _passes(*run, 1)
@@ -171,7 +173,9 @@ def main() -> None:
 
                     def run():
                         matrix.times(matrix.activation(x, tiles=path == "tiles"), x.shape[0])
-                    seconds = median_seconds(run, args.repeat if op == "matvec" else max(3, args.repeat // 2))
+                    # a matvec is a decoded token's product: its activation a token's decoded alone
+                    with kernels.decoding_alone() if op == "matvec" else contextlib.nullcontext():
+                        seconds = median_seconds(run, args.repeat if op == "matvec" else max(3, args.repeat // 2))
                     gbs = w.nbytes / seconds / 1e9
                     fraction = gbs / bandwidth[f"read_{n}t_gbs"]
                     gmacs = rows * COLS * x.shape[0] / seconds / 1e9  # multiply-adds: what bounds a matmul

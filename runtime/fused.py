@@ -382,8 +382,8 @@ def _dense_tail_kernel(x, rec, s, heads, ffn, fs, nthreads):
 
 def _activation_for(matrix: kernels.Matrix, values: np.ndarray):
     """The activation buffer `matrix` multiplies `values` [n, cols] through: `values` itself on
-    the float path, else an int8 activation of a token decoded alone the kernels fill from it."""
-    return values if matrix.dot_type is None else matrix.empty_activation(values.shape[0], alone=True)
+    the float path, else an int8 activation with float lanes the kernels fill from it."""
+    return values if matrix.dot_type is None else matrix.empty_activation(values.shape[0], lanes=True)
 
 
 def ffn_scratch(gate: kernels.Matrix, up: kernels.Matrix, down: kernels.Matrix, h: np.ndarray) -> FFNScratch:

@@ -5,6 +5,7 @@ them with `gguf.quants.dequantize` and multiplies in float64. The exact path mus
 1e-5 of the output's largest magnitude, the int8 fast path to `FAST_PATH_TOLERANCE`.
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -108,7 +109,7 @@ def test_many_activations_give_each_the_bits_of_its_own_row_dots(encoding):
     """A prompt's product (on the int8 tiles, where the CPU has AVX-512 VNNI: panels of rows,
     bands of 16 activations, the last ones short) gives every activation the bits it gets
     alone; and the tile kernel itself does, for fewer activations than take it. Tokens decoded
-    alone keep the row dots' float lanes, in any number."""
+    alone and a batch step's rows keep the row dots' float lanes, in any number."""
     rows, cols = 45, COLS[encoding]  # two panels, the second not a whole tile
     w, _ = random_weights(encoding, rows, cols)
     matrix = kernels.Matrix(w, encoding, rows, cols)
@@ -118,6 +119,7 @@ def test_many_activations_give_each_the_bits_of_its_own_row_dots(encoding):
         assert np.array_equal(matrix(x[:n]).view(np.uint32), alone[:n].view(np.uint32)), n
     with kernels.decoding_alone():  # a token decoded alone: the row dots' float lanes, never the tiles
         lone = np.stack([matrix(x[i:i + 1])[0] for i in range(len(x))])
+    with kernels.without_tiles():  # a batch step's rows, decoded or not: the same
         assert np.array_equal(matrix(x).view(np.uint32), lone.view(np.uint32))
     reference = x.astype(np.float64) @ gguf.quants.dequantize(w, gguf.GGMLQuantizationType[encoding]).T
     assert relative_error(lone, reference) <= kernels.FAST_PATH_TOLERANCE
@@ -640,9 +642,21 @@ def test_route_matches_a_numpy_formulation(k, sigmoid, biased, groups, topk_grou
 @pytest.mark.parametrize("encodings, ffn, hidden, exact", [e for e in EXPERTS if not e[3]],
                          ids=["-".join(e[0]) for e in EXPERTS if not e[3]])
 @pytest.mark.parametrize("n", [2, 5, 40])
-def test_grouped_experts_equal_the_per_expert_path(encodings, ffn, hidden, exact, n):
+@pytest.mark.parametrize("batch_step", [True, False], ids=["batch-step", "prompt"])
+def test_grouped_experts_equal_the_per_expert_path(encodings, ffn, hidden, exact, n, batch_step):
     """All of a layer's (expert, rows) groups in one call give, to the bit, what the per-expert
-    path gives: each expert's batch product of its rows, added to their sums in expert order."""
+    path gives: each expert's batch product of its rows, added to their sums in expert order;
+    in a batch step (float lanes) and in a sequence's own prompt (integer block totals, int8
+    tiles, and on AMX the bfloat16 tiles that `batch` would take instead: not compared)."""
+    from colibri.runtime import amx
+
+    if not batch_step and amx.available():
+        pytest.skip("on AMX a prompt's per-expert path takes the bfloat16 tiles, which `grouped` does not")
+    with kernels.without_tiles() if batch_step else contextlib.nullcontext():
+        grouped_against_per_expert(encodings, ffn, hidden, n)
+
+
+def grouped_against_per_expert(encodings, ffn, hidden, n):
     from colibri.runtime.kernels.activations import make_activation
 
     k, experts = 2, 4
@@ -657,11 +671,10 @@ def test_grouped_experts_equal_the_per_expert_path(encodings, ffn, hidden, exact
         assert not kernel.groupable(acts)
         return
     want = np.zeros_like(x)
-    with kernels.without_tiles():  # int8 all through, as `grouped` (on AMX, batch tiles the down rows)
-        for expert in np.unique(ids):
-            rows, choice = np.nonzero(ids == expert)
-            y = kernel.batch(records[expert], kernel.rows_of(acts, rows), rows.size, expert)
-            kernels.add_weighted_rows(want, rows, y, weights[rows, choice])
+    for expert in np.unique(ids):
+        rows, choice = np.nonzero(ids == expert)
+        y = kernel.batch(records[expert], kernel.rows_of(acts, rows), rows.size, expert)
+        kernels.add_weighted_rows(want, rows, y, weights[rows, choice])
     order = np.argsort(ids.reshape(-1), kind="stable")
     used, starts = np.unique(ids.reshape(-1)[order], return_index=True)
     for parts in (1, 2, 3, 7):  # the rows shared out so that groups are cut between threads

@@ -35,10 +35,11 @@ DOT_TYPES = {e: "Q8_K" if block_size(e)[0] == ACT_BLOCKS["Q8_K"] else "Q8_0" for
 WIDEST_ACT_BLOCK = 256
 Q8_0Activation = namedtuple("Q8_0Activation", "q d sums bsums")
 Q8_KActivation = namedtuple("Q8_KActivation", "q d sums bsums")
-# The same, for a token decoded alone (`decoding_alone`): its products keep the row dots' float
-# lanes, their fastest, where other rows' are one integer a K-quant block (`blocks.INTEGER_TOTALS`,
-# which the prompts' tiles need). Such a row never shares a product with another sequence's.
-Q8_KAloneActivation = namedtuple("Q8_KAloneActivation", "q d sums bsums")
+# The same, multiplied with the row dots' float lanes (their fastest for few rows): a token
+# decoded alone (`decoding_alone`) and every row of a batch step or sweep (`without_tiles`).
+# Only a sequence's own prompt takes `Q8_KActivation`, whose K-quant products are one integer a
+# block (`blocks.INTEGER_TOTALS`), as its int8 tiles need (`int8_tiles`).
+Q8_KLaneActivation = namedtuple("Q8_KLaneActivation", "q d sums bsums")
 INT8_ACTIVATIONS = {"Q8_0": Q8_0Activation, "Q8_K": Q8_KActivation}
 
 # Bound on the fast path's error relative to the output's max-abs, against float64 products of
@@ -80,10 +81,10 @@ def _quantize_blocks(values, q, d, sums, bsums, start, stop, block):
             sums[b * block // 16 + group] = d[b] * F32(total)
 
 
-def empty_activation(n, cols, dot_type, alone=False):
-    """Uninitialized int8 activations of n rows of `cols` values in `dot_type` (of a token
-    decoded alone: `Q8_KAloneActivation`)."""
-    kind = Q8_KAloneActivation if alone and dot_type == "Q8_K" else INT8_ACTIVATIONS[dot_type]
+def empty_activation(n, cols, dot_type, lanes=False):
+    """Uninitialized int8 activations of n rows of `cols` values in `dot_type` (multiplied with
+    float lanes: `Q8_KLaneActivation`)."""
+    kind = Q8_KLaneActivation if lanes and dot_type == "Q8_K" else INT8_ACTIVATIONS[dot_type]
     return kind(np.empty((n, cols), np.int8), np.empty((n, cols // ACT_BLOCKS[dot_type]), np.float32),
                 np.empty((n, cols // 16), np.float32), np.empty((n, cols // 16), np.int16))
 
@@ -94,14 +95,14 @@ def activation_dot_type(act) -> str | None:
         for dot_type, activation in INT8_ACTIVATIONS.items():
             if act.instance_class is activation:
                 return dot_type
-        if act.instance_class is Q8_KAloneActivation:
+        if act.instance_class is Q8_KLaneActivation:
             return "Q8_K"
     return None
 
 
-def decoded_alone(act) -> bool:
-    """Whether a numba activation type is a token's decoded alone (`Q8_KAloneActivation`)."""
-    return isinstance(act, types.BaseNamedTuple) and act.instance_class is Q8_KAloneActivation
+def float_lanes(act) -> bool:
+    """Whether a numba activation type is multiplied with float lanes (`Q8_KLaneActivation`)."""
+    return isinstance(act, types.BaseNamedTuple) and act.instance_class is Q8_KLaneActivation
 
 
 def fill_activation(act, values, start, stop):
@@ -159,8 +160,9 @@ _switches = threading.local()
 
 @contextmanager
 def without_tiles():
-    """Products made inside (on this thread) take the int8 path whatever their number of rows:
-    in a batch of sequences, which path a row takes must not depend on the rows beside it."""
+    """Products made inside (on this thread) take the int8 row dots with float lanes whatever
+    their number of rows (no AMX or int8 tiles): in a batch of sequences, which path a row takes
+    must not depend on the rows beside it."""
     before = getattr(_switches, "off", False)
     _switches.off = True
     try:
@@ -171,8 +173,8 @@ def without_tiles():
 
 @contextmanager
 def decoding_alone():
-    """Int8 activations made inside (on this thread) are a token's decoded alone
-    (`Q8_KAloneActivation`), as the fused decode steps' own are: one token outside a batch."""
+    """Int8 activations made inside (on this thread) are multiplied with float lanes
+    (`Q8_KLaneActivation`), as the fused decode steps' own are: one token outside a batch."""
     before = getattr(_switches, "alone", False)
     _switches.alone = True
     try:
@@ -185,13 +187,18 @@ def make_activation(x: np.ndarray, dot_type: str | None, tiles: bool = True):
     """float32 [n, cols] as the kernels take it: x itself (None: the exact path); rounded to
     bfloat16 for AMX tiles when `tiles`, there are at least amx.MIN_TOKENS rows, the CPU has
     them and no `without_tiles` is in force; else quantized to int8 `dot_type` activations
-    (a token's decoded alone inside `decoding_alone`)."""
+    (multiplied with float lanes inside `decoding_alone` or `without_tiles`)."""
     if dot_type is None:
         return x
     if tiles and x.shape[0] >= amx.MIN_TOKENS and not getattr(_switches, "off", False) and amx.available():
         return amx.TileActivation(x)
-    alone = getattr(_switches, "alone", False)
-    return _quantize_all(empty_activation(*x.shape, dot_type, alone), x)
+    return _quantize_all(empty_activation(*x.shape, dot_type, lanes_in_force()), x)
+
+
+def lanes_in_force() -> bool:
+    """Whether int8 activations made now (on this thread) are multiplied with float lanes:
+    inside `decoding_alone` or `without_tiles`."""
+    return getattr(_switches, "alone", False) or getattr(_switches, "off", False)
 
 
 def activation_rows(act, index):

@@ -20,9 +20,9 @@ from colibri.runtime.kernels.emitter import CONTRACT, FLOAT, I1, I8, I16, I32, I
 from colibri.runtime.kernels.grid_blocks import GRID_UNPACKERS
 from colibri.runtime.kernels.unpacked import Block
 
-# multiplied as one integer a block (`Block.int_total`) where the CPU has AVX-512 VNNI, whose
-# prompts take the int8 tiles (`int8_tiles`), except by a token decoded alone (`Emitter.int_totals`);
-# elsewhere their int8 dots keep float lanes
+# multiplied as one integer a block (`Block.int_total`) where the CPU has AVX-512 VNNI, in the
+# products of a sequence's own prompt, which take the int8 tiles (`int8_tiles`); other rows
+# (`activations.Q8_KLaneActivation`, `Emitter.int_totals`) and other CPUs keep float lanes
 INTEGER_TOTALS = ("Q4_K", "Q5_K", "Q6_K")
 PREFETCH_BYTES = 4096  # how far ahead of the current block the weight stream is prefetched
 CACHE_LINE = 64
@@ -374,7 +374,8 @@ def _integer_totals(e, block, accs, activations, totals):
             acc8 = e.add_pair_products(acc8, b.mul(block.int_scales, e.const(I16, 16, -block.bias)), sums16)
         mins = e.add_pair_products(zero8, block.int_mins16, sums16) if block.dmin is not None else zero8
         # [acc8 | mins] interleaved and summed down to <2 x i32>: isum, imin
-        pairs = b.add(e.shuffle(acc8, mins, [0, 8, 1, 9, 4, 12, 5, 13]), e.shuffle(acc8, mins, [2, 10, 3, 11, 6, 14, 7, 15]))
+        pairs = b.add(e.shuffle(acc8, mins, [0, 8, 1, 9, 4, 12, 5, 13]),
+                      e.shuffle(acc8, mins, [2, 10, 3, 11, 6, 14, 7, 15]))
         pairs = b.add(pairs, e.pick(pairs, [2, 3, 0, 1, 6, 7, 4, 5]))
         pairs = b.add(e.pick(pairs, [0, 1]), e.pick(pairs, [4, 5]))
         xd1 = e.load(xd, 0, FLOAT)

@@ -110,7 +110,7 @@ class Emitter:
         self.x86 = isa.x86
         self.multiply_bytes = 64 if self.avx512 else 32  # bytes per vector of `pair_products`
         # K-quant blocks multiplied as one integer (`blocks.INTEGER_TOTALS`), where prompts take
-        # the int8 tiles; the dots of a token decoded alone turn it off (`rows.py`)
+        # the int8 tiles; the dots of lane activations turn it off (`rows.py`)
         self.int_totals = self.vnni512
 
     # memory

@@ -18,7 +18,7 @@ from colibri.formats.encodings import row_bytes
 from colibri.runtime import amx
 from colibri.runtime.kernels.activations import (
     WIDEST_ACT_BLOCK, activation_row, activation_rows, dot_type_for, empty_activation, fill_activation, float_rows,
-    make_activation,
+    lanes_in_force, make_activation,
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS
 from colibri.runtime.kernels.matrices import matrix_times
@@ -279,13 +279,13 @@ class ExpertKernel:
 
     def scratch(self, row: np.ndarray, k: int) -> ExpertScratch:
         """The one-token kernel's buffers for row [1, hidden] and k experts (the float path
-        reads `row` itself), a token's decoded alone; the arrays are kept for the next token."""
+        reads `row` itself), multiplied with float lanes; the arrays are kept for the next token."""
         if self.decode_buffers is None or self.decode_buffers[1].shape[1] != k:
-            acts = {dot_type: None if dot_type is None else empty_activation(1, self.hidden, dot_type, alone=True)
+            acts = {dot_type: None if dot_type is None else empty_activation(1, self.hidden, dot_type, lanes=True)
                     for dot_type in self.dot_types[:2]}
             gate_up = np.empty((2, k, self.ffn), np.float32)
             h_act = gate_up[0] if self.dot_types[2] is None else \
-                empty_activation(k, self.ffn, self.dot_types[2], alone=True)
+                empty_activation(k, self.ffn, self.dot_types[2], lanes=True)
             self.decode_buffers = acts, gate_up, h_act
         acts, gate_up, h_act = self.decode_buffers
         gate_act, up_act = (row if acts[dot_type] is None else acts[dot_type] for dot_type in self.dot_types[:2])
@@ -325,7 +325,8 @@ class ExpertKernel:
         `batch` and `add_weighted_rows` give group by group. `acts` from `activations` of the
         whole batch, `groupable`. The rows are shared out in `parts` (default: the thread count)."""
         gate_act, up_act = (acts[dot_type] for dot_type in self.dot_types[:2])
-        h_act = empty_activation(rows.size, self.ffn, self.dot_types[2])  # each group quantizes its own rows
+        # each group quantizes its own rows
+        h_act = empty_activation(rows.size, self.ffn, self.dot_types[2], lanes_in_force())
         groups = Groups(slots, starts, rows, weights, self._bias_ids(ids))
         _grouped_kernel(self.rule, records, groups, gate_act, up_act, h_act, out, thread_count() if parts is None else parts)
 

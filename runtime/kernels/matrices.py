@@ -125,10 +125,10 @@ class Matrix:
         the same x."""
         return make_activation(float_rows(x, self.cols), self.dot_type, tiles)
 
-    def empty_activation(self, n: int, alone: bool = False):
-        """An unfilled int8 activation of n rows for this matrix's kernels (fast path only), a
-        token's decoded `alone` (`activations.Q8_KAloneActivation`) or not."""
-        return empty_activation(n, self.cols, self.dot_type, alone)
+    def empty_activation(self, n: int, lanes: bool = False):
+        """An unfilled int8 activation of n rows for this matrix's kernels (fast path only),
+        multiplied with float `lanes` (`activations.Q8_KLaneActivation`) or not."""
+        return empty_activation(n, self.cols, self.dot_type, lanes)
 
     def times(self, act, n: int) -> np.ndarray:
         """The product with an activation from `activation` of n rows -> float32 [n, rows]."""

@@ -21,7 +21,7 @@ from numba.extending import intrinsic, overload
 
 from colibri.formats.encodings import block_size
 from colibri.runtime.kernels.activations import (
-    ACT_BLOCKS, DOT_TYPES, activation_dot_type, activation_row, decoded_alone,
+    ACT_BLOCKS, DOT_TYPES, activation_dot_type, activation_row, float_lanes,
 )
 from colibri.runtime.kernels.blocks import (
     CACHE_LINE, INTEGER_TOTALS, PREFETCH_BYTES, UNPACKERS, block_loop, dequantized_sub_block, encoding_of, int8_dot,
@@ -58,10 +58,10 @@ def _prefetch_ahead(w, offset, nbytes):
         prefetch_line(w, offset + PREFETCH_BYTES + line)
 
 
-def _int8_rows_codegen(encoding, count, alone):
+def _int8_rows_codegen(encoding, count, keep_lanes):
     """codegen of the int8 dot of a row of blocks with `count` activations at once: each
-    block is unpacked once for all of them (one loop of vector IR, vector accumulators). The
-    activations of a token decoded `alone` keep float lanes (`activations.Q8_KAloneActivation`)."""
+    block is unpacked once for all of them (one loop of vector IR, vector accumulators). With
+    `keep_lanes` (`activations.Q8_KLaneActivation`) K-quant blocks keep float lanes everywhere."""
     weights = block_size(encoding)[0]
     k_quant = DOT_TYPES[encoding] == "Q8_K"
     # bytes per block of an activation's int8 values, scales, scaled sums and sums (per 16)
@@ -69,7 +69,7 @@ def _int8_rows_codegen(encoding, count, alone):
 
     def codegen(context, builder, sig, args):
         e = Emitter(context, builder)
-        e.int_totals = e.int_totals and not alone
+        e.int_totals = e.int_totals and not keep_lanes
         start, nblocks = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3))
         bases = [e.pointer(sig.args[i], args[i]) for i in (4, 5, 6, 7)]
         row_bytes = [builder.mul(nblocks, ir.Constant(I64, stride)) for stride in strides]
@@ -100,7 +100,7 @@ def _int8_rows_codegen(encoding, count, alone):
     return codegen
 
 
-def _row_dots_int8_intrinsic(count, alone):
+def _row_dots_int8_intrinsic(count, keep_lanes):
     @intrinsic
     def row_dots_int8(typingctx, tag, w, offset, nblocks, xq, xd, xs, xb):
         """float32 dot of the `nblocks` blocks at byte `offset` of `w` with the first `count`
@@ -109,14 +109,14 @@ def _row_dots_int8_intrinsic(count, alone):
         if encoding is None:
             return None
         result = types.float32 if count == 1 else types.UniTuple(types.float32, count)
-        return result(tag, w, offset, nblocks, xq, xd, xs, xb), _int8_rows_codegen(encoding, count, alone)
+        return result(tag, w, offset, nblocks, xq, xd, xs, xb), _int8_rows_codegen(encoding, count, keep_lanes)
 
     return row_dots_int8
 
 
-# (activations at once, of a token decoded alone) -> the row dot
-_ROW_DOTS = {(count, alone): _row_dots_int8_intrinsic(count, alone)
-             for count in (1, GROUP // 2, GROUP) for alone in (False, True)}
+# (activations at once, float lanes) -> the row dot
+_ROW_DOTS = {(count, lanes): _row_dots_int8_intrinsic(count, lanes)
+             for count in (1, GROUP // 2, GROUP) for lanes in (False, True)}
 
 
 @intrinsic
@@ -226,8 +226,9 @@ def _row_dot_overload(tag, w, offset, cols, act):
         if activation_dot_type(act) is not None:
             if activation_dot_type(act) != DOT_TYPES[encoding]:
                 return None
-            one = _ROW_DOTS[1, decoded_alone(act)]
-            return lambda tag, w, offset, cols, act: one(tag, w, offset, cols // weights, act.q, act.d, act.sums, act.bsums)
+            one = _ROW_DOTS[1, float_lanes(act)]
+            return lambda tag, w, offset, cols, act: one(tag, w, offset, cols // weights, act.q, act.d, act.sums,
+                                                         act.bsums)
         return lambda tag, w, offset, cols, act: _row_dot_float(tag, w, offset, cols // weights, act)
     dtype, convert = _FLOAT_ELEMENTS[encoding]
     itemsize = np.dtype(dtype).itemsize
@@ -259,8 +260,8 @@ def _rows_times_overload(tag, w, first, stop, row_nbytes, cols, act, out):
         if activation_dot_type(act) != DOT_TYPES[encoding]:
             return None
 
-        tiles = encoding in INTEGER_TOTALS and int8_tiles.available() and not decoded_alone(act)
-        dot_one, dot_half, dot_group = (_ROW_DOTS[count, decoded_alone(act)] for count in (1, GROUP // 2, GROUP))
+        tiles = encoding in INTEGER_TOTALS and int8_tiles.available() and not float_lanes(act)
+        dot_one, dot_half, dot_group = (_ROW_DOTS[count, float_lanes(act)] for count in (1, GROUP // 2, GROUP))
 
         def int8_impl(tag, w, first, stop, row_nbytes, cols, act, out):
             if tiles and out.shape[0] >= int8_tiles.MIN_ACTIVATIONS:
