@@ -1,8 +1,8 @@
 """Many int8 activations times a K-quant matrix on tiles: the products of prompts.
 
 Where the CPU has AVX-512 VNNI, `rows_times` multiplies MIN_ACTIVATIONS or more activations
-(of a sequence's own prompt: `activations.Q8_KActivation`) with a Q4_K, Q5_K or Q6_K matrix (`blocks.INTEGER_TOTALS`) here
-rather than a row at a time:
+of a sequence's own prompt (`activations.Q8_KActivation`) with a Q4_K, Q5_K or Q6_K matrix
+(`blocks.INTEGER_TOTALS`) here rather than a row at a time:
 - the activations are interleaved once per call, 4 values of each of 16 activations in every
   64 bytes (`pack_activations`);
 - PANEL_ROWS weight rows at a time are unpacked once: their levels as bytes, their integer
@@ -11,8 +11,8 @@ rather than a row at a time:
   for all 16 activations (`_tile`), where a row dot takes two instructions per 64 weights for
   each activation.
 A block's product stays integer to its end and becomes a float by `blocks.block_total`, added
-in block order, as the row dots do: a row gets the same bits on either path
-(`unpacked.Block`, `int_total`), so a sequence's bits do not depend on its company.
+in block order, as the row dots of such activations do (`unpacked.Block`, `int_total`): a row
+gets the same bits on either path, however a prompt is cut.
 """
 
 from __future__ import annotations
