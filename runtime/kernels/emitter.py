@@ -228,11 +228,6 @@ class Emitter:
     def to_float(self, ints):
         return self.b.sitofp(ints, vec(FLOAT, ints.type.count))
 
-    def reduce_add(self, ints):
-        """The i32 sum of an integer vector's lanes (exact in any order)."""
-        kind = ints.type
-        return self.call(f"llvm.vector.reduce.add.v{kind.count}i{kind.element.width}", kind.element, ints)
-
     def hsum(self, v8):
         b = self.b
         v4 = b.fadd(self.pick(v8, range(4)), self.pick(v8, range(4, 8)))
