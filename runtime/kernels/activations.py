@@ -159,28 +159,27 @@ _switches = threading.local()
 
 
 @contextmanager
+def _switched_on(name):
+    """The thread's switch `name` on inside, as it was after."""
+    before = getattr(_switches, name, False)
+    setattr(_switches, name, True)
+    try:
+        yield
+    finally:
+        setattr(_switches, name, before)
+
+
 def without_tiles():
     """Products made inside (on this thread) take the int8 row dots with float lanes whatever
     their number of rows (no AMX or int8 tiles): in a batch of sequences, which path a row takes
     must not depend on the rows beside it."""
-    before = getattr(_switches, "off", False)
-    _switches.off = True
-    try:
-        yield
-    finally:
-        _switches.off = before
+    return _switched_on("off")
 
 
-@contextmanager
 def decoding_alone():
     """Int8 activations made inside (on this thread) are multiplied with float lanes
     (`Q8_KLaneActivation`), as the fused decode steps' own are: one token outside a batch."""
-    before = getattr(_switches, "alone", False)
-    _switches.alone = True
-    try:
-        yield
-    finally:
-        _switches.alone = before
+    return _switched_on("alone")
 
 
 def make_activation(x: np.ndarray, dot_type: str | None, tiles: bool = True):
