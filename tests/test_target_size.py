@@ -11,7 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from colibri.cli import convert_main, main
+from colibri.cli import convert_main, kl_scorer, main
+from colibri.cli.kl_scorer import ScoreJournal
 from colibri.convert.hf_to_colibri import ConvertOptions, convert
 from colibri.convert.pipeline import ConvertError
 from colibri.convert.plan import make_plan
@@ -22,6 +23,7 @@ from colibri.formats.layout import ModelLayout
 from colibri.formats.logprob_file import LogProbWriter
 from colibri.formats.recipe import IMATRIX_TYPES
 from colibri.runtime.imatrix_collect import ActivationSums
+from colibri.verify.perplexity import perplexity
 
 
 def test_the_hull_keeps_only_options_no_mix_of_two_others_beats():
@@ -186,20 +188,40 @@ def kl_base(model, tmp_path_factory):
     return root / "base.logits"
 
 
-def test_kl_scored_tables_keep_the_least_kl_and_leave_no_scratch(model, kl_base, tmp_path, capsys):
+class Crash(Exception):
+    pass
+
+
+def test_kl_scored_tables_keep_the_least_kl_and_leave_no_scratch(model, kl_base, tmp_path, capsys, monkeypatch):
     src, imatrix, sizes = model
     capsys.readouterr()
     out = tmp_path / "ranked"
     target = (sizes["Q4_K_M"] + sizes["IQ2_XXS"]) // 2
+    args = [str(src), str(out), "--target-size", str(target), "--imatrix", str(imatrix),
+            "--kl-base", str(kl_base), "--workers", "1", "--json", "--no-progress"]
+    scorings, crash_after = [], [2]
+
+    def scoring(*a, **k):  # verify.perplexity, counted; the first run dies after its second table
+        if len(scorings) == crash_after[0]:
+            raise Crash
+        scorings.append(perplexity(*a, **k)["kld_mean"])
+        return {"kld_mean": scorings[-1], "tokens": 0}
+
+    monkeypatch.setattr(kl_scorer, "perplexity", scoring)
+    with pytest.raises(Crash):
+        convert_main(args)
+    assert len(scorings) == 2 and (tmp_path / ".ranked-scores.json").is_file()  # each score journalled as it came
+    crash_after[0] = None
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
     for name, pid in ((".ranked-scoring-killed", ended.pid), (".ranked-scoring-running", os.getpid())):
         (tmp_path / name).mkdir()
         (tmp_path / name / "owner.pid").write_text(str(pid))  # a killed run's scratch, and a live one's
-    assert convert_main([str(src), str(out), "--target-size", str(target), "--imatrix", str(imatrix),
-                         "--kl-base", str(kl_base), "--workers", "1", "--json", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert convert_main(args) == 0
     summary = json.loads(capsys.readouterr().out)
     ranking = summary["ranking"]
+    assert [t["score"] for t in ranking] == scorings  # the rerun scored only the tables the crash left
     assert ranking[0]["weights"] == {} and ranking[0]["kept"] and len(ranking) <= MAX_TABLES
     kept = [t["score"] for t in ranking if t["kept"]]
     assert kept == sorted(kept, reverse=True) and kept[-1] == min(t["score"] for t in ranking)
@@ -207,7 +229,20 @@ def test_kl_scored_tables_keep_the_least_kl_and_leave_no_scratch(model, kl_base,
     capsys.readouterr()
     assert main(["perplexity", str(out), "--kl-base", str(kl_base), "--json", "--no-progress"]) == 0
     assert json.loads(capsys.readouterr().out)["kld_mean"] == kept[-1]  # OUT is the table that scored it
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".ranked-scoring-running", "ranked"]  # ours and the killed one's gone
+    # our scratch, the killed run's and the journal are gone:
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ranked-scoring-running", "ranked"]
+
+
+def test_a_journal_of_scores_holds_only_its_own_conversions(tmp_path):
+    path = tmp_path / "scores.json"
+    journal = ScoreJournal(path, {"source": "a"})
+    journal.put([("blk", "Q4_K")], 0.25)
+    assert ScoreJournal(path, {"source": "a"}).get([("blk", "Q4_K")]) == 0.25
+    assert ScoreJournal(path, {"source": "a"}).get([("blk", "Q5_K")]) is None
+    assert ScoreJournal(path, {"source": "b"}).get([("blk", "Q4_K")]) is None  # another conversion's
+    assert ScoreJournal(path, {"source": "a"}, fresh=True).get([("blk", "Q4_K")]) is None  # --force
+    path.write_text("{not json")
+    assert ScoreJournal(path, {"source": "a"}).get([("blk", "Q4_K")]) is None
 
 
 def test_a_bad_kl_base_is_one_line_and_writes_nothing(model, tmp_path, capsys):

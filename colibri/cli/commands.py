@@ -84,7 +84,8 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
                         "conversion, or llama-perplexity --kl-divergence-base); each kind of tensor's damage is "
                         "weighed up and down, and the table whose conversion has the least mean KL divergence from it "
                         "is kept. Costs a conversion and a scoring run per table tried (a dozen at most), in a scratch "
-                        "folder beside OUT")
+                        "folder beside OUT; each score is journalled beside OUT (.OUT-scores.json), so a rerun after a "
+                        "crash scores only the tables it has not")
     p.add_argument("--kl-chunks", type=int, default=None, metavar="K",
                    help="with --kl-base, score at most K of its chunks (default: all)")
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
@@ -109,12 +110,14 @@ def run_convert(args: argparse.Namespace) -> int:
     elif args.target_size is None:
         raise ConvertError("--kl-base checks what --target-size chooses; give --target-size too")
     else:
-        from colibri.cli.kl_scorer import KlScorer, scratch_beside
+        from colibri.cli.kl_scorer import KlScorer, journal_beside, scratch_beside
 
         with scratch_beside(Path(args.out)) as work:
             report = (lambda line: print(line, file=sys.stderr, flush=True)) if options.progress else None
-            scorer = KlScorer(args.src, args.kl_base, options, work, args.kl_chunks, report)
+            scorer = KlScorer(args.src, args.kl_base, options, work, args.kl_chunks, report,
+                              journal=journal_beside(Path(args.out)))
             summary = convert(args.src, args.out, replace(options, scorer=scorer))
+            scorer.journal.remove()
     print(json.dumps(summary, indent=1) if args.json else format_summary(summary, args.out))
     return 0
 
