@@ -587,7 +587,7 @@ class Decoder:
             segments.append(Segment(first, len(ids), cache.length, cache))
             tokens += ids
             first += len(ids)
-        with kernels.without_tiles():
+        with kernels.without_amx():
             x = self.hidden_states(tokens, segments, batch_invariant=True)
             if rows is not None and not rows:
                 return np.zeros((0, self.config.vocab_size), np.float32)

@@ -129,7 +129,7 @@ def read_prompts(decoder: Decoder, batch: list[tuple[list[int], KVCache]], alloc
         x[first:first + block] = decoder.hyper_streams(rows) if c.hyper_streams else rows
     groups = _groups(lengths, kept_expansions.position_bytes(c), decoder.expansion_budget.limit)
     runs = [([batch[i][1] for i in g], _passes(lengths[g], offsets[g], [batch[i] for i in g])) for g in groups]
-    with kernels.without_tiles():
+    with kernels.without_amx():
         for layer in range(c.n_layers):
             for caches, passes in runs:
                 for rows, segments in passes:

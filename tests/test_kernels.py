@@ -5,7 +5,6 @@ them with `gguf.quants.dequantize` and multiplies in float64. The exact path mus
 1e-5 of the output's largest magnitude, the int8 fast path to `FAST_PATH_TOLERANCE`.
 """
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -106,23 +105,23 @@ def test_results_do_not_depend_on_the_thread_count(activations):
 
 @pytest.mark.parametrize("encoding", ["Q4_K", "Q5_K", "Q6_K"])
 def test_many_activations_give_each_the_bits_of_its_own_row_dots(encoding):
-    """A prompt's product (on the int8 tiles, where the CPU has AVX-512 VNNI: panels of rows,
-    bands of 16 activations, the last ones short) gives every activation the bits it gets
-    alone; and the tile kernel itself does, for fewer activations than take it. Tokens decoded
-    alone and a batch step's rows keep the row dots' float lanes, in any number."""
+    """A product of many rows (a prompt's, a batch step's; on the int8 tiles where the CPU has
+    AVX-512 VNNI: panels of rows, bands of 16 activations, the last ones short) gives every
+    activation the bits it gets alone; and the tile kernel itself does, for fewer activations
+    than take it. A token decoded alone takes the row dots' float lanes."""
     rows, cols = 45, COLS[encoding]  # two panels, the second not a whole tile
     w, _ = random_weights(encoding, rows, cols)
     matrix = kernels.Matrix(w, encoding, rows, cols)
     x = np.random.default_rng(4).standard_normal((40, cols)).astype(np.float32)
     alone = np.stack([matrix(x[i:i + 1])[0] for i in range(len(x))])
-    for n in (3, int8_tiles.MIN_ACTIVATIONS, 17, 40):
-        assert np.array_equal(matrix(x[:n]).view(np.uint32), alone[:n].view(np.uint32)), n
-    with kernels.decoding_alone():  # a token decoded alone: the row dots' float lanes, never the tiles
+    with kernels.without_amx():  # a batch step's rows (a prompt's too, but on AMX's bfloat16 tiles)
+        for n in (3, int8_tiles.MIN_ACTIVATIONS, 17, 40):
+            assert np.array_equal(matrix(x[:n]).view(np.uint32), alone[:n].view(np.uint32)), n
+    with kernels.decoding_alone():
         lone = np.stack([matrix(x[i:i + 1])[0] for i in range(len(x))])
-    with kernels.without_tiles():  # a batch step's rows, decoded or not: the same
-        assert np.array_equal(matrix(x).view(np.uint32), lone.view(np.uint32))
     reference = x.astype(np.float64) @ gguf.quants.dequantize(w, gguf.GGMLQuantizationType[encoding]).T
     assert relative_error(lone, reference) <= kernels.FAST_PATH_TOLERANCE
+    assert relative_error(alone, reference) <= kernels.FAST_PATH_TOLERANCE
     assert not int8_tiles.available() or not np.array_equal(lone, alone)  # two numerics where the tiles are
     if int8_tiles.available():
         out = np.empty((3, rows), np.float32)
@@ -642,17 +641,11 @@ def test_route_matches_a_numpy_formulation(k, sigmoid, biased, groups, topk_grou
 @pytest.mark.parametrize("encodings, ffn, hidden, exact", [e for e in EXPERTS if not e[3]],
                          ids=["-".join(e[0]) for e in EXPERTS if not e[3]])
 @pytest.mark.parametrize("n", [2, 5, 40])
-@pytest.mark.parametrize("batch_step", [True, False], ids=["batch-step", "prompt"])
-def test_grouped_experts_equal_the_per_expert_path(encodings, ffn, hidden, exact, n, batch_step):
+def test_grouped_experts_equal_the_per_expert_path(encodings, ffn, hidden, exact, n):
     """All of a layer's (expert, rows) groups in one call give, to the bit, what the per-expert
-    path gives: each expert's batch product of its rows, added to their sums in expert order;
-    in a batch step (float lanes) and in a sequence's own prompt (integer block totals, int8
-    tiles, and on AMX the bfloat16 tiles that `batch` would take instead: not compared)."""
-    from colibri.runtime import amx
-
-    if not batch_step and amx.available():
-        pytest.skip("on AMX a prompt's per-expert path takes the bfloat16 tiles, which `grouped` does not")
-    with kernels.without_tiles() if batch_step else contextlib.nullcontext():
+    path gives: each expert's batch product of its rows, added to their sums in expert order
+    (as in a batch step: the per-expert path of a prompt would take AMX's bfloat16 tiles)."""
+    with kernels.without_amx():
         grouped_against_per_expert(encodings, ffn, hidden, n)
 
 

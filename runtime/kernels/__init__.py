@@ -42,7 +42,7 @@ kernel_cache.drop_if_stale("runtime", [*_HERE.glob("*.py"), _HERE.parent / "amx.
 
 from colibri.runtime.kernels.activations import (  # noqa: E402
     ACT_BLOCKS, INT8_ACTIVATIONS, DOT_TYPES, FAST_ENCODINGS, FAST_PATH_TOLERANCE, WIDEST_ACT_BLOCK, Q8_0Activation,
-    Q8_KActivation, decoding_alone, without_tiles,
+    Q8_KActivation, decoding_alone, without_amx,
 )
 from colibri.runtime.kernels.attention import (
     NO_CHOICE, NO_SINK, PARALLEL_ATTENTION_WORK, PROMPT_ATTENTION_BYTES, PROMPT_ATTENTION_QUERIES, QUERY_BLOCK,
@@ -59,7 +59,7 @@ from colibri.runtime.kernels.threads import measure_read_bandwidth, most_threads
 
 __all__ = [
     "ACT_BLOCKS", "INT8_ACTIVATIONS", "DOT_TYPES", "FAST_ENCODINGS", "FAST_PATH_TOLERANCE", "WIDEST_ACT_BLOCK",
-    "Q8_0Activation", "Q8_KActivation", "decoding_alone", "without_tiles",
+    "Q8_0Activation", "Q8_KActivation", "decoding_alone", "without_amx",
     "NO_CHOICE", "NO_SINK", "PARALLEL_ATTENTION_WORK", "PROMPT_ATTENTION_BYTES", "PROMPT_ATTENTION_QUERIES",
     "QUERY_BLOCK", "Scoring", "Seen", "attention", "attention_into", "attention_of_slots",
     "BLOCK_TAGS", "CACHE_LINE", "PREFETCH_BYTES",

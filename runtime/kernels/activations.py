@@ -35,10 +35,10 @@ DOT_TYPES = {e: "Q8_K" if block_size(e)[0] == ACT_BLOCKS["Q8_K"] else "Q8_0" for
 WIDEST_ACT_BLOCK = 256
 Q8_0Activation = namedtuple("Q8_0Activation", "q d sums bsums")
 Q8_KActivation = namedtuple("Q8_KActivation", "q d sums bsums")
-# The same, multiplied with the row dots' float lanes (their fastest for few rows): a token
-# decoded alone (`decoding_alone`) and every row of a batch step or sweep (`without_tiles`).
-# Only a sequence's own prompt takes `Q8_KActivation`, whose K-quant products are one integer a
-# block (`blocks.INTEGER_TOTALS`), as its int8 tiles need (`int8_tiles`).
+# The same, multiplied with the row dots' float lanes (their fastest for one row): a token
+# decoded alone (`decoding_alone`). Every other row takes `Q8_KActivation`, whose K-quant
+# products are one integer a block (`blocks.INTEGER_TOTALS`), as the int8 tiles need
+# (`int8_tiles`): a sequence's prompt, and every row of a batch step or sweep.
 Q8_KLaneActivation = namedtuple("Q8_KLaneActivation", "q d sums bsums")
 INT8_ACTIVATIONS = {"Q8_0": Q8_0Activation, "Q8_K": Q8_KActivation}
 
@@ -169,10 +169,10 @@ def _switched_on(name):
         setattr(_switches, name, before)
 
 
-def without_tiles():
-    """Products made inside (on this thread) take the int8 row dots with float lanes whatever
-    their number of rows (no AMX or int8 tiles): in a batch of sequences, which path a row takes
-    must not depend on the rows beside it."""
+def without_amx():
+    """Products made inside (on this thread) take no AMX tiles whatever their number of rows:
+    in a batch of sequences, which path a row takes must not depend on the rows beside it.
+    (The int8 tiles need no such switch: a row gets the same bits on them and off them.)"""
     return _switched_on("off")
 
 
@@ -185,8 +185,8 @@ def decoding_alone():
 def make_activation(x: np.ndarray, dot_type: str | None, tiles: bool = True):
     """float32 [n, cols] as the kernels take it: x itself (None: the exact path); rounded to
     bfloat16 for AMX tiles when `tiles`, there are at least amx.MIN_TOKENS rows, the CPU has
-    them and no `without_tiles` is in force; else quantized to int8 `dot_type` activations
-    (multiplied with float lanes inside `decoding_alone` or `without_tiles`)."""
+    them and no `without_amx` is in force; else quantized to int8 `dot_type` activations
+    (multiplied with float lanes inside `decoding_alone`)."""
     if dot_type is None:
         return x
     if tiles and x.shape[0] >= amx.MIN_TOKENS and not getattr(_switches, "off", False) and amx.available():
@@ -196,8 +196,8 @@ def make_activation(x: np.ndarray, dot_type: str | None, tiles: bool = True):
 
 def lanes_in_force() -> bool:
     """Whether int8 activations made now (on this thread) are multiplied with float lanes:
-    inside `decoding_alone` or `without_tiles`."""
-    return getattr(_switches, "alone", False) or getattr(_switches, "off", False)
+    inside `decoding_alone`."""
+    return getattr(_switches, "alone", False)
 
 
 def activation_rows(act, index):

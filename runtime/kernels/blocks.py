@@ -20,9 +20,10 @@ from colibri.runtime.kernels.emitter import CONTRACT, FLOAT, I1, I8, I16, I32, I
 from colibri.runtime.kernels.grid_blocks import GRID_UNPACKERS
 from colibri.runtime.kernels.unpacked import Block
 
-# multiplied as one integer a block (`Block.int_total`) where the CPU has AVX-512 VNNI, in the
-# products of a sequence's own prompt, which take the int8 tiles (`int8_tiles`); other rows
-# (`activations.Q8_KLaneActivation`, `Emitter.int_totals`) and other CPUs keep float lanes
+# multiplied as one integer a block (`Block.int_total`) where the CPU has AVX-512 VNNI, in every
+# product but a token decoded alone's, so that the int8 tiles (`int8_tiles`) give a row the
+# bits of its row dots; that token (`activations.Q8_KLaneActivation`, `Emitter.int_totals`) and
+# other CPUs keep float lanes
 INTEGER_TOTALS = ("Q4_K", "Q5_K", "Q6_K")
 PREFETCH_BYTES = 4096  # how far ahead of the current block the weight stream is prefetched
 CACHE_LINE = 64

@@ -1,8 +1,8 @@
 """Many int8 activations times a K-quant matrix on tiles: the products of prompts.
 
 Where the CPU has AVX-512 VNNI, `rows_times` multiplies MIN_ACTIVATIONS or more activations
-of a sequence's own prompt (`activations.Q8_KActivation`) with a Q4_K, Q5_K or Q6_K matrix
-(`blocks.INTEGER_TOTALS`) here rather than a row at a time:
+(`activations.Q8_KActivation`: a prompt's, or a batch step's or sweep's rows) with a Q4_K, Q5_K
+or Q6_K matrix (`blocks.INTEGER_TOTALS`) here rather than a row at a time:
 - the activations are interleaved once per call, 4 values of each of 16 activations in every
   64 bytes (`pack_activations`);
 - PANEL_ROWS weight rows at a time are unpacked once: their levels as bytes, their integer

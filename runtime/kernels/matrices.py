@@ -9,9 +9,10 @@ paths, chosen per call by `exact`, the number of rows and the CPU:
   for the K-quants, whose sub-block products then stay integer to the end of a block, and in
   Q8_0 blocks of 32 for the others. `matmul` unpacks each weight block once for GROUP rows of
   x, and passes each group over a tile of ROW_TILE rows (`rows.rows_times`); on CPUs with
-  AVX-512 VNNI, a sequence's prompt takes vpdpbusd tiles for its Q4_K, Q5_K and Q6_K
-  products of many rows instead (`int8_tiles`), with the bits of its row dots (decoded
-  tokens and batch steps: `activations.Q8_KLaneActivation`). Error: see `FAST_PATH_TOLERANCE`.
+  AVX-512 VNNI, products of many rows (prompts, batch steps, sweeps) take vpdpbusd tiles
+  for Q4_K, Q5_K and Q6_K instead (`int8_tiles`), with the bits of their row dots (a token
+  decoded alone keeps float lanes: `activations.Q8_KLaneActivation`). Error: see
+  `FAST_PATH_TOLERANCE`.
 - **tiles** (fast path, prompts of at least `amx.MIN_TOKENS` rows, CPUs with AMX): each
   block of 32 weight rows is dequantized to bfloat16 once and every token passes over it on
   the AMX tiles (`runtime/amx.py`); bfloat16 rounding errs less than the int8 path.
