@@ -17,8 +17,8 @@ The package re-exports the public names of its modules, one job each:
 - `activations`: the activation formats (`DOT_TYPES`) and their int8 quantization;
 - `rows`: a row of weights times activations, the building block of every kernel, and `Product`,
   what a kernel takes of a matrix;
-- `int8_tiles`: many activations times a Q4_K / Q5_K / Q6_K matrix on vpdpbusd tiles (prompts, batch steps, sweeps;
-  AVX-512 VNNI), with the bits of `rows`' row dots;
+- `int8_tiles`: many activations times a Q4_K / Q5_K / Q6_K matrix on vpdpbusd tiles (prompts,
+  batch steps and sweeps on AVX-512 VNNI), with the bits of `rows`' row dots;
 - `blocks`: each quantized block type as LLVM IR (unpacker, dot, dequantizer); `grid_blocks`: the
   IQ1/IQ2/IQ3 ones, whose weights come from ggml's grids; `unpacked`: what an unpacker returns;
 - `emitter`: the LLVM IR builder those are written with;

@@ -1,4 +1,4 @@
-"""Many int8 activations times a K-quant matrix on tiles: the products of prompts.
+"""Many int8 activations times a K-quant matrix on tiles: the products of prompts and batches.
 
 Where the CPU has AVX-512 VNNI, `rows_times` multiplies MIN_ACTIVATIONS or more activations
 (`activations.Q8_KActivation`: a prompt's, or a batch step's or sweep's rows) with a Q4_K, Q5_K
