@@ -114,8 +114,8 @@ def run_convert(args: argparse.Namespace) -> int:
 
         with scratch_beside(Path(args.out)) as work:
             report = (lambda line: print(line, file=sys.stderr, flush=True)) if options.progress else None
-            scorer = KlScorer(args.src, args.kl_base, options, work, args.kl_chunks, report,
-                              journal=journal_beside(Path(args.out)))
+            scorer = KlScorer(args.src, args.kl_base, options, work, journal_beside(Path(args.out)), args.kl_chunks,
+                              report)
             summary = convert(args.src, args.out, replace(options, scorer=scorer))
             scorer.journal.remove()
     print(json.dumps(summary, indent=1) if args.json else format_summary(summary, args.out))

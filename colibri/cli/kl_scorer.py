@@ -117,8 +117,8 @@ class KlScorer:
     score is also given to `report` as a line. Scores are journalled in `journal` (OUT's, by
     `journal_beside`): those of an earlier run of the same conversion are not scored again."""
 
-    def __init__(self, src: str, base: Path, options: ConvertOptions, work: Path, chunks: int | None = None,
-                 report: Callable[[str], None] | None = None, journal: Path | None = None):
+    def __init__(self, src: str, base: Path, options: ConvertOptions, work: Path, journal: Path,
+                 chunks: int | None = None, report: Callable[[str], None] | None = None):
         try:
             self.base = LogProbFile(base)
         except LogProbFileError as e:
@@ -129,7 +129,7 @@ class KlScorer:
         fingerprint = {"source": _identity(Path(src)), "revision": options.revision, "quant": options.quant,
                        "imatrix": _identity(options.imatrix and Path(options.imatrix)), "base": _identity(Path(base)),
                        "chunks": chunks, "version": __version__}
-        self.journal = ScoreJournal(journal, fingerprint, fresh=options.force) if journal is not None else None
+        self.journal = ScoreJournal(journal, fingerprint, fresh=options.force)
         self.options = replace(options, target_size=None, max_read_per_token=None, scorer=None, force=True,
                                progress=False)
         self.scored = 0
@@ -138,15 +138,14 @@ class KlScorer:
         refuse_other_vocabulary(self.base, config.vocab_size, self.src)
 
     def __call__(self, overrides: list[tuple[str, str]]) -> float:
-        journalled = self.journal.get(overrides) if self.journal is not None else None
+        journalled = self.journal.get(overrides)
         if journalled is not None:
             self.scored += 1
             if self.report is not None:
                 self.report(f"table {self.scored}: mean KL {journalled:.6f} (scored by an earlier run)")
             return journalled
         result = self._score(overrides)
-        if self.journal is not None:
-            self.journal.put(overrides, result["kld_mean"])
+        self.journal.put(overrides, result["kld_mean"])
         self.scored += 1
         if self.report is not None:
             self.report(f"table {self.scored}: mean KL {result['kld_mean']:.6f} over {result['tokens']} tokens")
