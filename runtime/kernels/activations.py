@@ -173,7 +173,7 @@ def without_amx():
     """Products made inside (on this thread) take no AMX tiles whatever their number of rows:
     in a batch of sequences, which path a row takes must not depend on the rows beside it.
     (The int8 tiles need no such switch: a row gets the same bits on them and off them.)"""
-    return _switched_on("off")
+    return _switched_on("amx_off")
 
 
 def decoding_alone():
@@ -189,7 +189,7 @@ def make_activation(x: np.ndarray, dot_type: str | None, tiles: bool = True):
     (multiplied with float lanes inside `decoding_alone`)."""
     if dot_type is None:
         return x
-    if tiles and x.shape[0] >= amx.MIN_TOKENS and not getattr(_switches, "off", False) and amx.available():
+    if tiles and x.shape[0] >= amx.MIN_TOKENS and not getattr(_switches, "amx_off", False) and amx.available():
         return amx.TileActivation(x)
     return _quantize_all(empty_activation(*x.shape, dot_type, lanes_in_force()), x)
 
