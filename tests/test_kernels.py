@@ -643,13 +643,7 @@ def test_route_matches_a_numpy_formulation(k, sigmoid, biased, groups, topk_grou
 @pytest.mark.parametrize("n", [2, 5, 40])
 def test_grouped_experts_equal_the_per_expert_path(encodings, ffn, hidden, exact, n):
     """All of a layer's (expert, rows) groups in one call give, to the bit, what the per-expert
-    path gives: each expert's batch product of its rows, added to their sums in expert order
-    (as in a batch step: the per-expert path of a prompt would take AMX's bfloat16 tiles)."""
-    with kernels.without_amx():
-        grouped_against_per_expert(encodings, ffn, hidden, n)
-
-
-def grouped_against_per_expert(encodings, ffn, hidden, n):
+    path gives: each expert's batch product of its rows, added to their sums in expert order."""
     from colibri.runtime.kernels.activations import make_activation
 
     k, experts = 2, 4
@@ -664,10 +658,11 @@ def grouped_against_per_expert(encodings, ffn, hidden, n):
         assert not kernel.groupable(acts)
         return
     want = np.zeros_like(x)
-    for expert in np.unique(ids):
-        rows, choice = np.nonzero(ids == expert)
-        y = kernel.batch(records[expert], kernel.rows_of(acts, rows), rows.size, expert)
-        kernels.add_weighted_rows(want, rows, y, weights[rows, choice])
+    with kernels.without_amx():  # int8 all through, as `grouped` (on AMX, batch tiles the down rows)
+        for expert in np.unique(ids):
+            rows, choice = np.nonzero(ids == expert)
+            y = kernel.batch(records[expert], kernel.rows_of(acts, rows), rows.size, expert)
+            kernels.add_weighted_rows(want, rows, y, weights[rows, choice])
     order = np.argsort(ids.reshape(-1), kind="stable")
     used, starts = np.unique(ids.reshape(-1)[order], return_index=True)
     for parts in (1, 2, 3, 7):  # the rows shared out so that groups are cut between threads
