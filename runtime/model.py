@@ -378,22 +378,26 @@ class MoE:
         # router would see if this layer and the next attention added nothing
         self.lookahead: tuple[MoE, np.ndarray] | None = None
 
-    def __call__(self, h: np.ndarray, batch_invariant: bool = False, tokens=None) -> np.ndarray:
-        """The layer's FFN of h [n, hidden]; `tokens` [n], the rows' token ids, for a hash layer's router."""
-        return self.apply(h, *self.router(h, tokens), batch_invariant)
+    def __call__(self, h: np.ndarray, batch_invariant: bool = False, tokens=None, out: np.ndarray | None = None) -> np.ndarray:
+        """The layer's FFN of h [n, hidden]; `tokens` [n], the rows' token ids, for a hash layer's
+        router; `out`, float32 like h, the array it is written into (default: a new one)."""
+        return self.apply(h, *self.router(h, tokens), batch_invariant, out)
 
-    def apply(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, batch_invariant: bool = False) -> np.ndarray:
+    def apply(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, batch_invariant: bool = False,
+              out: np.ndarray | None = None) -> np.ndarray:
         """The routed experts `ids` [n, k] chose for h [n, hidden], mixed with `weights` [n, k],
-        plus the shared experts."""
-        out = self.routed(h, ids, weights, batch_invariant)
+        plus the shared experts (written into `out` of many rows, when given)."""
+        out = self.routed(h, ids, weights, batch_invariant, out)
         if self.shared is not None:
-            out = out + self.shared(h)
+            out = np.add(out, self.shared(h), out=out)
         return out
 
-    def routed(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, batch_invariant: bool = False) -> np.ndarray:
+    def routed(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, batch_invariant: bool = False,
+               out: np.ndarray | None = None) -> np.ndarray:
         """The routed experts' part of `apply`. A single row takes the one-token kernel unless
         `batch_invariant` asks for the many-row path whatever the row count (their sums differ
-        in the last bits). Llama 4's weight scales the expert's input instead (one expert a row)."""
+        in the last bits); many rows are added up in `out` when given. Llama 4's weight scales
+        the expert's input instead (one expert a row)."""
         self.last_route = ids, weights
         if self.input_scaled:
             h, weights = h * weights, np.ones_like(weights)
@@ -404,7 +408,7 @@ class MoE:
             slots = self.store.fetch(self.layer, ids[0])
             self.prefetch_next(h, ids[0])
             return self.experts(self.store.records(self.layer), slots, h[0], weights[0], ids[0])[None, :]
-        return self.apply_rows(h, ids, weights)
+        return self.apply_rows(h, ids, weights, out)
 
     def ran_cached(self, ids: np.ndarray, weights: np.ndarray) -> None:
         """What `routed` records of a row [1, k] whose experts a fused kernel found in the
@@ -413,12 +417,16 @@ class MoE:
         self.last_distinct = ids.shape[1]
         self.store.count_hits(self.layer, ids[0])
 
-    def apply_rows(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    def apply_rows(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """The routed experts of many rows: the rows grouped by expert, each needed expert read
         once, in file order, half as many at a time as the cache holds (the next half is read
         while this one is multiplied), and each such run of groups multiplied in one call (on
-        AMX tiles or exactly: one call per expert); outputs added in expert order."""
-        out = np.zeros_like(h)
+        AMX tiles or exactly: one call per expert); outputs added in expert order, from zero,
+        into `out` (default: a new array)."""
+        if out is None:
+            out = np.zeros_like(h)
+        else:
+            out.fill(0.0)
         acts = self.experts.activations(h)  # quantized once for all the experts
         flat = ids.reshape(-1)
         order = np.argsort(flat, kind="stable")  # by expert, then by row: np.nonzero's order
@@ -657,10 +665,13 @@ class Decoder:
         h, post, comb = hyper_connections.mix(x, self.hyper[layer][0], self.mixing)
         return hyper_connections.merge(x, attention(rms_norm(h, attn_norm, c.norm_eps), positions, segments), post, comb)
 
-    def feed(self, layer: int, x: np.ndarray, tokens, positions: np.ndarray, batch_invariant: bool) -> np.ndarray:
+    def feed(self, layer: int, x: np.ndarray, tokens, positions: np.ndarray, batch_invariant: bool,
+             out: np.ndarray | None = None) -> np.ndarray:
         """Layer `layer`'s FFN over x with its residual or hyper-connection around it (`tokens`, the
         rows' token ids, for a hash layer's router). With `batch_invariant`, a row gets the same
-        bits in any company of rows."""
+        bits in any company of rows. The residual's sum is written into x (the caller's to give
+        up), and a MoE's output into `out` (float32 [n, hidden]) when given: a prompt pass's
+        layers reuse one array, where each would fault in fresh pages."""
         c = self.config
         _, _, ffn_norm, ffn = self.layers[layer]
         if c.hyper_streams:
@@ -668,9 +679,9 @@ class Decoder:
         else:
             h = x
         h = rms_norm(h, ffn_norm, c.norm_eps)
-        y = ffn(h, batch_invariant, tokens) if isinstance(ffn, MoE) else ffn(h)
+        y = ffn(h, batch_invariant, tokens, out) if isinstance(ffn, MoE) else ffn(h)
         self.log_route(layer, positions)
-        return hyper_connections.merge(x, y, post, comb) if c.hyper_streams else x + y
+        return hyper_connections.merge(x, y, post, comb) if c.hyper_streams else np.add(x, y, out=x)
 
     def log_route(self, layer: int, positions: np.ndarray) -> None:
         ffn = self.layers[layer][3]

@@ -37,7 +37,7 @@ from colibri.runtime.options import EngineOptions
 
 SWEEP_MOST = 4096  # documents a window holds at most
 FFN_BLOCK_BYTES = 1 << 30  # hidden states of one FFN call of a prompt pass (its experts are read once per call)
-FFN_VALUE_BYTES = 17  # bytes a hidden value takes in an FFN call: the input, its norm, int8 copy, output, sum
+FFN_VALUE_BYTES = 13  # bytes a hidden value takes in an FFN call: the input, its norm, int8 copy, output (the sum goes into the input)
 
 
 def sweep_window(layout: ModelLayout, options: EngineOptions, documents: int, scratch: Path | None,
@@ -124,6 +124,8 @@ def read_prompts(decoder: Decoder, batch: list[tuple[list[int], KVCache]], alloc
     x = allocate((tokens.size, c.hyper_streams, c.hidden_size) if c.hyper_streams else (tokens.size, c.hidden_size),
                  np.float32)
     block = ffn_block_tokens(c)
+    # every layer's FFN output in turn, in RAM (an FFN block's memory, `ffn_block_bytes`)
+    ffn_out = np.empty((min(block, tokens.size), c.hidden_size), np.float32)
     for first in range(0, tokens.size, block):
         rows = np.concatenate([decoder.embed.rows_f32(int(t), 1) for t in tokens[first:first + block]])
         x[first:first + block] = decoder.hyper_streams(rows) if c.hyper_streams else rows
@@ -138,7 +140,8 @@ def read_prompts(decoder: Decoder, batch: list[tuple[list[int], KVCache]], alloc
                     cache.forget_expansion(layer)
             for first in range(0, tokens.size, block):
                 part = slice(first, first + block)
-                x[part] = decoder.feed(layer, x[part], tokens[part], positions[part], batch_invariant=True)
+                x[part] = decoder.feed(layer, x[part], tokens[part], positions[part], batch_invariant=True,
+                                       out=ffn_out[:len(tokens[part])])
             if on_layer is not None:
                 on_layer(layer)
         last = x[offsets[1:] - 1]
