@@ -130,6 +130,24 @@ def test_many_activations_give_each_the_bits_of_its_own_row_dots(encoding):
         assert np.array_equal(out.view(np.uint32), alone[:3].view(np.uint32))
 
 
+def test_activations_packed_a_share_at_a_time_keep_the_bits_of_their_row_dots():
+    """Rows so long that the tile kernel packs 40 activations in three shares (PACKED_BYTES):
+    every activation gets the bits of its own row dots."""
+    if not int8_tiles.available():
+        pytest.skip("no AVX-512 VNNI: products take the row dots")
+    rows, cols = 9, 131072
+    share = int8_tiles.PACKED_BYTES // (cols + cols // 256 * 68) // int8_tiles.ACTS * int8_tiles.ACTS
+    assert 2 * share < 40  # three shares, the last a short one
+    w, _ = random_weights("Q4_K", rows, cols)
+    matrix = kernels.Matrix(w, "Q4_K", rows, cols)
+    x = np.random.default_rng(5).standard_normal((40, cols)).astype(np.float32)
+    alone = np.stack([matrix(x[i:i + 1])[0] for i in range(len(x))])
+    out = np.empty((40, rows), np.float32)
+    int8_tiles.tiled_rows_times(matrix.tag, matrix.data, 0, rows, matrix.row_nbytes, cols, matrix.activation(x, tiles=False),
+                                out)
+    assert np.array_equal(out.view(np.uint32), alone.view(np.uint32))
+
+
 def expert_records(encodings, ffn, hidden, k, seed=0):
     """k expert records (gate, up, down back to back, padded to 4096 bytes, as in the
     layout) and their float64 matrices."""
@@ -641,9 +659,11 @@ def test_route_matches_a_numpy_formulation(k, sigmoid, biased, groups, topk_grou
 @pytest.mark.parametrize("encodings, ffn, hidden, exact", [e for e in EXPERTS if not e[3]],
                          ids=["-".join(e[0]) for e in EXPERTS if not e[3]])
 @pytest.mark.parametrize("n", [2, 5, 40])
-def test_grouped_experts_equal_the_per_expert_path(encodings, ffn, hidden, exact, n):
+def test_grouped_experts_equal_the_per_expert_path(encodings, ffn, hidden, exact, n, monkeypatch):
     """All of a layer's (expert, rows) groups in one call give, to the bit, what the per-expert
-    path gives: each expert's batch product of its rows, added to their sums in expert order."""
+    path gives: each expert's batch product of its rows, added to their sums in expert order;
+    also when the call takes its rows a few at a time (groups cut between those too)."""
+    from colibri.runtime.kernels import experts as expert_kernels
     from colibri.runtime.kernels.activations import make_activation
 
     k, experts = 2, 4
@@ -665,12 +685,16 @@ def test_grouped_experts_equal_the_per_expert_path(encodings, ffn, hidden, exact
             kernels.add_weighted_rows(want, rows, y, weights[rows, choice])
     order = np.argsort(ids.reshape(-1), kind="stable")
     used, starts = np.unique(ids.reshape(-1)[order], return_index=True)
-    for parts in (1, 2, 3, 7):  # the rows shared out so that groups are cut between threads
+    # the rows shared out so that groups are cut between threads; then at most 9 rows (or a
+    # GROUP) a call
+    for parts, chunk_rows in ((1, None), (2, None), (3, None), (7, None), (2, 9), (3, 1)):
+        if chunk_rows:
+            monkeypatch.setattr(expert_kernels, "GROUPED_ROW_BYTES", 4 * hidden * chunk_rows)
         got = np.zeros_like(x)
         kernel.grouped(records, used.astype(np.int64), np.append(starts, order.size).astype(np.int64),
                        (order // k).astype(np.int64), weights.reshape(-1)[order], acts, got, used.astype(np.int64),
                        parts=parts)
-        assert kernel.groupable(acts) and np.array_equal(got.view(np.uint32), want.view(np.uint32)), parts
+        assert kernel.groupable(acts) and np.array_equal(got.view(np.uint32), want.view(np.uint32)), (parts, chunk_rows)
 
 
 def clamped_expert_reference(matrices, biases, x, alpha, limit):

@@ -29,6 +29,7 @@ from colibri.runtime.kernels.threads import part_range, thread_count
 F32 = np.float32
 _njit = njit(cache=True, nogil=True)
 _parallel = njit(cache=True, nogil=True, parallel=True)
+GROUPED_ROW_BYTES = 32 << 20  # the products one call of the grouped kernel holds (its rows x hidden, float32)
 
 
 class ExpertsRule(NamedTuple):
@@ -67,13 +68,15 @@ class Choice(NamedTuple):
 
 class Groups(NamedTuple):
     """Many rows' experts grouped: group g is expert ids[g] in records[slots[g]], applied to
-    batch rows rows[starts[g]:starts[g + 1]] with those rows' routing `weights`."""
+    batch rows rows[starts[g]:starts[g + 1]] with those rows' routing `weights`; `ys`, float32
+    [at least starts[-1], hidden], takes their products before they are added up."""
 
     slots: np.ndarray
     starts: np.ndarray
     rows: np.ndarray
     weights: np.ndarray
     ids: np.ndarray
+    ys: np.ndarray
 
 
 class ExpertScratch(NamedTuple):
@@ -197,7 +200,7 @@ def _grouped_kernel(rule, records, groups, gate_act, up_act, h_act, out, parts):
     gate_at, up_at, down_at, gate_row, up_row, down_row = rule.gate_at, rule.up_at, rule.down_at, rule.gate_row, \
         rule.up_row, rule.down_row
     kind, alpha, limit = rule.glu, rule.alpha, rule.limit
-    ys = np.empty((starts[-1], hidden), np.float32)
+    ys = groups.ys
     for part in prange(parts):
         first = _split_row(starts, starts[-1] * part // parts)
         stop = _split_row(starts, starts[-1] * (part + 1) // parts)
@@ -221,7 +224,7 @@ def _grouped_kernel(rule, records, groups, gate_act, up_act, h_act, out, parts):
             if biased:
                 y += down_bias[ids[g]]
             first, g = end, g + 1
-    add_weighted_rows(out, rows, ys, groups.weights)
+    add_weighted_rows(out, rows, ys[:starts[-1]], groups.weights)
 
 
 class ExpertKernel:
@@ -323,12 +326,21 @@ class ExpertKernel:
         """Every group g (expert ids[g] in `records[slots[g]]`, batch rows `rows[starts[g]:starts[g+1]]`
         with their routing weights) in one call, each added to `out` [n, hidden] in order: what
         `batch` and `add_weighted_rows` give group by group. `acts` from `activations` of the
-        whole batch, `groupable`. The rows are shared out in `parts` (default: the thread count)."""
+        whole batch, `groupable`. The rows are shared out in `parts` (default: the thread count),
+        GROUPED_ROWS of them at a time: the products' and hidden states' buffers stay that size
+        however many rows a prompt pass brings (the same sums, added to `out` in the same order)."""
         gate_act, up_act = (acts[dot_type] for dot_type in self.dot_types[:2])
+        chunk = min(rows.size, max(GROUPED_ROW_BYTES // (4 * self.hidden), GROUP))
         # each group quantizes its own rows
-        h_act = empty_activation(rows.size, self.ffn, self.dot_types[2], lanes_in_force())
-        groups = Groups(slots, starts, rows, weights, self._bias_ids(ids))
-        _grouped_kernel(self.rule, records, groups, gate_act, up_act, h_act, out, thread_count() if parts is None else parts)
+        h_act = empty_activation(chunk, self.ffn, self.dot_types[2], lanes_in_force())
+        ys, bias_ids = np.empty((chunk, self.hidden), F32), self._bias_ids(ids)
+        for first in range(0, rows.size, chunk):
+            stop = min(first + chunk, rows.size)
+            g0, g1 = np.searchsorted(starts, first, side="right") - 1, np.searchsorted(starts, stop, side="left")
+            cut = (np.clip(starts[g0:g1 + 1], first, stop) - first).astype(np.int64)
+            groups = Groups(slots[g0:g1], cut, rows[first:stop], weights[first:stop], bias_ids[g0:g1], ys)
+            _grouped_kernel(self.rule, records, groups, gate_act, up_act, h_act, out,
+                            thread_count() if parts is None else parts)
 
     def _project(self, record: np.ndarray, m: int, rows: int, cols: int, act, n: int) -> np.ndarray:
         tag, offset = self.rule[m], self.rule[3 + m]  # the rule's tags, then its offsets

@@ -3,10 +3,11 @@
 Where the CPU has AVX-512 VNNI, `rows_times` multiplies MIN_ACTIVATIONS or more activations
 (`activations.Q8_KActivation`: a prompt's, or a batch step's or sweep's rows) with a Q4_K, Q5_K
 or Q6_K matrix (`blocks.INTEGER_TOTALS`) here rather than a row at a time:
-- the activations are interleaved once per call, 4 values of each of 16 activations in every
-  64 bytes (`pack_activations`);
-- PANEL_ROWS weight rows at a time are unpacked once: their levels as bytes, their integer
-  scales and mins, d and dmin (`_unpack_row`);
+- the activations are interleaved, 4 values of each of 16 activations in every 64 bytes
+  (`pack_activations`), PACKED_BYTES of them at a time (kept in cache while every weight row
+  passes over them: a prompt pass of many documents brings thousands);
+- for each such share, PANEL_ROWS weight rows at a time are unpacked: their levels as bytes,
+  their integer scales and mins, d and dmin (`_unpack_row`);
 - a tile of TILE_ROWS rows by 16 activations then takes one vpdpbusd per 4 weights of a row
   for all 16 activations (`_tile`), where a row dot takes two instructions per 64 weights for
   each activation.
@@ -36,6 +37,7 @@ ACTS = 16  # activations a tile takes (int32 lanes of a 64-byte vector)
 TILE_ROWS = 8  # weight rows a tile takes
 PANEL_ROWS = 32  # weight rows unpacked at a time (multiple of TILE_ROWS; their levels stay in L2)
 MIN_ACTIVATIONS = 12  # activations from which a product takes the tiles (below, most of a band is padding)
+PACKED_BYTES = 4 << 20  # the packed activations a thread multiplies at a time (well inside a shared L3)
 
 
 def available() -> bool:
@@ -66,21 +68,21 @@ class Panel(NamedTuple):
 
 
 @_njit
-def pack_activations(act, n, nblocks):
-    """The n Q8_K activations `act` (cols = nblocks * WEIGHTS) as `Packed`."""
+def pack_activations(act, first, n, nblocks):
+    """The n Q8_K activations first.. of `act` (cols = nblocks * WEIGHTS) as `Packed`."""
     bands = (n + ACTS - 1) // ACTS
     codes = np.zeros((bands, nblocks, GROUPS, ACTS), np.int32)
     bsums = np.zeros((bands, nblocks, 16, ACTS), np.int32)
     xd = np.zeros((bands, nblocks, ACTS), np.float32)
     for i in range(n):
         band, lane = i // ACTS, i % ACTS
-        quads = np.ascontiguousarray(act.q[i]).view(np.int32)
+        quads = np.ascontiguousarray(act.q[first + i]).view(np.int32)
         for b in range(nblocks):
             for g in range(GROUPS):
                 codes[band, b, g, lane] = quads[b * GROUPS + g]
             for u in range(16):
-                bsums[band, b, u, lane] = act.bsums[i, b * 16 + u]
-            xd[band, b, lane] = act.d[i, b]
+                bsums[band, b, u, lane] = act.bsums[first + i, b * 16 + u]
+            xd[band, b, lane] = act.d[first + i, b]
     return Packed(codes, bsums, xd)
 
 
@@ -208,19 +210,22 @@ def tiled_rows_times(tag, w, first, stop, row_nbytes, cols, act, out):
     """out[:, first:stop] = rows first..stop-1 of `w` times each of the n Q8_K activations
     `act` (as `rows.rows_times`, the same bits)."""
     n, nblocks = out.shape[0], cols // WEIGHTS
-    packed = pack_activations(act, n, nblocks)
+    share = max(PACKED_BYTES // (cols + nblocks * 68) // ACTS, 1) * ACTS  # activations packed at a time
     panel = Panel(np.zeros(PANEL_ROWS * cols, np.uint8), np.zeros(PANEL_ROWS * nblocks * 16, np.int32),
                   np.zeros(PANEL_ROWS * nblocks * 8, np.int32), np.zeros(PANEL_ROWS * nblocks, np.float32),
                   np.zeros(PANEL_ROWS * nblocks, np.float32))
     tile = np.empty(TILE_ROWS * ACTS, np.float32)
-    for top in range(first, stop, PANEL_ROWS):
-        count = min(PANEL_ROWS, stop - top)
-        for r in range(count):
-            _unpack_row(tag, w, (top + r) * row_nbytes, nblocks, panel, r)
-        for band in range((n + ACTS - 1) // ACTS):
-            lanes = min(ACTS, n - band * ACTS)
-            for r0 in range(0, count, TILE_ROWS):
-                _tile(tag, panel, r0, packed, band, nblocks, tile)
-                for t in range(min(TILE_ROWS, count - r0)):
-                    for lane in range(lanes):
-                        out[band * ACTS + lane, top + r0 + t] = tile[t * ACTS + lane]
+    for a0 in range(0, n, share):
+        m = min(share, n - a0)
+        packed = pack_activations(act, a0, m, nblocks)
+        for top in range(first, stop, PANEL_ROWS):
+            count = min(PANEL_ROWS, stop - top)
+            for r in range(count):
+                _unpack_row(tag, w, (top + r) * row_nbytes, nblocks, panel, r)
+            for band in range((m + ACTS - 1) // ACTS):
+                lanes = min(ACTS, m - band * ACTS)
+                for r0 in range(0, count, TILE_ROWS):
+                    _tile(tag, panel, r0, packed, band, nblocks, tile)
+                    for t in range(min(TILE_ROWS, count - r0)):
+                        for lane in range(lanes):
+                            out[a0 + band * ACTS + lane, top + r0 + t] = tile[t * ACTS + lane]
