@@ -164,10 +164,10 @@ def _prompt_pass_costs(model, doc_tokens: int, decode: dict, steps: int) -> dict
             fitted = step_seconds(decode, distinct, window)
             extra.append((seconds - fitted) / (window * max(doc_tokens + step - decode["position"], 1)))
     (small, small_s), (large, large_s) = passes[-2:]  # the first pass warms up
-    token_s = (large_s - small_s) / (large - small)
-    pass_s = small_s - token_s * small
-    if token_s <= 0 or pass_s < 0:  # noise: the larger pass's time per token instead
-        pass_s, token_s = 0.0, large_s / large
+    # the larger pass's time per token, and what the smaller took beyond that rate: a slope
+    # through the two passes would carry their noise, a few times over, into every token
+    token_s = large_s / large
+    pass_s = max(small_s - token_s * small, 0.0)
     return {"doc_tokens": doc_tokens, "prompt_pass_s": pass_s, "prompt_token_s": token_s,
             "per_row_position_s": max(float(np.median(extra)), 0.0)}
 

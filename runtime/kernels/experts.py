@@ -327,8 +327,9 @@ class ExpertKernel:
         with their routing weights) in one call, each added to `out` [n, hidden] in order: what
         `batch` and `add_weighted_rows` give group by group. `acts` from `activations` of the
         whole batch, `groupable`. The rows are shared out in `parts` (default: the thread count),
-        GROUPED_ROWS of them at a time: the products' and hidden states' buffers stay that size
-        however many rows a prompt pass brings (the same sums, added to `out` in the same order)."""
+        GROUPED_ROW_BYTES of their products at a time: the products' and hidden states' buffers
+        stay that size however many rows a prompt pass brings (the same sums, added to `out` in
+        the same order)."""
         gate_act, up_act = (acts[dot_type] for dot_type in self.dot_types[:2])
         chunk = min(rows.size, max(GROUPED_ROW_BYTES // (4 * self.hidden), GROUP))
         # each group quantizes its own rows
