@@ -136,8 +136,7 @@ def test_activations_packed_a_share_at_a_time_keep_the_bits_of_their_row_dots():
     if not int8_tiles.available():
         pytest.skip("no AVX-512 VNNI: products take the row dots")
     rows, cols = 9, 131072
-    share = int8_tiles.PACKED_BYTES // (cols + cols // 256 * 68) // int8_tiles.ACTS * int8_tiles.ACTS
-    assert 2 * share < 40  # three shares, the last a short one
+    assert 2 * int8_tiles.activations_a_share(cols) < 40  # three shares, the last a short one
     w, _ = random_weights("Q4_K", rows, cols)
     matrix = kernels.Matrix(w, "Q4_K", rows, cols)
     x = np.random.default_rng(5).standard_normal((40, cols)).astype(np.float32)

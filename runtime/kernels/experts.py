@@ -335,13 +335,13 @@ class ExpertKernel:
         # each group quantizes its own rows
         h_act = empty_activation(chunk, self.ffn, self.dot_types[2], lanes_in_force())
         ys, bias_ids = np.empty((chunk, self.hidden), F32), self._bias_ids(ids)
+        parts = thread_count() if parts is None else parts
         for first in range(0, rows.size, chunk):
             stop = min(first + chunk, rows.size)
             g0, g1 = np.searchsorted(starts, first, side="right") - 1, np.searchsorted(starts, stop, side="left")
             cut = (np.clip(starts[g0:g1 + 1], first, stop) - first).astype(np.int64)
             groups = Groups(slots[g0:g1], cut, rows[first:stop], weights[first:stop], bias_ids[g0:g1], ys)
-            _grouped_kernel(self.rule, records, groups, gate_act, up_act, h_act, out,
-                            thread_count() if parts is None else parts)
+            _grouped_kernel(self.rule, records, groups, gate_act, up_act, h_act, out, parts)
 
     def _project(self, record: np.ndarray, m: int, rows: int, cols: int, act, n: int) -> np.ndarray:
         tag, offset = self.rule[m], self.rule[3 + m]  # the rule's tags, then its offsets

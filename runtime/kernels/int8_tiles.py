@@ -68,6 +68,15 @@ class Panel(NamedTuple):
 
 
 @_njit
+def activations_a_share(cols):
+    """How many activations of `cols` values `tiled_rows_times` packs at a time: as many whole
+    bands as PACKED_BYTES holds (codes, bsums and xd; at least one band)."""
+    nblocks = cols // WEIGHTS
+    packed = nblocks * (GROUPS + 16 + 1) * 4
+    return max(PACKED_BYTES // packed // ACTS, 1) * ACTS
+
+
+@_njit
 def pack_activations(act, first, n, nblocks):
     """The n Q8_K activations first.. of `act` (cols = nblocks * WEIGHTS) as `Packed`."""
     bands = (n + ACTS - 1) // ACTS
@@ -210,7 +219,7 @@ def tiled_rows_times(tag, w, first, stop, row_nbytes, cols, act, out):
     """out[:, first:stop] = rows first..stop-1 of `w` times each of the n Q8_K activations
     `act` (as `rows.rows_times`, the same bits)."""
     n, nblocks = out.shape[0], cols // WEIGHTS
-    share = max(PACKED_BYTES // (cols + nblocks * 68) // ACTS, 1) * ACTS  # activations packed at a time
+    share = activations_a_share(cols)
     panel = Panel(np.zeros(PANEL_ROWS * cols, np.uint8), np.zeros(PANEL_ROWS * nblocks * 16, np.int32),
                   np.zeros(PANEL_ROWS * nblocks * 8, np.int32), np.zeros(PANEL_ROWS * nblocks, np.float32),
                   np.zeros(PANEL_ROWS * nblocks, np.float32))
