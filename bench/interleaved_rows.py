@@ -27,13 +27,14 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from colibri.formats.encodings import block_size, row_bytes
 from colibri.runtime import kernels
 from colibri.runtime.kernels.blocks import KEEP_ORDER
 from colibri.runtime.kernels.emitter import FLOAT, I8, I16, I32, I64, Emitter, target_isa, vec
 from kernel_speed import COLS, IN_CACHE_PASSES, in_cache_ns_per_block, weight_bytes
 
 ROWS = 16  # rows interleaved
-BLOCK = 144  # bytes of a Q4_K block
+BLOCK = block_size("Q4_K")[1]  # bytes of a Q4_K block
 HEAD = 64 + 128 + 128  # d and dmin (f16), then mins and scales (a byte each), of 16 rows
 GROUP_BYTES = HEAD + ROWS * 128  # 16 rows' blocks of 256 weights
 
@@ -183,7 +184,7 @@ def main() -> None:
           f"{in_cache_ns_per_block('Q4_K', args.repeat):.2f}")
 
     cols = 7168
-    rows = (args.mb << 20) // (cols // 256 * BLOCK) // ROWS * ROWS
+    rows = (args.mb << 20) // row_bytes("Q4_K", cols) // ROWS * ROWS
     matrix, packed, act, lanes = problem(rows, cols, 2)
     out, nb = np.zeros(rows, np.float32), cols // 256
     runs = {"interleaved": lambda: matvec(packed, rows // ROWS, nb, act.q[0], act.d[0], act.bsums[0], out),
