@@ -21,7 +21,7 @@ FILE` runs llama-bench in the same run with the same prompt and decode lengths (
 after as many tokens as ours (-d: each decoded token attends to as many positions); without
 it there is no anchor and the llama.cpp columns say so. `--llama-repack 0` runs it on the file's
 row layout rather than the rows ggml interleaves in RAM at load (its default, 1). `--isa avx2` compiles the kernels for an
-AVX2-only CPU, to compare with a llama.cpp built so. `--busy N` runs everything, llama-bench
+AVX2-only CPU, to compare with a llama.cpp built so; `--isa auto` for the target `colibri run` would choose. `--busy N` runs everything, llama-bench
 included, beside N processes that each keep a core busy at the same priority. Writes
 bench/out/decode.json.
 
@@ -46,6 +46,7 @@ import numpy as np
 from colibri.formats.layout import ModelLayout
 from colibri.runtime import open_model
 from colibri.runtime.expert_store import cache_bytes_for_all
+from colibri.runtime.isa_choice import choose
 from colibri.runtime.kernels import kernel_paths
 from colibri.runtime.kernels.emitter import TARGET_CPUS, restart_for
 from colibri.runtime.plan import measure_disk_bandwidth
@@ -133,9 +134,10 @@ def main() -> None:
     parser.add_argument("--threads", type=lambda t: t if t == "auto" else int(t), default=os.cpu_count(),
                         help="compute threads, or auto (the runtime's --threads auto; llama-bench gets every core)")
     parser.add_argument("--stream-share", type=float, default=0.25, help="expert cache as a share of all experts when streaming")
-    parser.add_argument("--isa", choices=("native", *TARGET_CPUS), default="native",
+    parser.add_argument("--isa", choices=("native", "auto", *TARGET_CPUS), default="native",
                         help="compile the kernels for this target: avx2 = this CPU without AVX-512, AMX or AVX-VNNI "
-                             "(an AMD Zen 2/3); avx2-vnni keeps AVX-VNNI (Intel Alder Lake)")
+                             "(an AMD Zen 2/3); avx2-vnni keeps AVX-VNNI (Intel Alder Lake); auto = the one colibri "
+                             "run --isa auto chooses for --model by timing (its timings are printed)")
     parser.add_argument("--llama-bench", type=Path, metavar="BIN",
                         help="llama.cpp's llama-bench (built for the same target) to run on --gguf in this run")
     parser.add_argument("--gguf", type=Path, help="the same model as a GGUF, for --llama-bench")
@@ -154,6 +156,11 @@ def main() -> None:
     parser.add_argument("--busy", type=int, default=0, metavar="N",
                         help="run beside N processes that each keep a core busy at this priority (default: none)")
     args = parser.parse_args()
+    if args.isa == "auto":
+        choice = choose(reference_model(args.model), os.cpu_count() if args.threads == "auto" else args.threads)
+        print(f"--isa auto: {choice.target} ({'cached' if choice.cached else 'timed now'}; products a token: "
+              + ", ".join(f"{t} {s * 1e3:.2f} ms" for t, s in sorted(choice.seconds_per_token.items())) + ")")
+        args.isa = choice.target
     restart_for(args.isa)  # before the busy processes start: it replaces this process
     if args.llama_bench and not args.gguf:
         parser.error("--llama-bench needs --gguf, the same model as a GGUF")

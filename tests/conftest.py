@@ -8,6 +8,10 @@ import pytest
 
 from colibri.convert.synthetic import write_checkpoint
 
+# The commands the tests start compile for this CPU, not for the target `--isa auto` would time
+# on each new tiny model (tests/test_isa_choice.py tests that)
+os.environ.setdefault("COLIBRI_ISA", "native")
+
 
 @pytest.fixture
 def checkpoint(tmp_path):

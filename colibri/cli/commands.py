@@ -259,6 +259,7 @@ def _one_line(error: BaseException) -> str:
 
 def _dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
+    args.restartable = argv is None  # started from a shell: --isa may run it again (cli/isa_flag.py)
     try:
         return args.run(args)
     except (*_user_errors(), OSError) as e:

@@ -8,6 +8,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+from colibri.cli.isa_flag import add_isa_flag, settle_isa
 from colibri.runtime.memory import format_size, size_argument
 from colibri.runtime.options import add_engine_flags, engine_options
 
@@ -37,6 +38,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "folder on a fast disk), which the kernel pages out when RAM is short")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: %(default)s)")
     add_engine_flags(p)  # --parallel: the documents of --prompt-dir decoded together
+    add_isa_flag(p)
     p.add_argument("--direct-io", action="store_const", const="direct", dest="io", default=argparse.SUPPRESS,
                    help="the same as --io direct")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: %(default)s)")
@@ -108,6 +110,7 @@ def run_command(args: argparse.Namespace) -> int:
         raise SystemExit("colibri run: error: --sweep runs on this machine; drop --ray")
     if args.scratch and not args.scratch.is_dir():
         raise SystemExit(f"colibri run: error: --scratch {args.scratch}: not an existing folder")
+    settle_isa(args, "run")
     if not args.prompt_dir:
         model = open_model(args.model, options)
         with _routing_trace(model, args):

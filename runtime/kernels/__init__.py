@@ -37,8 +37,8 @@ from colibri.formats import encodings, iq_grids
 
 _HERE = Path(__file__).resolve().parent
 # the IR builders and tables every kernel of runtime/ is compiled from (kernel_cache says why)
-kernel_cache.drop_if_stale("runtime", [*_HERE.glob("*.py"), _HERE.parent / "amx.py", encodings.__file__, iq_grids.__file__],
-                           [_HERE / "__pycache__", _HERE.parent / "__pycache__"])
+SOURCES = [*_HERE.glob("*.py"), _HERE.parent / "amx.py", encodings.__file__, iq_grids.__file__]
+kernel_cache.drop_if_stale("runtime", SOURCES, [_HERE / "__pycache__", _HERE.parent / "__pycache__"])
 
 from colibri.runtime.kernels.activations import (  # noqa: E402
     ACT_BLOCKS, INT8_ACTIVATIONS, DOT_TYPES, FAST_ENCODINGS, FAST_PATH_TOLERANCE, WIDEST_ACT_BLOCK, Q8_0Activation,

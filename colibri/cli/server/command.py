@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from colibri.cli.isa_flag import add_isa_flag, settle_isa
 from colibri.runtime.memory import size_argument
 from colibri.runtime.options import MOST_PARALLEL, add_engine_flags, engine_options
 
@@ -26,6 +27,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-upload", type=size_argument, default="2G", metavar="SIZE",
                    help="largest file /v1/files takes (default: %(default)s)")
     add_engine_flags(p)  # --parallel: the requests decoded together
+    add_isa_flag(p)
 
 
 STATE_ROOT = Path.home() / ".cache" / "colibri" / "serve"
@@ -45,6 +47,7 @@ def serve_command(args: argparse.Namespace) -> int:
     missing = [name for name in SERVE_MODULES if importlib.util.find_spec(name) is None]
     if missing:
         raise SystemExit(f"colibri serve: error: the server needs {', '.join(missing)}: {SERVE_EXTRA}")
+    settle_isa(args, "serve")
     import uvicorn
 
     from colibri.runtime import open_model
