@@ -30,6 +30,7 @@ from colibri.formats.model_config import ModelConfig
 from colibri.runtime import kept_expansions, kernels
 from colibri.runtime.batch import STEP_PROMPT_TOKENS, STEP_TOKENS, Event, Scheduler
 from colibri.runtime.engine import BudgetError, fitting_parallel, plan_budget
+from colibri.runtime.heap import keep_freed_memory
 from colibri.runtime.kv_cache import FLOAT_KINDS, KVCache, KVPool
 from colibri.runtime.memory import format_size
 from colibri.runtime.model import Decoder, Segment
@@ -186,10 +187,13 @@ class Sweep(Scheduler):
     `window` documents at once (default: the model's KV slots); with `scratch`, their KV caches
     and the prompt passes' hidden states are mapped from nameless files in that folder.
     `on_layer(layer, documents)` is called as a prompt pass of `documents` finishes a layer.
+    Its process's malloc keeps freed memory from then on (`heap.keep_freed_memory`): a pass's
+    arrays of hundreds of MB reuse the last ones' pages.
     """
 
     def __init__(self, model, window: int | None = None, scratch: Path | None = None, on_layer=None,
                  keep_logits: bool = False):
+        keep_freed_memory()
         self.on_layer = on_layer
         self.allocate = np.zeros if scratch is None else partial(scratch_array, directory=scratch)
         if scratch is None and window in (None, len(model.slots)):
