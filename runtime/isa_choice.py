@@ -20,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,15 +180,16 @@ def choose(model_dir, threads: int, cache: Path | None = None, report=None) -> I
 
 def time_targets(model_dir, targets: list[str], threads: int, kinds: list[MatrixKind]) -> dict:
     """Each target's seconds of products a decoded token, from workers timed in turn."""
-    workers = {}
+    workers = {}  # target -> (process, its stderr: a file, which no amount of warnings can fill)
     try:
         for target in targets:
             env = dict(os.environ)
             if target != "native":
                 env.update(target_environment(target))
+            log = tempfile.TemporaryFile("w+")
             workers[target] = subprocess.Popen(
                 [sys.executable, "-m", "colibri.runtime.isa_probe", str(model_dir), "--threads", str(threads)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env), log
         for target, worker in workers.items():
             _answer(target, worker, None)  # compiled, and the samples copied
         rounds = {target: [] for target in targets}
@@ -195,24 +197,27 @@ def time_targets(model_dir, targets: list[str], threads: int, kinds: list[Matrix
             for target, worker in workers.items():
                 rounds[target].append(_answer(target, worker, "time"))
     finally:
-        for worker in workers.values():
-            if worker.poll() is None:
-                worker.kill()
-            worker.wait()
+        for process, log in workers.values():
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+            log.close()
     by_key = {k.key: k for k in kinds}
     return {target: sum(by_key[key].bytes_per_token * statistics.median(r[key]["seconds"] for r in timed)
                         / timed[0][key]["bytes"] for key in by_key)
             for target, timed in rounds.items()}
 
 
-def _answer(target: str, worker: subprocess.Popen, command: str | None) -> dict:
-    if command:
-        worker.stdin.write(command + "\n")
-        worker.stdin.flush()
-    line = worker.stdout.readline()
+def _answer(target: str, worker: tuple, command: str | None) -> dict:
+    process, log = worker
     try:
-        return json.loads(line)
-    except ValueError:
-        worker.kill()
-        reason = worker.stderr.read().strip().splitlines()
+        if command:
+            process.stdin.write(command + "\n")
+            process.stdin.flush()
+        return json.loads(process.stdout.readline())
+    except (ValueError, BrokenPipeError):  # no answer, or a worker gone before the question
+        process.kill()
+        process.wait()
+        log.seek(0)
+        reason = log.read().strip().splitlines()
         raise IsaError(f"timing the kernels built for {target} failed: {reason[-1] if reason else 'no answer'}") from None
