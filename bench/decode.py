@@ -159,7 +159,7 @@ def main() -> None:
     if args.isa == "auto":
         choice = choose(reference_model(args.model), os.cpu_count() if args.threads == "auto" else args.threads)
         print(f"--isa auto: {choice.target} ({'cached' if choice.cached else 'timed now'}; products a token: "
-              + ", ".join(f"{t} {s * 1e3:.2f} ms" for t, s in sorted(choice.seconds_per_token.items())) + ")")
+              f"{choice.timings(2)})")
         args.isa = choice.target
     restart_for(args.isa)  # before the busy processes start: it replaces this process
     if args.llama_bench and not args.gguf:

@@ -27,6 +27,7 @@ from pathlib import Path
 import llvmlite.binding
 
 from colibri.formats.layout import ModelLayout, write_atomic
+from colibri.formats.recipe import tensor_category
 from colibri.runtime.kernels.emitter import TARGET_CPUS, target_environment
 
 AUTO = "auto"
@@ -63,15 +64,19 @@ class IsaChoice:
     seconds_per_token: dict  # target -> the products' seconds a decoded token, as timed
     cached: bool
 
+    def timings(self, digits: int = 3) -> str:
+        """Each target's products a token, for a report: "avx2 0.097 ms, native 0.094 ms"."""
+        return ", ".join(f"{t} {s * 1e3:.{digits}f} ms" for t, s in sorted(self.seconds_per_token.items()))
+
 
 def matrix_kinds(layout: ModelLayout) -> list[MatrixKind]:
     """The kinds of matrix a decoded token multiplies by: every resident matrix but the token
     embedding (a lookup, unless it doubles as the output), and each layer's routed experts, of
     which a token reads n_experts_used."""
     found: dict[tuple, list] = {}  # (encoding, cols) -> [bytes a token, sources]
-    tied = "output.weight" not in layout.tensors
+    output = "output.weight" if "output.weight" in layout.tensors else "token_embd.weight"
     for t in layout.tensors.values():
-        if len(t.shape) != 2 or (t.name.endswith("token_embd.weight") and not (tied and t.name == "token_embd.weight")):
+        if len(t.shape) != 2 or (tensor_category(t.name) == "token_embd" and t.name != output):
             continue
         entry = found.setdefault((t.encoding, t.shape[1]), [0, []])
         entry[0] += t.nbytes
@@ -91,8 +96,9 @@ def _host_features() -> list[str]:
 
 def candidates() -> list[str]:
     """The targets worth timing here: native, and AVX2 alone where this CPU has more."""
-    more = [f for f in _host_features() if f.startswith("+") and f[1:].startswith(_OVERRIDES)]
-    return ["native", "avx2"] if more and "+avx2" in _host_features() else ["native"]
+    features = _host_features()
+    more = [f for f in features if f.startswith("+") and f[1:].startswith(_OVERRIDES)]
+    return ["native", "avx2"] if more and "+avx2" in features else ["native"]
 
 
 def process_target() -> str:
@@ -109,7 +115,9 @@ def cache_file() -> Path:
     cache, else (a read-only install) the user's cache folder."""
     if os.environ.get("NUMBA_CACHE_DIR"):
         return Path(os.environ["NUMBA_CACHE_DIR"]) / CACHE_NAME
-    beside = Path(__file__).resolve().parent / "kernels" / "__pycache__"
+    from colibri.runtime.kernels import CACHES
+
+    beside = CACHES[0]
     if os.access(beside if beside.is_dir() else beside.parent, os.W_OK):
         return beside / CACHE_NAME
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "colibri" / CACHE_NAME

@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import time
+from itertools import chain
 
 import numpy as np
 
@@ -40,14 +41,14 @@ def _sources_data(layout: ModelLayout, source: tuple):
 def sample(layout: ModelLayout, kind: MatrixKind) -> kernels.Matrix:
     """Whole rows of the kind's matrices, up to SAMPLE_BYTES, copied into one matrix in RAM."""
     per_row = row_bytes(kind.encoding, kind.cols)
+    room = SAMPLE_BYTES // per_row  # rows the sample holds
     parts, rows = [], 0
-    for source in kind.sources:
-        for data in _sources_data(layout, source):
-            take = min(len(data) // per_row, SAMPLE_BYTES // per_row - rows)
-            parts.append(np.array(data[: take * per_row]))
-            rows += take
-            if rows * per_row + per_row > SAMPLE_BYTES:
-                return kernels.Matrix(np.concatenate(parts), kind.encoding, rows, kind.cols)
+    for data in chain.from_iterable(_sources_data(layout, source) for source in kind.sources):
+        take = min(len(data) // per_row, room - rows)
+        parts.append(np.array(data[: take * per_row]))
+        rows += take
+        if rows == room:
+            break
     return kernels.Matrix(np.concatenate(parts), kind.encoding, rows, kind.cols)
 
 

@@ -50,8 +50,7 @@ def settle_isa(args: argparse.Namespace, command: str) -> str:
             _say(command, f"{e}; the kernels stay {current}")
             return current
         if not choice.cached and choice.seconds_per_token:
-            times = ", ".join(f"{t} {s * 1e3:.3f} ms" for t, s in sorted(choice.seconds_per_token.items()))
-            _say(command, f"kernels for {choice.target} (this model's products a token: {times})")
+            _say(command, f"kernels for {choice.target} (this model's products a token: {choice.timings()})")
         requested = choice.target
     if requested == current:
         return current

@@ -38,7 +38,8 @@ from colibri.formats import encodings, iq_grids
 _HERE = Path(__file__).resolve().parent
 # the IR builders and tables every kernel of runtime/ is compiled from (kernel_cache says why)
 SOURCES = [*_HERE.glob("*.py"), _HERE.parent / "amx.py", encodings.__file__, iq_grids.__file__]
-kernel_cache.drop_if_stale("runtime", SOURCES, [_HERE / "__pycache__", _HERE.parent / "__pycache__"])
+CACHES = [_HERE / "__pycache__", _HERE.parent / "__pycache__"]  # numba's cache files of those kernels
+kernel_cache.drop_if_stale("runtime", SOURCES, CACHES)
 
 from colibri.runtime.kernels.activations import (  # noqa: E402
     ACT_BLOCKS, INT8_ACTIVATIONS, DOT_TYPES, FAST_ENCODINGS, FAST_PATH_TOLERANCE, WIDEST_ACT_BLOCK, Q8_0Activation,
