@@ -39,7 +39,9 @@ OS_RESERVE = 0.15  # share of RAM left to the OS and the page cache
 RUNTIME_BYTES = 400 << 20  # what the process holds before any weight: interpreter, numpy, numba, compiled kernels
 KV_SHARE = 0.25  # the recommended --ctx keeps the KV cache within this share of free RAM
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32)  # sequences per step of the measured decode steps
+# sequences per step of the measured decode steps: up to where a layer's experts each see
+# several rows, as a sweep's steps do, since a step's cost per row falls until then
+CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 CALIBRATION_PROMPT = 8  # tokens of their prompts
 PROMPT_WINDOWS = (2, 2, 8)  # documents of the measured prompt passes (the first warms up)
 PROMPT_MOST_TOKENS = 1024  # their prompts' length at most, whatever the job's
@@ -93,25 +95,48 @@ def distinct_traced(layers: dict[int, list[frozenset]], batch: int, seed: int = 
 def measure_costs(path, threads: int | None = None, ram_budget=None, doc_tokens: int | None = None,
                   steps: int = 6) -> dict:
     """This machine's compute seconds for the model, from which the plan gives every speed:
-    - a decode step: step_s + per_expert_s × distinct experts + per_row_s × rows, fitted to
-      batch decode steps of 1 to 32 sequences at short contexts;
+    - a decode step: step_s + per_expert_s × distinct experts + per_row_s × rows, none
+      negative, fitted for the least relative error to batch decode steps of
+      CALIBRATION_BATCHES sequences at short contexts;
     - with `doc_tokens`: a sweep's prompt pass of prompts that long (at most
       PROMPT_MOST_TOKENS), prompt_pass_s + prompt_token_s × tokens, and a decode row's extra
       seconds per cached position beyond the fit's (per_row_position_s), from sweeps of
       PROMPT_WINDOWS such prompts.
-    Expert read waits are left out: the plan adds the disk's time from its bytes."""
+    Each part opens the model with the context it needs, so that the many short decode
+    sequences do not each hold a long prompt's KV cache. Expert read waits are left out: the
+    plan adds the disk's time from its bytes."""
     from colibri.runtime import open_model
 
-    doc_tokens = min(doc_tokens, PROMPT_MOST_TOKENS) if doc_tokens else None
-    ctx = max(64, (doc_tokens or 0) + steps + 2)
-    model = open_model(path, threads=threads, ctx=ctx, ram_budget=ram_budget, parallel=max(CALIBRATION_BATCHES))
+    def opened(ctx: int, parallel: int):
+        return open_model(path, threads=threads, ctx=max(64, ctx), ram_budget=ram_budget, parallel=parallel)
+
+    model = opened(CALIBRATION_PROMPT + steps + 2, max(CALIBRATION_BATCHES))
     try:
         costs = _decode_costs(model, steps)
-        if doc_tokens:
-            costs.update(_prompt_pass_costs(model, doc_tokens, costs, steps))
     finally:
         model.close()
+    if doc_tokens:
+        doc_tokens = min(doc_tokens, PROMPT_MOST_TOKENS)
+        model = opened(doc_tokens + steps + 2, max(PROMPT_WINDOWS))
+        try:
+            costs.update(_prompt_pass_costs(model, doc_tokens, costs, steps))
+        finally:
+            model.close()
     return costs
+
+
+def nonnegative_fit(design: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Least squares coefficients of `design` for `values`, none negative: a term whose fit
+    comes out negative is left out (0) and the others fitted again without it."""
+    kept = list(range(design.shape[1]))
+    while True:
+        fit = np.linalg.lstsq(design[:, kept], values, rcond=None)[0]
+        if (fit >= 0).all():
+            break
+        kept.pop(int(np.argmin(fit)))
+    coefficients = np.zeros(design.shape[1])
+    coefficients[kept] = fit
+    return coefficients
 
 
 def _timed_steps(model, runner):
@@ -140,8 +165,9 @@ def _decode_costs(model, steps: int) -> dict:
     rows = [m for measured in samples[1:] for m in measured]
     design = np.array([[1.0, d, b] for d, b, _ in rows])
     seconds = np.array([t for *_, t in rows])
-    (a, b, c), *_ = np.linalg.lstsq(design, seconds, rcond=None)
-    return {"step_s": float(max(a, 0.0)), "per_expert_s": float(max(b, 0.0)), "per_row_s": float(max(c, 0.0)),
+    relative = 1 / seconds  # errors relative to each step's time: a step of one row weighs as one of 128
+    a, b, c = nonnegative_fit(design * relative[:, None], seconds * relative)
+    return {"step_s": float(a), "per_expert_s": float(b), "per_row_s": float(c),
             "position": CALIBRATION_PROMPT + (steps - 1) / 2, "samples": len(rows)}
 
 

@@ -196,6 +196,27 @@ def test_the_plan_predicts_a_sweeps_disk_reads_and_scratch(models, arch, tmp_pat
     assert planned["scratch_bytes"] == sum(mapped[:caches]) + max(mapped[caches:])
 
 
+def test_the_decode_cost_fit_leaves_out_a_term_that_would_be_negative():
+    """`plan.nonnegative_fit`: steps whose fixed cost fits below zero (here -3 ms, as short
+    noisy steps gave it) are fitted by the other two terms alone, not by the free fit with its
+    intercept then cut to 0, which would predict every step too slow; a free fit whose terms
+    are all positive is kept as it is."""
+    from colibri.runtime.plan import nonnegative_fit
+
+    rng = np.random.default_rng(0)
+    rows = rng.integers(1, 129, 40).astype(float)
+    distinct = 16 * 32 * (1 - (1 - 4 / 32) ** rows)  # 16 layers of 32 experts, top-4
+    design = np.column_stack([np.ones_like(rows), distinct, rows])
+    negative = design @ [-3e-3, 0.15e-3, 4.7e-3]
+    a, b, c = nonnegative_fit(design, negative)
+    alone = np.linalg.lstsq(design[:, 1:], negative, rcond=None)[0]
+    assert a == 0 and np.allclose((b, c), alone) and b > 0 and c > 0
+    cut = np.linalg.lstsq(design, negative, rcond=None)[0].clip(0)
+    assert np.abs(design @ [a, b, c] - negative).sum() < np.abs(design @ cut - negative).sum()
+    positive = design @ [2e-3, 0.15e-3, 4.7e-3]
+    assert np.allclose(nonnegative_fit(design, positive), [2e-3, 0.15e-3, 4.7e-3])
+
+
 def test_a_sweep_whose_expansion_budget_runs_out_gives_the_bits_of_one_that_keeps_them(models, monkeypatch):
     """MLA's kept prompt expansions (`runtime.kept_expansions`) within a budget that holds some
     of a window's, not all: the documents left without one expand their cuts again, to the
