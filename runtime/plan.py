@@ -31,9 +31,9 @@ from colibri.formats.layout import EXPERT_ALIGN, ModelLayout, align_up
 from colibri.formats.safe_json import loads
 from colibri.runtime.engine import scratch_bytes
 from colibri.runtime.expert_store import DEFAULT_IO, IO_MODES, READ_THREADS, cache_bytes_for_all
-from colibri.runtime.kernels import measure_read_bandwidth
+from colibri.runtime.kernels import measure_read_bandwidth, without_amx
 from colibri.runtime.memory import container_memory_limit, format_size, huge_page_buffer
-from colibri.runtime.model import Decoder
+from colibri.runtime.model import Decoder, Segment
 
 OS_RESERVE = 0.15  # share of RAM left to the OS and the page cache
 RUNTIME_BYTES = 400 << 20  # what the process holds before any weight: interpreter, numpy, numba, compiled kernels
@@ -99,9 +99,9 @@ def measure_costs(path, threads: int | None = None, ram_budget=None, doc_tokens:
       negative, fitted for the least relative error to batch decode steps of
       CALIBRATION_BATCHES sequences at short contexts;
     - with `doc_tokens`: a sweep's prompt pass of prompts that long (at most
-      PROMPT_MOST_TOKENS), prompt_pass_s + prompt_token_s × tokens, and a decode row's extra
-      seconds per cached position beyond the fit's (per_row_position_s), from sweeps of
-      PROMPT_WINDOWS such prompts.
+      PROMPT_MOST_TOKENS), prompt_pass_s + prompt_token_s × tokens, from sweeps of
+      PROMPT_WINDOWS such prompts; and a decoded row's extra seconds per cached position
+      (per_row_position_s), from its token mixers' time after those prompts and at the start.
     Each part opens the model with the context it needs, so that the many short decode
     sequences do not each hold a long prompt's KV cache. Expert read waits are left out: the
     plan adds the disk's time from its bytes."""
@@ -117,9 +117,9 @@ def measure_costs(path, threads: int | None = None, ram_budget=None, doc_tokens:
         model.close()
     if doc_tokens:
         doc_tokens = min(doc_tokens, PROMPT_MOST_TOKENS)
-        model = opened(doc_tokens + steps + 2, max(PROMPT_WINDOWS))
+        model = opened(doc_tokens + 2, max(PROMPT_WINDOWS))
         try:
-            costs.update(_prompt_pass_costs(model, doc_tokens, costs, steps))
+            costs.update(_prompt_pass_costs(model, doc_tokens))
         finally:
             model.close()
     return costs
@@ -171,31 +171,49 @@ def _decode_costs(model, steps: int) -> dict:
             "position": CALIBRATION_PROMPT + (steps - 1) / 2, "samples": len(rows)}
 
 
-def _prompt_pass_costs(model, doc_tokens: int, decode: dict, steps: int) -> dict:
+def _prompt_pass_costs(model, doc_tokens: int) -> dict:
     """prompt_pass_s and prompt_token_s of a sweep's prompt pass over prompts of `doc_tokens`
-    tokens, and per_row_position_s of its decode steps (see `measure_costs`)."""
+    tokens, and per_row_position_s (see `measure_costs`)."""
     from colibri.runtime.sweep import Sweep
 
     rng = np.random.default_rng(1)
-    passes, extra = [], []
-    for index, window in enumerate(PROMPT_WINDOWS):
+    passes = []
+    for window in PROMPT_WINDOWS:
         sweep = Sweep(model, window)
         for _ in range(window):
-            sweep.add([int(t) for t in rng.integers(3, model.config.vocab_size, doc_tokens)], steps + 1, ignore_eos=True)
-        timed = _timed_steps(model, sweep)
-        passes.append((window * doc_tokens, next(timed)[2]))
-        for step, (_, _, seconds, distinct) in enumerate(timed):
-            if index < len(PROMPT_WINDOWS) - 1:
-                continue  # the decode rows of the largest window only
-            fitted = step_seconds(decode, distinct, window)
-            extra.append((seconds - fitted) / (window * max(doc_tokens + step - decode["position"], 1)))
+            sweep.add([int(t) for t in rng.integers(3, model.config.vocab_size, doc_tokens)], 2, ignore_eos=True)
+        passes.append((window * doc_tokens, next(_timed_steps(model, sweep))[2]))
+    caches = [sweep.slots[sequence.slot] for sequence in sweep.running]  # the last window's, its prompts read
     (small, small_s), (large, large_s) = passes[-2:]  # the first pass warms up
     # the larger pass's time per token, and what the smaller took beyond that rate: a slope
     # through the two passes would carry their noise, a few times over, into every token
     token_s = large_s / large
     pass_s = max(small_s - token_s * small, 0.0)
     return {"doc_tokens": doc_tokens, "prompt_pass_s": pass_s, "prompt_token_s": token_s,
-            "per_row_position_s": max(float(np.median(extra)), 0.0)}
+            "per_row_position_s": _row_position_s(model.decoder, caches, doc_tokens)}
+
+
+def _row_position_s(decoder: Decoder, caches: list, position: int, repeats: int = 5) -> float:
+    """A decoded row's extra seconds per position its cache holds: every layer's token mixer
+    over one token of each cache at `position` against at position 0, best of `repeats` each.
+    It writes those positions of the caches, which are the calibration's to spoil."""
+    c = decoder.config
+    shape = (len(caches), c.hyper_streams, c.hidden_size) if c.hyper_streams else (len(caches), c.hidden_size)
+    x = np.random.default_rng(2).standard_normal(shape, dtype=np.float32)  # a mixer's time does not depend on it
+
+    def best(at: int) -> float:
+        segments = [Segment(row, 1, at, cache) for row, cache in enumerate(caches)]
+        positions = np.full(len(caches), at)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            with without_amx():
+                for layer in range(c.n_layers):
+                    decoder.mix(layer, x, positions, segments)
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    return max(best(position) - best(0), 0.0) / (len(caches) * position)
 
 
 def step_seconds(costs: dict, distinct: float, rows: int, position: float | None = None) -> float:

@@ -8,8 +8,9 @@ compute costs. A window of n documents of T prompt tokens, each generating G, co
 - and each pass reads the experts it touches that the expert cache does not hold.
 Distinct experts follow uniform routing, or a routing trace of an earlier run. The cache
 evicts the least recently used expert and every pass goes through the layers in order, so a
-pass finds experts in the cache only when it holds a whole pass's (`lru_hit_rate`). The disk's time is added to the compute's: reads overlap the
-compute only in part, so where both are large the estimate errs long.
+pass finds experts in the cache only when it holds a whole pass's (`lru_hit_rate`). A prompt
+pass computes a layer's many tokens while the layer's experts arrive, so it takes the longer
+of its compute and its reads; a decode step is short against its reads, which add to it.
 """
 
 from __future__ import annotations
@@ -51,49 +52,57 @@ def _touched(layout: ModelLayout, tokens: int, trace: dict | None) -> float:
 
 
 def window_reads(layout: ModelLayout, documents: int, doc_tokens: int, gen_tokens: int, cache_share: float,
-                 trace: dict | None = None) -> float:
-    """Bytes one window of `documents` reads from disk once the cache is warm. The prompt
-    pass's FFN runs in blocks of tokens (`sweep.ffn_block_tokens`); each block reads the layer's
-    experts again unless the cache holds one block's experts of a layer."""
+                 trace: dict | None = None) -> tuple[float, float]:
+    """Bytes one window of `documents` reads from disk once the cache is warm: in its prompt
+    pass, and in its decode steps. The prompt pass's FFN runs in blocks of tokens
+    (`sweep.ffn_block_tokens`); each block reads the layer's experts again unless the cache
+    holds one block's experts of a layer."""
     all_bytes = _expert_bytes(layout)
     tokens = documents * doc_tokens
     block = ffn_block_tokens(layout.config)
     prompt, step = _touched(layout, tokens, trace), _touched(layout, documents, trace)
     blocks = 1 if cache_share * len(layout.expert_layers) >= _touched(layout, min(tokens, block), trace) \
         else -(-tokens // block)
-    return all_bytes * (blocks * prompt * (1 - lru_hit_rate(cache_share, prompt))
-                        + max(gen_tokens - 1, 0) * step * (1 - lru_hit_rate(cache_share, step)))
+    return (all_bytes * blocks * prompt * (1 - lru_hit_rate(cache_share, prompt)),
+            all_bytes * max(gen_tokens - 1, 0) * step * (1 - lru_hit_rate(cache_share, step)))
 
 
 def window_compute(layout: ModelLayout, costs: dict, documents: int, doc_tokens: int, gen_tokens: int,
-                   trace: dict | None = None) -> float:
-    """Compute seconds of one window of `documents`: its prompt pass and its decode steps."""
+                   trace: dict | None = None) -> tuple[float, float]:
+    """Compute seconds of one window of `documents`: its prompt pass, and its decode steps."""
     distinct = _touched(layout, documents, trace) * layout.config.n_experts * len(layout.expert_layers)
     step_s = step_seconds(costs, distinct, documents, doc_tokens + (gen_tokens - 2) / 2)
-    return costs["prompt_pass_s"] + costs["prompt_token_s"] * documents * doc_tokens + max(gen_tokens - 1, 0) * step_s
+    return costs["prompt_pass_s"] + costs["prompt_token_s"] * documents * doc_tokens, max(gen_tokens - 1, 0) * step_s
 
 
 def sweep_estimate(layout: ModelLayout, costs: dict | None, docs: int, doc_tokens: int, gen_tokens: int, window: int,
                    expert_cache: int, disk_bw: float, trace: dict | None = None) -> dict:
     """Bytes read (all, and per generated token) and the disk's time for a sweep of `docs`
     documents, `window` at a time, through an expert cache of `expert_cache` bytes; with
-    `costs`, also its compute time, total time, tok/s and what bounds it (else None);
-    with `trace`, the experts touched as in that routing trace."""
+    `costs`, also its compute time, total time (prompt passes overlapping their reads, decode
+    steps adding theirs), tok/s and what bounds it (else None); with `trace`, the experts
+    touched as in that routing trace."""
     cache_share = min(expert_cache / max(cache_bytes_for_all(layout), 1), 1.0)
     full, last = divmod(docs, window)
-    windows = [(window, full)] + ([(last, 1)] if last else [])
-    read = sum(count * window_reads(layout, n, doc_tokens, gen_tokens, cache_share, trace) for n, count in windows)
     first = _touched(layout, min(window, docs) * doc_tokens, trace)
-    all_bytes = _expert_bytes(layout)
-    read += all_bytes * first * lru_hit_rate(cache_share, first)  # the first pass finds the cache empty
+    cold = _expert_bytes(layout) * first * lru_hit_rate(cache_share, first)  # the first pass finds the cache empty
+    # (documents, how many such windows, bytes each one's prompt pass reads beyond a warm one's)
+    windows = [(window, 1, cold), (window, full - 1, 0.0)] if full else []
+    windows += [(last, 1, 0.0 if full else cold)] if last else []
+    reads = [window_reads(layout, n, doc_tokens, gen_tokens, cache_share, trace) for n, _, _ in windows]
+    read = sum(count * (prompt + extra + decode) for (_, count, extra), (prompt, decode) in zip(windows, reads))
     disk_s = read / disk_bw
     generated = docs * gen_tokens
     estimate = {"window": window, "windows": full + (1 if last else 0), "expert_cache_bytes": expert_cache,
                 "bytes_read": read, "bytes_per_generated_token": read / generated, "disk_s": disk_s,
                 "compute_s": None, "seconds": None, "tok_per_s": None, "bound_by": None}
     if costs is not None:
-        compute = sum(count * window_compute(layout, costs, n, doc_tokens, gen_tokens, trace) for n, count in windows)
-        estimate.update(compute_s=compute, seconds=compute + disk_s, tok_per_s=generated / (compute + disk_s),
+        compute = seconds = 0.0
+        for (n, count, extra), (prompt_read, decode_read) in zip(windows, reads):
+            prompt_s, decode_s = window_compute(layout, costs, n, doc_tokens, gen_tokens, trace)
+            compute += count * (prompt_s + decode_s)
+            seconds += count * (max(prompt_s, (prompt_read + extra) / disk_bw) + decode_s + decode_read / disk_bw)
+        estimate.update(compute_s=compute, seconds=seconds, tok_per_s=generated / seconds,
                         bound_by="disk" if disk_s > compute else "compute")
     return estimate
 

@@ -314,7 +314,8 @@ def test_plan_of_a_sweep_gives_its_window_time_reads_and_scratch(model_dir, tmp_
     s, costs = p["sweep"], p["costs"]
     assert s["fits"] and s["window"] == 16 and s["windows"] == 3 and s["ctx"] == 36 and s["scratch_bytes"] == 0
     assert costs["doc_tokens"] == 30 and costs["prompt_token_s"] > 0 and costs["per_row_s"] >= 0
-    assert s["seconds"] == pytest.approx(s["compute_s"] + s["disk_s"]) and s["disk_s"] == pytest.approx(s["bytes_read"] / 1e9)
+    assert max(s["compute_s"], s["disk_s"]) <= s["seconds"] <= s["compute_s"] + s["disk_s"]
+    assert s["disk_s"] == pytest.approx(s["bytes_read"] / 1e9)
     assert s["tok_per_s"] == pytest.approx(40 * 6 / s["seconds"]) and s["bound_by"] in ("disk", "compute")
     assert s["bytes_per_generated_token"] == pytest.approx(s["bytes_read"] / 240)
     code, out, err = run(job + ["--scratch", str(tmp_path)], capsys)

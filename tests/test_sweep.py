@@ -196,6 +196,27 @@ def test_the_plan_predicts_a_sweeps_disk_reads_and_scratch(models, arch, tmp_pat
     assert planned["scratch_bytes"] == sum(mapped[:caches]) + max(mapped[caches:])
 
 
+def test_a_sweeps_plan_overlaps_its_prompt_pass_with_its_reads_and_adds_its_decode_steps_reads(models):
+    """A prompt pass takes the longer of its compute and its expert reads (the store reads a
+    layer's experts while its tokens run); each decode step adds its reads to its compute."""
+    from colibri.formats.layout import ModelLayout
+    from colibri.runtime.sweep_plan import sweep_estimate, window_compute, window_reads
+
+    layout = ModelLayout(models("mixtral"))
+    costs = dict.fromkeys(("step_s", "per_expert_s", "position", "prompt_pass_s", "per_row_position_s"), 0.0)
+    costs.update(prompt_token_s=1e-3, per_row_s=2e-3)
+    prompts = {}
+    for disk_bw in (1e12, 1e6):  # compute-bound, then disk-bound
+        prompts[disk_bw] = estimate = sweep_estimate(layout, costs, 8, 40, 1, 8, 0, disk_bw)
+        assert estimate["seconds"] == pytest.approx(max(estimate["compute_s"], estimate["disk_s"]))
+    assert prompts[1e12]["seconds"] == pytest.approx(0.32) and prompts[1e6]["seconds"] > 0.32
+    decoding = sweep_estimate(layout, costs, 8, 40, 6, 8, 0, 1e6)
+    _, decode_read = window_reads(layout, 8, 40, 6, 0.0)
+    _, decode_s = window_compute(layout, costs, 8, 40, 6)
+    assert decode_s == pytest.approx(5 * 8 * 2e-3) and decode_read > 0
+    assert decoding["seconds"] - prompts[1e6]["seconds"] == pytest.approx(decode_s + decode_read / 1e6)
+
+
 def test_the_decode_cost_fit_leaves_out_a_term_that_would_be_negative():
     """`plan.nonnegative_fit`: steps whose fixed cost fits below zero (here -3 ms, as short
     noisy steps gave it) are fitted by the other two terms alone, not by the free fit with its
