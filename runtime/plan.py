@@ -104,7 +104,7 @@ def measure_costs(path, threads: int | None = None, ram_budget=None, doc_tokens:
       (per_row_position_s), from its token mixers' time after those prompts and at the start.
     Each part opens the model with the context it needs, so that the many short decode
     sequences do not each hold a long prompt's KV cache. Expert read waits are left out: the
-    plan adds the disk's time from its bytes."""
+    plan takes the disk's time from its bytes."""
     from colibri.runtime import open_model
 
     def opened(ctx: int, parallel: int):
