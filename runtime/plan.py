@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 
 import numpy as np
 
@@ -108,20 +109,14 @@ def measure_costs(path, threads: int | None = None, ram_budget=None, doc_tokens:
     from colibri.runtime import open_model
 
     def opened(ctx: int, parallel: int):
-        return open_model(path, threads=threads, ctx=max(64, ctx), ram_budget=ram_budget, parallel=parallel)
+        return closing(open_model(path, threads=threads, ctx=max(64, ctx), ram_budget=ram_budget, parallel=parallel))
 
-    model = opened(CALIBRATION_PROMPT + steps + 2, max(CALIBRATION_BATCHES))
-    try:
+    with opened(CALIBRATION_PROMPT + steps + 2, max(CALIBRATION_BATCHES)) as model:
         costs = _decode_costs(model, steps)
-    finally:
-        model.close()
     if doc_tokens:
         doc_tokens = min(doc_tokens, PROMPT_MOST_TOKENS)
-        model = opened(doc_tokens + 2, max(PROMPT_WINDOWS))
-        try:
+        with opened(doc_tokens + 2, max(PROMPT_WINDOWS)) as model:
             costs.update(_prompt_pass_costs(model, doc_tokens))
-        finally:
-            model.close()
     return costs
 
 
@@ -207,13 +202,13 @@ def _row_position_s(decoder: Decoder, caches: list, position: int, repeats: int 
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            with without_amx():
-                for layer in range(c.n_layers):
-                    decoder.mix(layer, x, positions, segments)
+            for layer in range(c.n_layers):
+                decoder.mix(layer, x, positions, segments)
             times.append(time.perf_counter() - started)
         return min(times)
 
-    return max(best(position) - best(0), 0.0) / (len(caches) * position)
+    with without_amx():
+        return max(best(position) - best(0), 0.0) / (len(caches) * position)
 
 
 def step_seconds(costs: dict, distinct: float, rows: int, position: float | None = None) -> float:
