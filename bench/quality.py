@@ -12,7 +12,7 @@ held-out text, CALIBRATION (the importance matrix's text, `colibri imatrix`) to 
 its training text. Prints a table and writes bench/out/quality-<model>.json (or --json-out).
 
     python bench/quality.py [--source DIR] [--work DIR] [--chunks 64] [--recipes Q2_K,...] [--imatrix-recipes Q2_K,...]
-                           [--sized-like IQ2_XXS,...] [--ranked-like IQ2_XXS,...] [--json-out FILE]
+                           [--sized-like IQ2_XXS,...] [--ranked-like IQ2_XXS,...] [--kl-tables N] [--json-out FILE]
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ def main() -> None:
     parser.add_argument("--ranked-like", default="",
                         help="recipes above whose weight-file bytes a --target-size --kl-base conversion is given, its "
                              "tables scored on the calibration text's first %d chunks (default: none)" % CALIBRATION_CHUNKS)
+    parser.add_argument("--kl-tables", type=int, default=None,
+                        help="the ranked conversions' --kl-tables: tables scored at most (default: colibri-convert's)")
     parser.add_argument("--json-out", type=Path, default=None,
                         help="where the rows go (default: bench/out/quality-<source folder name>.json)")
     args = parser.parse_args()
@@ -104,20 +106,23 @@ def main() -> None:
             like = next(row for row in reversed(rows) if row["recipe"] == mix)
             with_imatrix, how = like["imatrix"], ["--target-size", str(like["file_bytes"])]
             if kind == "ranked":
-                how += ["--kl-base", str(calibration_logits)]
+                how += ["--kl-base", str(calibration_logits), "--json",
+                        *(["--kl-tables", str(args.kl_tables)] if args.kl_tables else [])]
         else:
             how = ["--quant", recipe]
         out = args.work / f"{recipe}{'-imatrix' if with_imatrix else ''}"
-        colibri("convert", str(args.source), str(out), *how, "--force", "--no-progress",
-                *(["--imatrix", str(imatrix)] if with_imatrix else []))
+        converted = colibri("convert", str(args.source), str(out), *how, "--force", "--no-progress",
+                            *(["--imatrix", str(imatrix)] if with_imatrix else []))
+        tables = len(json.loads(converted)["ranking"]) if "--kl-base" in how else None
         r = json.loads(colibri("perplexity", str(out), "--kl-base", str(logits), *scored))
-        rows.append({"recipe": recipe, "imatrix": with_imatrix, **model_numbers(out),
+        rows.append({"recipe": recipe, "imatrix": with_imatrix, "tables_scored": tables, **model_numbers(out),
                      **{k: r[k] for k in ("ppl", "ppl_stderr", "ppl_ratio", "kld_mean", "kld_p99", "kld_max", "same_top_p")}})
         shutil.rmtree(out)
         r = rows[-1]
         print(f"{recipe:<14} {'yes' if with_imatrix else 'no':<8} {r['mb']:>6.2f} {r['bits_per_weight']:>7.2f} "
               f"{r['expert_kb_per_token']:>9.1f} {r['ppl']:>8.3f} {r['ppl_ratio']:>7.4f} {r['kld_mean']:>9.5f} "
-              f"{r['kld_p99']:>8.4f} {r['kld_max']:>8.3f} {r['same_top_p']:>7.1%}", flush=True)
+              f"{r['kld_p99']:>8.4f} {r['kld_max']:>8.3f} {r['same_top_p']:>7.1%}"
+              + (f"  ({tables} tables scored)" if tables else ""), flush=True)
     json_out = args.json_out or ROOT / "bench" / "out" / f"quality-{args.source.name}.json"
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(

@@ -308,7 +308,8 @@ def sized_types(plan: ConversionPlan, checkpoint: Checkpoint, recipe_for, imatri
 
     if options.scorer is None:
         return fit(choices), None
-    table, trials = refine(choices, fit, lambda t: options.scorer([*options.overrides, *exact_overrides(t)]))
+    table, trials = refine(choices, fit, lambda t: options.scorer([*options.overrides, *exact_overrides(t)]),
+                           options.max_tables)
     return table, [vars(t) for t in trials]
 
 

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from colibri.formats.layout import (
     FORMAT_NAME, FORMAT_VERSION, JOURNAL_NAME, MANIFEST_NAME, RESIDENT_FILE, TOKENIZER_FILES, write_atomic, write_manifest,
 )
-from colibri.convert.target_size import type_runs
+from colibri.convert.target_size import MAX_TABLES, type_runs
 from colibri.formats.model_config import ModelConfig
 from colibri.version import __version__
 
@@ -65,6 +65,7 @@ class ConvertOptions:
     target_size: int | None = None  # bytes of weight files: each tensor's type chosen to fit (convert.target_size)
     max_read_per_token: int | None = None  # with target_size: bytes of experts a token may read
     scorer: TableScorer | None = None  # with target_size: target_size.refine re-weighs the table's choice by it
+    max_tables: int = MAX_TABLES  # with scorer: tables scored at most
     workers: int = 1
     force: bool = False
     revision: str | None = None

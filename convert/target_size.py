@@ -43,7 +43,7 @@ SAMPLE_WEIGHTS = 1 << 18  # about this many weights of each tensor are quantized
 BUDGET_ROUNDS = 6
 CLASS_STEP = 4.0  # refine weighs each kind's damage up and down by this
 MAX_STEPS = 3  # steps of CLASS_STEP one way for one kind
-MAX_TABLES = 12  # tables refine scores at most
+MAX_TABLES = 12  # tables refine scores at most, unless told (`--kl-tables`)
 
 
 @dataclass
@@ -184,11 +184,11 @@ class Trial:
     kept: bool
 
 
-def refine(choices: list[Choice], fit, score) -> tuple[dict[str, str], list[Trial]]:
+def refine(choices: list[Choice], fit, score, max_tables: int = MAX_TABLES) -> tuple[dict[str, str], list[Trial]]:
     """The table of least `score(table)` that `fit(choices) → table` makes over kinds' weightings.
     From the measured damage as it is, each kind's weight in turn is multiplied by CLASS_STEP
     while that scores lower, else divided by it while that does; a weighting that makes the
-    same table is passed through unscored. At most MAX_TABLES tables are scored."""
+    same table is passed through unscored. At most `max_tables` tables are scored."""
     weights: dict[str, float] = {}
     table = fit(choices)
     best = score(table)
@@ -201,7 +201,7 @@ def refine(choices: list[Choice], fit, score) -> tuple[dict[str, str], list[Tria
                 candidate = fit(weighted(choices, trial))
                 if candidate == table:
                     continue
-                if candidate in seen or len(trials) == MAX_TABLES:
+                if candidate in seen or len(trials) >= max_tables:
                     break
                 seen.append(candidate)
                 result = score(candidate)

@@ -2,6 +2,7 @@
 budget of file bytes (convert/target_size.py). Whether it beats llama-quantize's fixed mixes is
 measured on the trained reference models (bench/quality.py --sized-like)."""
 
+import argparse
 import itertools
 import json
 import os
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from colibri.cli import convert_main, kl_scorer, main
+from colibri.cli.commands import add_convert_arguments
 from colibri.cli.kl_scorer import ScoreJournal
 from colibri.convert.hf_to_colibri import ConvertOptions, convert
 from colibri.convert.pipeline import ConvertError
@@ -96,9 +98,13 @@ def test_refinement_finds_the_weighting_the_scorer_prefers():
 
 
 def test_refinement_scores_at_most_max_tables():
-    falling = iter(range(100, 0, -1))
-    _, trials = refine(kinds_choices(), lambda weighed: choose(weighed, 1500), lambda table: next(falling))
-    assert len(trials) <= MAX_TABLES
+    def search(**cap) -> list:
+        falling = iter(range(100, 0, -1))  # every table scores better: only the cap or the weightings end it
+        return refine(kinds_choices(), lambda weighed: choose(weighed, 1500), lambda table: next(falling), **cap)[1]
+
+    assert len(search()) <= MAX_TABLES
+    assert len(search(max_tables=3)) == 3
+    assert len(search(max_tables=1)) == 1 and search(max_tables=1)[0].weights == {}  # the measured table alone
 
 
 def weight_file_bytes(path) -> int:
@@ -198,7 +204,7 @@ def test_kl_scored_tables_keep_the_least_kl_and_leave_no_scratch(model, kl_base,
     out = tmp_path / "ranked"
     target = (sizes["Q4_K_M"] + sizes["IQ2_XXS"]) // 2
     args = [str(src), str(out), "--target-size", str(target), "--imatrix", str(imatrix),
-            "--kl-base", str(kl_base), "--workers", "1", "--json", "--no-progress"]
+            "--kl-base", str(kl_base), "--kl-tables", "4", "--workers", "1", "--json", "--no-progress"]
     scorings, crash_after = [], [2]
 
     def scoring(*a, **k):  # verify.perplexity, counted; the first run dies after its second table
@@ -222,7 +228,7 @@ def test_kl_scored_tables_keep_the_least_kl_and_leave_no_scratch(model, kl_base,
     summary = json.loads(capsys.readouterr().out)
     ranking = summary["ranking"]
     assert [t["score"] for t in ranking] == scorings  # the rerun scored only the tables the crash left
-    assert ranking[0]["weights"] == {} and ranking[0]["kept"] and len(ranking) <= MAX_TABLES
+    assert ranking[0]["weights"] == {} and ranking[0]["kept"] and len(ranking) == 4  # its search would go on
     kept = [t["score"] for t in ranking if t["kept"]]
     assert kept == sorted(kept, reverse=True) and kept[-1] == min(t["score"] for t in ranking)
     assert weight_file_bytes(out) <= target and main(["verify", str(out)]) == 0
@@ -253,6 +259,11 @@ def test_a_bad_kl_base_is_one_line_and_writes_nothing(model, tmp_path, capsys):
     assert convert_main(args) == 1
     err = capsys.readouterr().err.strip()
     assert "give --target-size too" in err and "\n" not in err
+    assert convert_main([*args[:4], "--kl-tables", "4", "--no-progress"]) == 1
+    assert "--kl-tables bounds the tables --kl-base scores" in capsys.readouterr().err
+    assert convert_main([*args, "--target-size", str(sizes["Q4_K_M"]), "--kl-tables", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--kl-tables 0: must be at least 1") and "\n" not in err
     assert convert_main([*args, "--target-size", str(sizes["Q4_K_M"])]) == 1
     err = capsys.readouterr().err.strip()
     assert "base.logits" in err and "\n" not in err
@@ -264,3 +275,9 @@ def test_a_bad_kl_base_is_one_line_and_writes_nothing(model, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "base.logits: a vocabulary of 100 tokens" in err and "\n" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base.logits"]
+
+
+def test_the_kl_tables_help_gives_the_cap_refine_keeps():
+    parser = argparse.ArgumentParser()
+    add_convert_arguments(parser)
+    assert f"(default: {MAX_TABLES})" in next(a.help for a in parser._actions if a.dest == "kl_tables")

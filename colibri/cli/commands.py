@@ -83,11 +83,14 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
                         "calibration text (colibri perplexity REF --text FILE --save-base FILE, REF a BF16 or Q8_0 "
                         "conversion, or llama-perplexity --kl-divergence-base); each kind of tensor's damage is "
                         "weighed up and down, and the table whose conversion has the least mean KL divergence from it "
-                        "is kept. Costs a conversion and a scoring run per table tried (a dozen at most), in a scratch "
-                        "folder beside OUT; each score is journalled beside OUT (.OUT-scores.json), so a rerun after a "
-                        "crash scores only the tables it has not")
+                        "is kept. Costs a conversion and a scoring run per table tried (--kl-tables at most), in a "
+                        "scratch folder beside OUT; each score is journalled beside OUT (.OUT-scores.json), so a rerun "
+                        "after a crash scores only the tables it has not")
     p.add_argument("--kl-chunks", type=int, default=None, metavar="K",
                    help="with --kl-base, score at most K of its chunks (default: all)")
+    p.add_argument("--kl-tables", type=int, default=None, metavar="N",
+                   help="with --kl-base, score at most N tables, the measured one first; each is a conversion and a "
+                        "scoring run, and the search stops sooner when no weighting improves (default: 12)")
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                    help="processes converting layers in parallel, ~0.3-0.6 GB of RAM each; a GGUF import uses "
                         "threads (default: %(default)s)")
@@ -105,6 +108,12 @@ def run_convert(args: argparse.Namespace) -> int:
         revision=args.revision, progress=not args.no_progress and not args.json, target_size=args.target_size,
         max_read_per_token=args.max_read_per_token,
     )
+    if args.kl_tables is not None:
+        if args.kl_base is None:
+            raise ConvertError("--kl-tables bounds the tables --kl-base scores; give --kl-base too")
+        if args.kl_tables < 1:
+            raise ConvertError(f"--kl-tables {args.kl_tables}: must be at least 1")
+        options = replace(options, max_tables=args.kl_tables)
     if args.kl_base is None:
         summary = convert(args.src, args.out, options)
     elif args.target_size is None:
