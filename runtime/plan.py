@@ -44,8 +44,7 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # several rows, as a sweep's steps do, since a step's cost per row falls until then
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 CALIBRATION_PROMPT = 8  # tokens of their prompts
-PROMPT_WINDOWS = (2, 8)  # documents of a sweep's measured prompt passes, a small window and a large one
-PROMPT_REPEATS = 3  # passes of the large window, their median rate kept: the host's speed drifts between them
+PROMPT_WINDOWS = (2, 2, 8)  # documents of the measured prompt passes (the first warms up)
 PROMPT_MOST_TOKENS = 1024  # their prompts' length at most, whatever the job's
 TRACE_MAX_BYTES = 1 << 30  # a routing trace read for the plan is at most this large
 UNION_DRAWS = 64  # random groups of B traced tokens averaged per batch size
@@ -102,9 +101,8 @@ def measure_costs(path, threads: int | None = None, ram_budget=None, doc_tokens:
       CALIBRATION_BATCHES sequences at short contexts;
     - with `doc_tokens`: a sweep's prompt pass of prompts that long (at most
       PROMPT_MOST_TOKENS), prompt_pass_s + prompt_token_s × tokens, from sweeps of
-      PROMPT_WINDOWS such prompts (the large one PROMPT_REPEATS times); and a decoded row's
-      extra seconds per cached position (per_row_position_s), from its token mixers' time
-      after those prompts and at the start.
+      PROMPT_WINDOWS such prompts; and a decoded row's extra seconds per cached position
+      (per_row_position_s), from its token mixers' time after those prompts and at the start.
     Each part opens the model with the context it needs, so that the many short decode
     sequences do not each hold a long prompt's KV cache. Expert read waits are left out: the
     plan takes the disk's time from its bytes."""
@@ -174,25 +172,18 @@ def _prompt_pass_costs(model, doc_tokens: int) -> dict:
     from colibri.runtime.sweep import Sweep
 
     rng = np.random.default_rng(1)
-
-    def prompt_pass(window: int) -> tuple[Sweep, float]:
+    passes = []
+    for window in PROMPT_WINDOWS:
         sweep = Sweep(model, window)
         for _ in range(window):
             sweep.add([int(t) for t in rng.integers(3, model.config.vocab_size, doc_tokens)], 2, ignore_eos=True)
-        return sweep, next(_timed_steps(model, sweep))[2]
-
-    small, large = PROMPT_WINDOWS
-    prompt_pass(small)  # warms up
-    small_s = prompt_pass(small)[1]
-    large_s = []
-    for _ in range(PROMPT_REPEATS):
-        sweep, seconds = prompt_pass(large)
-        large_s.append(seconds)
+        passes.append((window * doc_tokens, next(_timed_steps(model, sweep))[2]))
     caches = [sweep.slots[sequence.slot] for sequence in sweep.running]  # the last window's, its prompts read
-    # the large passes' time per token, and what the small one took beyond that rate: a slope
-    # through the two sizes would carry their noise, a few times over, into every token
-    token_s = float(np.median(large_s)) / (large * doc_tokens)
-    pass_s = max(small_s - token_s * small * doc_tokens, 0.0)
+    (small, small_s), (large, large_s) = passes[-2:]  # the first pass warms up
+    # the larger pass's time per token, and what the smaller took beyond that rate: a slope
+    # through the two passes would carry their noise, a few times over, into every token
+    token_s = large_s / large
+    pass_s = max(small_s - token_s * small, 0.0)
     return {"doc_tokens": doc_tokens, "prompt_pass_s": pass_s, "prompt_token_s": token_s,
             "per_row_position_s": _row_position_s(model.decoder, caches, doc_tokens)}
 

@@ -238,30 +238,6 @@ def test_the_decode_cost_fit_leaves_out_a_term_that_would_be_negative():
     assert np.allclose(nonnegative_fit(design, positive), [2e-3, 0.15e-3, 4.7e-3])
 
 
-def test_the_prompt_rate_is_the_median_of_the_large_windows_passes(models, monkeypatch):
-    """`plan._prompt_pass_costs` times a small window twice (the first warms up), then the large
-    one PROMPT_REPEATS times: one pass slowed by the host leaves the rate as it is."""
-    from colibri.runtime import open_model, plan
-
-    small, large = plan.PROMPT_WINDOWS
-    assert plan.PROMPT_REPEATS == 3
-    timed, measured = iter([9.0, 2.0, 4.0, 100.0, 3.0]), plan._timed_steps  # small (warm-up), small, large × 3
-
-    def timed_steps(model, sweep):  # each pass runs; its seconds are the test's
-        for decoding, events, _, distinct in measured(model, sweep):
-            yield decoding, events, next(timed), distinct
-
-    monkeypatch.setattr(plan, "_timed_steps", timed_steps)
-    model = open_model(models("mixtral"), ctx=64, ram_budget="2G", parallel=large)
-    try:
-        costs = plan._prompt_pass_costs(model, 10)
-    finally:
-        model.close()
-    assert costs["prompt_token_s"] == pytest.approx(4.0 / (large * 10))  # not 100's mean, nor the last pass's 3
-    assert costs["prompt_pass_s"] == pytest.approx(2.0 - costs["prompt_token_s"] * small * 10)
-    assert costs["per_row_position_s"] >= 0
-
-
 def test_a_sweep_whose_expansion_budget_runs_out_gives_the_bits_of_one_that_keeps_them(models, monkeypatch):
     """MLA's kept prompt expansions (`runtime.kept_expansions`) within a budget that holds some
     of a window's, not all: the documents left without one expand their cuts again, to the
