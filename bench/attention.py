@@ -8,6 +8,11 @@ keys 512 + 64 wide, values the latent's 512), Kimi-K2's (64 heads), the wide ben
 (4 heads of 256 + 64, bench/scale.py), and Qwen3-30B-A3B's GQA (32 heads over 4 of 128).
 
     python bench/attention.py [--positions 1024 4096] [--prompt 512] [--threads 2] [--isa avx2] [--model DIR]
+    python bench/attention.py --crossover [--threads 2]
+
+`--crossover` times a decoded token's attention at 16 to 512 positions on one thread and on
+`--threads`, beside the work (multiply-adds) of each, to check where
+`PARALLEL_ATTENTION_WORK` puts the change from the first to the second.
 
 `--model DIR` (an MLA model) also times a prompt of `--prompt` tokens through the model in both
 of MLA's forms: keys and values expanded from the cached latents (what long prompts take) and
@@ -21,6 +26,7 @@ code to PYTHONPATH).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import time
 
@@ -29,8 +35,10 @@ import numpy as np
 from colibri.runtime import kernels
 from colibri.runtime.kernels.emitter import TARGET_CPUS, restart_for
 
+attention_module = importlib.import_module("colibri.runtime.kernels.attention")  # (the package's `attention` is the function)
 SHAPES = {  # query heads, kv heads, key width, value width
     "deepseek-v3 mla": (128, 1, 576, 512),
+    "mixtral bench gqa": (16, 4, 128, 128),
     "kimi-k2 mla": (64, 1, 576, 512),
     "wide bench mla": (4, 1, 320, 256),
     "qwen3-30b gqa": (32, 4, 128, 128),
@@ -51,6 +59,28 @@ def best_ms(queries: int, rows: int, shape: tuple[int, int, int, int], repeat: i
         kernels.attention(q, keys, values, rows - queries, 0.1)
         times.append(time.perf_counter() - started)
     return 1e3 * min(times)
+
+
+def crossover(threads: int, repeat: int) -> list[dict]:
+    """A decoded token's attention on one thread and on `threads` (each forced, whatever the
+    work), at 16 to 512 positions of every shape, and the side `PARALLEL_ATTENTION_WORK` picks."""
+    threshold, rows = attention_module.PARALLEL_ATTENTION_WORK, []
+    try:
+        for name, shape in SHAPES.items():
+            heads, _, width, v_width = shape
+            for positions in (16, 32, 64, 128, 256, 512):
+                ms = {}
+                for count, forced in ((1, 1 << 62), (threads, 0)):
+                    kernels.set_threads(count)
+                    attention_module.PARALLEL_ATTENTION_WORK = forced
+                    ms[count] = best_ms(1, positions, shape, repeat)
+                work = heads * positions * (width + v_width)
+                rows.append({"shape": name, "positions": positions, "multiply_adds": work, "one_thread_ms": ms[1],
+                             "threads_ms": ms[threads], "runs_on": threads if work >= threshold else 1})
+    finally:
+        attention_module.PARALLEL_ATTENTION_WORK = threshold
+        kernels.set_threads(threads)
+    return rows
 
 
 def mla_prompt_seconds(model_dir: str, tokens: int, threads: int) -> dict:
@@ -84,10 +114,15 @@ def main() -> None:
     parser.add_argument("--isa", choices=("native", *TARGET_CPUS), default="native",
                         help="compile the kernels for this target (avx2: this CPU without AVX-512, AMX or AVX-VNNI)")
     parser.add_argument("--model", help="an MLA model: also time a --prompt-token prompt through it in both forms")
+    parser.add_argument("--crossover", action="store_true",
+                        help="a decoded token's attention on one thread and on --threads, at 16 to 512 positions")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     restart_for(args.isa)
     kernels.set_threads(args.threads)
+    if args.crossover:
+        print_crossover(crossover(args.threads, args.repeat), args.threads, args.json)
+        return
     rows = []
     for name, shape in SHAPES.items():
         for positions in args.positions:
@@ -106,6 +141,20 @@ def main() -> None:
     if prompt:
         print(f"{args.model}: a {args.prompt}-token prompt in {prompt['expanded']:.2f} s with MLA's keys and values "
               f"expanded, {prompt['latent']:.2f} s in the latent space")
+
+
+def print_crossover(rows: list[dict], threads: int, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"kernels": kernels.kernel_paths(), "threads": threads,
+                          "parallel_attention_work": attention_module.PARALLEL_ATTENTION_WORK, "rows": rows}, indent=1))
+        return
+    print(f"kernels: {kernels.kernel_paths()}; a decoded token's attention, best of the calls; "
+          f"PARALLEL_ATTENTION_WORK = {attention_module.PARALLEL_ATTENTION_WORK} multiply-adds")
+    print(f"{'shape':<20}{'positions':>10}{'mult-adds':>12}{'1 thread ms':>12}{f'{threads} threads ms':>13}"
+          f"{'ratio':>7}{'runs on':>9}")
+    for row in rows:
+        print(f"{row['shape']:<20}{row['positions']:>10}{row['multiply_adds']:>12}{row['one_thread_ms']:>12.4f}"
+              f"{row['threads_ms']:>13.4f}{row['one_thread_ms'] / row['threads_ms']:>7.2f}{row['runs_on']:>9}")
 
 
 if __name__ == "__main__":

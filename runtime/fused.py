@@ -181,14 +181,10 @@ def _share_of_one(t, nthreads, matrix, act, out):
 
 @_njit
 def _share_of_two(t, nthreads, a, a_act, a_out, b, b_act, b_out):
-    """Thread t's share of two products of one input: the rows of a, then of b, cut into
-    `nthreads` contiguous ranges (one memory stream per thread)."""
-    a_rows = a_out.shape[1]
-    lo, hi = part_range(a_rows + b_out.shape[1], nthreads, t, 1)
-    if lo < a_rows:
-        rows_times(a.tag, a.data, lo, min(hi, a_rows), a.row_nbytes, a.cols, a_act, a_out)
-    if hi > a_rows:
-        rows_times(b.tag, b.data, max(lo - a_rows, 0), hi - a_rows, b.row_nbytes, b.cols, b_act, b_out)
+    """Thread t's share of two products of one input: its contiguous range of a's rows, then
+    of b's (each product cut on its own, so that matrices of unlike encodings share out evenly)."""
+    _share_of_one(t, nthreads, a, a_act, a_out)
+    _share_of_one(t, nthreads, b, b_act, b_out)
 
 
 @_parallel
@@ -215,19 +211,13 @@ def _products_of_two(a, a_act, a_out, b, b_act, b_out, nthreads):
 
 @_parallel
 def _products_of_three(q, k, v, q_act, k_act, v_act, out, nthreads):
-    """out.q, out.k, out.v = the products of one row in one parallel region over the rows of
-    q, k and v in turn: each thread streams its share."""
-    q_out, k_out, v_out = out.q, out.k, out.v
-    q_rows, k_rows, v_rows = q_out.shape[1], k_out.shape[1], v_out.shape[1]
+    """out.q, out.k, out.v = the products of one row in one parallel region: each thread takes
+    its share of the rows of q, of k and of v in turn (each product cut on its own, so that
+    matrices of unlike encodings share out evenly)."""
     for t in prange(nthreads):
-        lo, hi = part_range(q_rows + k_rows + v_rows, nthreads, t, 1)
-        if lo < q_rows:
-            rows_times(q.tag, q.data, lo, min(hi, q_rows), q.row_nbytes, q.cols, q_act, q_out)
-        if lo < q_rows + k_rows and hi > q_rows:
-            rows_times(k.tag, k.data, max(lo - q_rows, 0), min(hi - q_rows, k_rows), k.row_nbytes, k.cols, k_act, k_out)
-        if hi > q_rows + k_rows:
-            rows_times(v.tag, v.data, max(lo - q_rows - k_rows, 0), hi - q_rows - k_rows, v.row_nbytes, v.cols, v_act,
-                       v_out)
+        _share_of_one(t, nthreads, q, q_act, out.q)
+        _share_of_one(t, nthreads, k, k_act, out.k)
+        _share_of_one(t, nthreads, v, v_act, out.v)
 
 
 @_parallel

@@ -188,7 +188,7 @@ def attention_of_slots(q, keys, values, slots, positions, scoring, out) -> None:
     _one_position_each(q, keys, values, slots, positions, scoring, out, thread_count())
 
 
-PARALLEL_ATTENTION_WORK = 1 << 20  # multiply-adds from which attention runs on all threads
+PARALLEL_ATTENTION_WORK = 1 << 17  # multiply-adds from which attention runs on all threads (bench/attention.py --crossover)
 PROMPT_ATTENTION_QUERIES = 32  # queries from which attention converts the cache once (a prompt) ...
 PROMPT_ATTENTION_BYTES = 32 << 20  # ... when the float32 copy of the cache takes at most this
 QUERY_BLOCK = 16  # queries of one head whose scores a thread computes together
