@@ -201,44 +201,6 @@ def test_moe_experts_match_reference(encodings, ffn, hidden, exact):
         assert relative_error(got, want) <= (EXACT_TOLERANCE if exact else 2 * kernels.FAST_PATH_TOLERANCE)
 
 
-@pytest.mark.parametrize("encodings, ffn, hidden", [(("Q8_0", "Q5_1", "Q5_0"), 96, 288), (("IQ1_S", "IQ1_S", "IQ1_M"), 256, 256)])
-def test_moe_experts_give_the_same_bits_on_one_thread_and_on_two(encodings, ffn, hidden):
-    """A decoded token's experts are cut into parts the threads take as they come free; each
-    row is still computed once, in one order, so the thread count does not show in the bits
-    (288 rows: a last part shorter than the rest)."""
-    k = 3
-    records, offsets, _ = expert_records(encodings, ffn, hidden, k)
-    rng = np.random.default_rng(9)
-    x, weights = rng.standard_normal(hidden).astype(np.float32), rng.random(k).astype(np.float32)
-    before = numba.get_num_threads()
-    try:
-        results = []
-        for count in (1, 2):
-            kernels.set_threads(count)
-            results.append(kernels.moe_experts(records, encodings, offsets, ffn, hidden, x, weights))
-    finally:
-        kernels.set_threads(before)
-    assert np.array_equal(results[0].view(np.uint32), results[1].view(np.uint32))
-
-
-@numba.njit(parallel=True)
-def _parts_taken(parts, nthreads):
-    taken, owner, count = np.zeros(1, np.int64), np.full(parts, -1, np.int64), np.zeros(parts, np.int64)
-    for t in numba.prange(nthreads):
-        part = threads.take_part(taken)
-        while part < parts:
-            owner[part] = t
-            count[part] += 1
-            part = threads.take_part(taken)
-    return taken.copy(), owner, count  # (numba reads taken[0] as the zero it was made: it cannot see the intrinsic)
-
-
-def test_each_part_is_taken_once_by_one_thread():
-    counter, owner, count = _parts_taken(1000, 2)
-    assert np.all(count == 1) and np.all(owner >= 0)
-    assert counter[0] == 1000 + 2  # each thread's last take finds the parts gone
-
-
 def test_bad_arguments_are_refused():
     w, _ = random_weights("Q8_0", 4, 64)
     with pytest.raises(ValueError, match="shape"):

@@ -17,19 +17,18 @@ from numba import njit, prange
 from colibri.formats.encodings import row_bytes
 from colibri.runtime import amx
 from colibri.runtime.kernels.activations import (
-    activation_row, activation_rows, dot_type_for, empty_activation, fill_activation, float_rows,
+    WIDEST_ACT_BLOCK, activation_row, activation_rows, dot_type_for, empty_activation, fill_activation, float_rows,
     lanes_in_force, make_activation,
 )
 from colibri.runtime.kernels.blocks import BLOCK_TAGS
 from colibri.runtime.kernels.matrices import matrix_times
 from colibri.runtime.kernels.numerics import GLU, GLU_KINDS, SILU, glu
 from colibri.runtime.kernels.rows import GROUP, row_dot, rows_times
-from colibri.runtime.kernels.threads import part_range, take_part, thread_count
+from colibri.runtime.kernels.threads import part_range, thread_count
 
 F32 = np.float32
 _njit = njit(cache=True, nogil=True)
 _parallel = njit(cache=True, nogil=True, parallel=True)
-PART_ROWS = 64  # rows of a decoded token's experts a thread takes at a time
 GROUPED_ROW_BYTES = 32 << 20  # the products one call of the grouped kernel holds (its rows x hidden, float32)
 
 
@@ -93,9 +92,9 @@ class ExpertScratch(NamedTuple):
 
 
 @_parallel
-def _expert_hidden(rule, records, choice, gate_act, up_act, gate_up, nthreads):
+def _expert_hidden(rule, records, choice, gate_act, up_act, gate_up, h_act, nthreads):
     """gate_up[0, j, i] = glu(gate_j[i] . x, up_j[i] . x) (+ biases) over all k * ffn rows at
-    once, PART_ROWS at a time, each part taken by the next free thread (`take_part`)."""
+    once; each thread then quantizes its own (256-aligned) part for the down rows."""
     k, ffn, hidden = choice.slots.shape[0], rule.ffn, rule.hidden
     slots, ids, gate_bias, up_bias = choice.slots, choice.ids, rule.gate_bias, rule.up_bias
     gate_tag, up_tag, gate_at, up_at, gate_row, up_row = rule.gate_tag, rule.up_tag, rule.gate_at, rule.up_at, \
@@ -103,62 +102,51 @@ def _expert_hidden(rule, records, choice, gate_act, up_act, gate_up, nthreads):
     kind, alpha, limit = rule.glu, rule.alpha, rule.limit
     biased = gate_bias.shape[0] > 0
     gates, ups = gate_up[0].reshape(-1), gate_up[1].reshape(-1)
-    rows = k * ffn
-    parts, taken = (rows + PART_ROWS - 1) // PART_ROWS, np.zeros(1, np.int64)
     for t in prange(nthreads):
+        first, stop = part_range(k * ffn, nthreads, t, WIDEST_ACT_BLOCK)
         gate_x, up_x = activation_row(gate_act, 0), activation_row(up_act, 0)
-        part = take_part(taken)
-        while part < parts:
-            first, stop = part * PART_ROWS, min(rows, (part + 1) * PART_ROWS)
+        for index in range(first, stop):
+            j, i = index // ffn, index % ffn
+            record = records[slots[j]]
+            gates[index] = row_dot(gate_tag, record, gate_at + i * gate_row, hidden, gate_x)
+            ups[index] = row_dot(up_tag, record, up_at + i * up_row, hidden, up_x)
+        if biased:
             for index in range(first, stop):
                 j, i = index // ffn, index % ffn
-                record = records[slots[j]]
-                gates[index] = row_dot(gate_tag, record, gate_at + i * gate_row, hidden, gate_x)
-                ups[index] = row_dot(up_tag, record, up_at + i * up_row, hidden, up_x)
-            if biased:
-                for index in range(first, stop):
-                    j, i = index // ffn, index % ffn
-                    gates[index] += gate_bias[ids[j], i]
-                    ups[index] += up_bias[ids[j], i]
-            for index in range(first, stop):  # a loop of its own, which vectorizes (in the dots' loop it did not)
-                gates[index] = glu(gates[index], ups[index], kind, alpha, limit)
-            part = take_part(taken)
+                gates[index] += gate_bias[ids[j], i]
+                ups[index] += up_bias[ids[j], i]
+        for index in range(first, stop):  # a loop of its own, which vectorizes (in the dots' loop it did not)
+            gates[index] = glu(gates[index], ups[index], kind, alpha, limit)
+        fill_activation(h_act, gate_up[0], first, stop)
 
 
 @_parallel
 def _expert_down(rule, records, choice, h_act, out, nthreads):
-    """out[r] = sum_j weights[j] * (down_j[r] . h[j] (+ its bias)), one expert's rows at a time,
-    PART_ROWS rows of out a part, each part taken by the next free thread (`take_part`)."""
+    """out[r] = sum_j weights[j] * (down_j[r] . h[j] (+ its bias)), one expert's rows at a time."""
     k, ffn, hidden = choice.slots.shape[0], rule.ffn, rule.hidden
     slots, ids, weights, down_bias = choice.slots, choice.ids, choice.weights, rule.down_bias
     down_tag, down_at, down_row = rule.down_tag, rule.down_at, rule.down_row
     biased = down_bias.shape[0] > 0
-    parts, taken = (hidden + PART_ROWS - 1) // PART_ROWS, np.zeros(1, np.int64)
     for t in prange(nthreads):
-        part = take_part(taken)
-        while part < parts:
-            first, stop = part * PART_ROWS, min(hidden, (part + 1) * PART_ROWS)
-            out[first:stop] = 0.0
-            for j in range(k):
-                act = activation_row(h_act, j)
-                record = records[slots[j]]
-                for r in range(first, stop):
-                    y = row_dot(down_tag, record, down_at + r * down_row, ffn, act)
-                    out[r] += weights[j] * (y + down_bias[ids[j], r] if biased else y)
-            part = take_part(taken)
+        first, stop = part_range(hidden, nthreads, t, 1)
+        out[first:stop] = 0.0
+        for j in range(k):
+            act = activation_row(h_act, j)
+            record = records[slots[j]]
+            for r in range(first, stop):
+                y = row_dot(down_tag, record, down_at + r * down_row, ffn, act)
+                out[r] += weights[j] * (y + down_bias[ids[j], r] if biased else y)
 
 
 @_njit
 def moe_steps(rule, records, choice, scratch, x, out, nthreads):
     """The k experts of `choice` for one token x [1, hidden] into out [hidden]: x quantized
-    for the gate and (when its dot type differs) the up rows, then `_expert_hidden`, its GLU
-    quantized for the down rows, then `_expert_down`. The one-token kernel, and the experts of
-    `fused`'s layer tail."""
+    for the gate and (when its dot type differs) the up rows, then `_expert_hidden`, then
+    `_expert_down`. The one-token kernel, and the experts of `fused`'s layer tail."""
     fill_activation(scratch.gate_act, x, 0, rule.hidden)
     if scratch.up_distinct:
         fill_activation(scratch.up_act, x, 0, rule.hidden)
-    _expert_hidden(rule, records, choice, scratch.gate_act, scratch.up_act, scratch.gate_up, nthreads)
-    fill_activation(scratch.h_act, scratch.gate_up[0], 0, choice.slots.shape[0] * rule.ffn)
+    _expert_hidden(rule, records, choice, scratch.gate_act, scratch.up_act, scratch.gate_up, scratch.h_act, nthreads)
     _expert_down(rule, records, choice, scratch.h_act, out, nthreads)
 
 

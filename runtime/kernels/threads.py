@@ -1,10 +1,7 @@
 """The kernels' threads: how many numba runs, the rows each one takes, the bandwidth they read at.
 
-Most parallel kernels give thread `t` one contiguous range of rows (`part_range`): one memory
-stream per thread. A decoded token's routed experts, where one thread's half can take longer
-than the other's (an interrupt, a busier core), are cut into many small parts that the threads
-take in turn from a shared counter (`take_part`), as ggml's threads take their chunks; either
-way each row is computed once, by one thread, in the same order of arithmetic.
+Each parallel kernel gives thread `t` one contiguous range of rows (`part_range`): one memory
+stream per thread.
 """
 
 from __future__ import annotations
@@ -14,9 +11,7 @@ import warnings
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
 _njit = njit(cache=True, nogil=True)
 _parallel = njit(cache=True, nogil=True, parallel=True)
@@ -56,20 +51,6 @@ def part_range(count, parts, part, align):
     whose bounds are multiples of `align`."""
     units = (count + align - 1) // align
     return min(count, units * part // parts * align), min(count, units * (part + 1) // parts * align)
-
-
-@intrinsic
-def take_part(typingctx, counter):
-    """The next part for the calling thread: counter[0] (an int64 array shared by the threads),
-    then incremented, atomically. Numba's own analysis does not see the write: read the counter
-    only through this."""
-    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
-        return None
-
-    def codegen(context, builder, signature, args):
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        return builder.atomic_rmw("add", array.data, ir.Constant(ir.IntType(64), 1), "monotonic")
-    return types.int64(counter), codegen
 
 
 @_parallel
